@@ -1,0 +1,159 @@
+//! The engine's one error type.
+//!
+//! Every event or query the engine refuses maps to one variant, and every variant maps to one
+//! [`RejectReason`], the label under which it is counted. A refused event changes nothing.
+
+use crate::ids::{EngineHash, WorkerId, WorkerKey};
+
+/// Why the engine refused an event, a query or a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// A store named a parent engine hash this worker key does not hold.
+    #[error("worker {worker}: unknown parent block {parent}")]
+    UnknownParent {
+        /// Who sent the store.
+        worker: WorkerKey,
+        /// The parent it named.
+        parent: EngineHash,
+    },
+    /// A removal named an engine hash this worker key does not hold.
+    #[error("worker {worker}: unknown block {block}")]
+    UnknownBlock {
+        /// Who sent the removal.
+        worker: WorkerKey,
+        /// The first unknown engine hash.
+        block: EngineHash,
+    },
+    /// A store re-used an engine hash that this worker key already holds for another prefix.
+    #[error("worker {worker}: block {block} is already stored under another prefix")]
+    EngineHashConflict {
+        /// Who sent the store.
+        worker: WorkerKey,
+        /// The conflicting engine hash.
+        block: EngineHash,
+    },
+    /// The worker is not known to the engine.
+    #[error("unknown worker {worker}")]
+    UnknownWorker {
+        /// The worker named.
+        worker: WorkerId,
+    },
+    /// A worker's block size differs from the engine's.
+    #[error("block size {got} does not match the configured {expected}")]
+    BlockSizeMismatch {
+        /// The engine's block size.
+        expected: u32,
+        /// What the worker reported.
+        got: u32,
+    },
+    /// A request or routing call named no usable worker.
+    #[error("no worker available")]
+    NoWorkers,
+    /// A request id that is not active.
+    #[error("unknown request {0}")]
+    UnknownRequest(crate::ids::RequestId),
+    /// A request id that is already active.
+    #[error("request {0} is already active")]
+    DuplicateRequest(crate::ids::RequestId),
+    /// The worker key space of one index is exhausted.
+    #[error("too many worker keys")]
+    TooManyWorkers,
+    /// A parameter outside its documented range.
+    #[error("invalid {name}: {reason}")]
+    InvalidArgument {
+        /// The parameter.
+        name: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// `Result` with [`EngineError`].
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+/// The label a refusal is counted under (`kvengine_events_rejected_total{reason=...}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// See [`EngineError::UnknownParent`].
+    UnknownParent,
+    /// See [`EngineError::UnknownBlock`].
+    UnknownBlock,
+    /// See [`EngineError::EngineHashConflict`].
+    EngineHashConflict,
+    /// See [`EngineError::UnknownWorker`].
+    UnknownWorker,
+    /// See [`EngineError::BlockSizeMismatch`].
+    BlockSizeMismatch,
+    /// Any other refusal.
+    Other,
+}
+
+impl RejectReason {
+    /// Every reason, in counter order.
+    pub const ALL: [RejectReason; 6] = [
+        RejectReason::UnknownParent,
+        RejectReason::UnknownBlock,
+        RejectReason::EngineHashConflict,
+        RejectReason::UnknownWorker,
+        RejectReason::BlockSizeMismatch,
+        RejectReason::Other,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::UnknownParent => "unknown_parent",
+            RejectReason::UnknownBlock => "unknown_block",
+            RejectReason::EngineHashConflict => "engine_hash_conflict",
+            RejectReason::UnknownWorker => "unknown_worker",
+            RejectReason::BlockSizeMismatch => "block_size_mismatch",
+            RejectReason::Other => "other",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl EngineError {
+    /// The label this refusal is counted under.
+    pub fn reason(&self) -> RejectReason {
+        match self {
+            EngineError::UnknownParent { .. } => RejectReason::UnknownParent,
+            EngineError::UnknownBlock { .. } => RejectReason::UnknownBlock,
+            EngineError::EngineHashConflict { .. } => RejectReason::EngineHashConflict,
+            EngineError::UnknownWorker { .. } => RejectReason::UnknownWorker,
+            EngineError::BlockSizeMismatch { .. } => RejectReason::BlockSizeMismatch,
+            _ => RejectReason::Other,
+        }
+    }
+}
+
+/// Refusals counted per reason. Owned by one thread; exported by message.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RejectCounts([u64; RejectReason::ALL.len()]);
+
+impl RejectCounts {
+    /// Counts one refusal of `reason`.
+    pub fn add(&mut self, reason: RejectReason, n: u64) {
+        if let Some(c) = self.0.get_mut(reason.index()) {
+            *c = c.saturating_add(n);
+        }
+    }
+
+    /// How many refusals of `reason` were counted.
+    pub fn get(&self, reason: RejectReason) -> u64 {
+        self.0.get(reason.index()).copied().unwrap_or(0)
+    }
+
+    /// All refusals.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    /// `(reason, count)` for every reason.
+    pub fn iter(&self) -> impl Iterator<Item = (RejectReason, u64)> + '_ {
+        RejectReason::ALL.iter().map(|&r| (r, self.get(r)))
+    }
+}

@@ -1,0 +1,192 @@
+//! Block hashing, exactly as DESIGN.md "Vocabulary" defines it.
+//!
+//! * `tokens_hash` = XXH3-64 with seed 1337 over one block's token ids as little-endian u32.
+//!   With a LoRA adapter the seed is `1337 + xxh3_64(adapter name)` (wrapping), so base and
+//!   adapter blocks with equal tokens never collide.
+//! * `seq_hash` chains: block 0's is its tokens_hash; block i's is XXH3-64 (seed 1337) of
+//!   `seq_hash[i-1].to_le_bytes() ++ tokens_hash[i].to_le_bytes()`.
+//!
+//! These match NVIDIA Dynamo's router, so Dynamo workers and kvengine agree on every hash.
+//!
+//! # Invariants
+//! 1. Only full blocks are hashed; a trailing partial block is ignored.
+//! 2. Hashing a request is one pass over its tokens with one reusable byte buffer.
+
+use crate::ids::{SeqHash, TokensHash};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Seed of every block hash without a LoRA adapter.
+pub const BASE_SEED: u64 = 1337;
+
+/// Default tokens per block (must equal the engines' page size).
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// The seed that namespaces an adapter's blocks; `None` is the base model.
+pub fn lora_seed(lora_name: Option<&str>) -> u64 {
+    match lora_name {
+        None => BASE_SEED,
+        Some(name) => BASE_SEED.wrapping_add(xxh3_64(name.as_bytes())),
+    }
+}
+
+/// Hash one block of token ids with `seed` (see [`lora_seed`]).
+pub fn tokens_hash(tokens: &[u32], seed: u64) -> TokensHash {
+    let mut buf = Vec::with_capacity(tokens.len() * 4);
+    TokensHash(hash_block_into(&mut buf, tokens, seed))
+}
+
+/// The seq_hash of a block whose parent prefix is `parent` (`None` for the first block).
+#[inline]
+pub fn seq_hash(parent: Option<SeqHash>, block: TokensHash) -> SeqHash {
+    match parent {
+        None => SeqHash(block.0),
+        Some(p) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&p.0.to_le_bytes());
+            bytes[8..].copy_from_slice(&block.0.to_le_bytes());
+            SeqHash(xxh3_64_with_seed(&bytes, BASE_SEED))
+        }
+    }
+}
+
+/// The tokens_hash of every full block of `tokens`.
+pub fn tokens_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<TokensHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut buf = Vec::with_capacity(block_size * 4);
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| TokensHash(hash_block_into(&mut buf, block, seed)))
+        .collect()
+}
+
+/// The seq_hash of every full block of `tokens`, in one pass.
+///
+/// A `block_size` of zero yields no blocks (callers validate the size up front).
+pub fn seq_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<SeqHash> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    extend_seq_hashes(&mut out, None, tokens, block_size, seed);
+    out
+}
+
+/// Appends the seq_hashes of `tokens`' full blocks, chained onto `parent`, to `out`.
+pub fn extend_seq_hashes(
+    out: &mut Vec<SeqHash>,
+    parent: Option<SeqHash>,
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+) {
+    if block_size == 0 {
+        return;
+    }
+    let mut buf = Vec::with_capacity(block_size * 4);
+    let mut prev = parent;
+    for block in tokens.chunks_exact(block_size) {
+        let s = seq_hash(prev, TokensHash(hash_block_into(&mut buf, block, seed)));
+        out.push(s);
+        prev = Some(s);
+    }
+}
+
+/// Chains precomputed tokens hashes onto `parent`.
+pub fn chain(parent: Option<SeqHash>, blocks: &[TokensHash]) -> Vec<SeqHash> {
+    let mut prev = parent;
+    blocks
+        .iter()
+        .map(|&b| {
+            let s = seq_hash(prev, b);
+            prev = Some(s);
+            s
+        })
+        .collect()
+}
+
+#[inline]
+fn hash_block_into(buf: &mut Vec<u8>, block: &[u32], seed: u64) -> u64 {
+    buf.clear();
+    for t in block {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(buf, seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn design_reference_vectors() {
+        let t0 = tokens_hash(&[1, 2, 3, 4], BASE_SEED);
+        let t1 = tokens_hash(&[5, 6, 7, 8], BASE_SEED);
+        assert_eq!(t0, TokensHash(14643705804678351452));
+        assert_eq!(t1, TokensHash(16777012769546811212));
+        assert_eq!(seq_hash(Some(SeqHash(t0.0)), t1), SeqHash(4945711292740353085));
+        assert_eq!(
+            seq_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, BASE_SEED),
+            vec![SeqHash(t0.0), SeqHash(4945711292740353085)]
+        );
+    }
+
+    #[test]
+    fn shared_fixture_vectors_when_present() {
+        // ../shared is not part of the product; the check runs only where the fixture exists.
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/kv_events/hash_vectors.json");
+        let Ok(text) = std::fs::read_to_string(path) else { return };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let bs = v["block_size"].as_u64().unwrap() as usize;
+        let local: Vec<u64> = tokens_hashes(&tokens, bs, BASE_SEED).iter().map(|h| h.0).collect();
+        let want_local: Vec<u64> = v["dynamo"]["local_block_hash_u64"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        assert_eq!(local, want_local);
+        let seq: Vec<u64> = seq_hashes(&tokens, bs, BASE_SEED).iter().map(|h| h.0).collect();
+        let want_seq: Vec<u64> = v["dynamo"]["sequence_hash_u64_seed1337"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_u64().unwrap())
+            .collect();
+        assert_eq!(seq, want_seq);
+    }
+
+    #[test]
+    fn partial_trailing_block_is_ignored() {
+        let full = seq_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, BASE_SEED);
+        let partial = seq_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4, BASE_SEED);
+        assert_eq!(full, partial);
+        assert!(seq_hashes(&[1, 2, 3], 4, BASE_SEED).is_empty());
+        assert!(seq_hashes(&[1, 2, 3], 0, BASE_SEED).is_empty());
+    }
+
+    #[test]
+    fn lora_blocks_differ_from_base() {
+        let base = seq_hashes(&[1, 2, 3, 4], 4, lora_seed(None));
+        let lora = seq_hashes(&[1, 2, 3, 4], 4, lora_seed(Some("adapter-a")));
+        let other = seq_hashes(&[1, 2, 3, 4], 4, lora_seed(Some("adapter-b")));
+        assert_ne!(base, lora);
+        assert_ne!(lora, other);
+        assert_eq!(lora_seed(Some("x")), BASE_SEED.wrapping_add(xxh3_64(b"x")));
+    }
+
+    #[test]
+    fn chain_matches_one_pass_hashing() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let th = tokens_hashes(&tokens, 16, BASE_SEED);
+        assert_eq!(chain(None, &th), seq_hashes(&tokens, 16, BASE_SEED));
+        let mut out = vec![];
+        let head = seq_hashes(&tokens[..32], 16, BASE_SEED);
+        extend_seq_hashes(&mut out, head.last().copied(), &tokens[32..], 16, BASE_SEED);
+        assert_eq!(out, seq_hashes(&tokens, 16, BASE_SEED)[2..]);
+    }
+}

@@ -1,0 +1,68 @@
+//! Typed identifiers used across the engine.
+//!
+//! Every id is a `Copy` newtype over an integer so that a worker id can never be passed where
+//! a block hash is expected. Interning of strings (model names, LoRA names) into ids happens at
+//! the edge, never per block.
+
+use std::fmt;
+
+/// A GPU worker (one engine process group), as the cluster names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u64);
+
+/// A data-parallel rank inside one worker. Each rank is its own engine with its own KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DpRank(pub u32);
+
+/// The unit everything is tracked per: one data-parallel rank of one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerKey {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its data-parallel rank.
+    pub dp_rank: DpRank,
+}
+
+impl WorkerKey {
+    /// The key of `worker`'s rank `dp_rank`.
+    pub const fn new(worker: u64, dp_rank: u32) -> Self {
+        Self {
+            worker: WorkerId(worker),
+            dp_rank: DpRank(dp_rank),
+        }
+    }
+}
+
+/// XXH3 hash of one block's token ids: position independent, not chained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TokensHash(pub u64);
+
+/// Chained hash naming a whole prefix: the block and every block before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqHash(pub u64);
+
+/// A worker's own opaque id for a block (vLLM's u64, SGLang's i64 bit-cast, or a folded
+/// digest). Only meaningful together with the worker key that reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineHash(pub u64);
+
+/// A routed request, as the caller names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+macro_rules! display_inner {
+    ($($t:ty),*) => {$(
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(&self.0, f)
+            }
+        }
+    )*};
+}
+display_inner!(WorkerId, DpRank, TokensHash, SeqHash, EngineHash, RequestId);
+
+impl fmt::Display for WorkerKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.worker, self.dp_rank)
+    }
+}

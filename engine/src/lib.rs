@@ -1,0 +1,31 @@
+//! kvengine's sans-IO core.
+//!
+//! This crate holds everything that decides: block hashing, the exact prefix index of which
+//! worker holds which block, the per-worker engine-hash directory, and worker selection. It
+//! opens no sockets, reads no clock (callers pass `now`), and never panics on input: every
+//! refusal is an [`EngineError`], counted by [`RejectReason`].
+//!
+//! # Components
+//! * [`hash`]: `tokens_hash` / `seq_hash` exactly as DESIGN.md defines them.
+//! * [`index`]: one shard's worth of the prefix index (`seq_hash -> holders`).
+//! * [`directory`]: per worker key, `engine hash -> seq_hash` with copy counts.
+//! * [`kv_index`]: the two together, applying typed [`event::KvEvent`]s.
+//! * [`sched`]: active requests, the cost function and the routing modes.
+//! * [`approx`]: the index fed by routing decisions when workers publish no events.
+#![deny(clippy::unwrap_used, clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod approx;
+pub mod directory;
+pub mod error;
+pub mod event;
+pub mod hash;
+pub mod ids;
+pub mod index;
+pub mod kv_index;
+pub mod matches;
+pub mod sched;
+
+pub use error::{EngineError, RejectCounts, RejectReason, Result};
+pub use ids::{DpRank, EngineHash, RequestId, SeqHash, TokensHash, WorkerId, WorkerKey};
+pub use matches::Matches;
