@@ -1,1 +1,181 @@
-//! (in progress)
+//! One worker key's directory: `engine hash -> seq_hash`, with copy counts.
+//!
+//! Engine hashes are the worker's own ids, meaningless to anyone else; the directory turns
+//! them into seq_hashes so that a store can find its parent's prefix and a removal can find
+//! the block it drops. They are never recomputed.
+//!
+//! # Invariants
+//! 1. An engine hash is present iff the worker key holds at least one copy of it; its count
+//!    is the number of stores minus the number of removals of it.
+//! 2. An engine hash maps to exactly one seq_hash for as long as it is present (a store
+//!    that would re-map it is a conflict and is refused).
+//!
+//! # Concurrency
+//! Single writer: the thread that decodes this worker's events owns its directory.
+//!
+//! # Memory
+//! 20 bytes per entry (4-byte aligned) plus hashbrown's control byte; the table is dropped
+//! when empty and shrunk when it falls to an eighth of its capacity.
+
+use crate::ids::{EngineHash, SeqHash};
+use hashbrown::HashTable;
+
+#[derive(Clone, Copy, Debug)]
+struct DirEntry {
+    engine: [u32; 2],
+    seq: [u32; 2],
+    count: u32,
+}
+
+#[inline]
+fn join(x: [u32; 2]) -> u64 {
+    u64::from(x[0]) | (u64::from(x[1]) << 32)
+}
+
+#[inline]
+fn split(x: u64) -> [u32; 2] {
+    [x as u32, (x >> 32) as u32]
+}
+
+/// Engine hashes are not ours to trust: a worker could send clustered values, so they are
+/// mixed before they index the table (a multiply-xorshift finaliser, cheap and bijective).
+#[inline]
+fn dir_hash(engine: u64) -> u64 {
+    let x = engine.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 29)
+}
+
+/// What a store of one engine hash did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Insert {
+    /// First copy of this engine hash.
+    New,
+    /// Another copy of an engine hash already mapped to the same seq_hash.
+    Again,
+    /// The engine hash is mapped to another seq_hash; nothing changed.
+    Conflict(SeqHash),
+}
+
+/// One worker key's engine-hash directory.
+#[derive(Debug, Default)]
+pub struct Directory {
+    table: HashTable<DirEntry>,
+}
+
+impl Directory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The seq_hash `engine` stands for, if present.
+    #[inline]
+    pub fn get(&self, engine: EngineHash) -> Option<SeqHash> {
+        self.table
+            .find(dir_hash(engine.0), |e| join(e.engine) == engine.0)
+            .map(|e| SeqHash(join(e.seq)))
+    }
+
+    /// Records one more copy of `engine` as `seq`.
+    #[inline]
+    pub fn insert(&mut self, engine: EngineHash, seq: SeqHash) -> Insert {
+        let entry = self.table.entry(
+            dir_hash(engine.0),
+            |e| join(e.engine) == engine.0,
+            |e| dir_hash(join(e.engine)),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(DirEntry {
+                    engine: split(engine.0),
+                    seq: split(seq.0),
+                    count: 1,
+                });
+                Insert::New
+            }
+            hashbrown::hash_table::Entry::Occupied(mut o) => {
+                let e = o.get_mut();
+                let have = SeqHash(join(e.seq));
+                if have != seq {
+                    return Insert::Conflict(have);
+                }
+                e.count = e.count.saturating_add(1);
+                Insert::Again
+            }
+        }
+    }
+
+    /// Drops one copy of `engine`; returns the seq_hash it stood for, or `None` if absent.
+    #[inline]
+    pub fn remove(&mut self, engine: EngineHash) -> Option<SeqHash> {
+        let mut occ = self
+            .table
+            .find_entry(dir_hash(engine.0), |e| join(e.engine) == engine.0)
+            .ok()?;
+        let e = occ.get_mut();
+        let seq = SeqHash(join(e.seq));
+        e.count -= 1;
+        if e.count == 0 {
+            occ.remove();
+            self.maybe_shrink();
+        }
+        Some(seq)
+    }
+
+    fn maybe_shrink(&mut self) {
+        let (len, cap) = (self.table.len(), self.table.capacity());
+        if len == 0 {
+            self.table = HashTable::new();
+        } else if cap >= 1024 && len * 8 < cap {
+            self.table.shrink_to(len * 2, |e| dir_hash(join(e.engine)));
+        }
+    }
+
+    /// Takes every `(seq_hash, copies)` out, leaving the directory empty.
+    pub fn drain(&mut self) -> impl Iterator<Item = (SeqHash, u32)> {
+        std::mem::take(&mut self.table)
+            .into_iter()
+            .map(|e| (SeqHash(join(e.seq)), e.count))
+    }
+
+    /// Distinct engine hashes held.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Nothing held.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Pre-sizes for `additional` more engine hashes.
+    pub fn reserve(&mut self, additional: usize) {
+        self.table
+            .reserve(additional, |e| dir_hash(join(e.engine)));
+    }
+
+    /// Heap bytes owned.
+    pub fn heap_bytes(&self) -> usize {
+        self.table.allocation_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_copies_and_refuses_remaps() {
+        let mut d = Directory::new();
+        let (e, s) = (EngineHash(7), SeqHash(70));
+        assert_eq!(d.insert(e, s), Insert::New);
+        assert_eq!(d.insert(e, s), Insert::Again);
+        assert_eq!(d.insert(e, SeqHash(71)), Insert::Conflict(s));
+        assert_eq!(d.remove(e), Some(s));
+        assert_eq!(d.get(e), Some(s));
+        assert_eq!(d.remove(e), Some(s));
+        assert_eq!(d.get(e), None);
+        assert_eq!(d.remove(e), None);
+        assert_eq!(d.heap_bytes(), Directory::new().heap_bytes());
+    }
+}

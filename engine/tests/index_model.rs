@@ -1,0 +1,274 @@
+//! Randomised test: the index against DESIGN.md's reference model, a plain `HashMap` model.
+//!
+//! Random interleavings of stores (with and without parents, duplicates, conflicting engine
+//! hashes, unknown parents), removals (including mid-chain and unknown blocks), clears,
+//! worker removals and dp ranks; after every operation every query, every per-worker block
+//! count, the entry count and the refusal counters are compared.
+
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::seq_hash;
+use engine::kv_index::KvIndex;
+use engine::{EngineHash, Matches, RejectReason, SeqHash, TokensHash, WorkerId, WorkerKey};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// One worker key in the model: engine hash -> (seq, copies), seq -> copies.
+#[derive(Default, Clone)]
+struct WorkerModel {
+    dir: HashMap<u64, (u64, u32)>,
+    seqs: HashMap<u64, u32>,
+}
+
+#[derive(Default)]
+struct Model {
+    workers: BTreeMap<WorkerKey, WorkerModel>,
+    unknown_parent: u64,
+    unknown_block: u64,
+    conflicts: u64,
+}
+
+impl Model {
+    fn store(&mut self, key: WorkerKey, parent: Option<u64>, blocks: &[(u64, u64)]) -> bool {
+        let mut w = self.workers.get(&key).cloned().unwrap_or_default();
+        let mut prev = match parent {
+            None => None,
+            Some(p) => match w.dir.get(&p) {
+                Some(&(s, _)) => Some(SeqHash(s)),
+                None => {
+                    self.unknown_parent += 1;
+                    return false;
+                }
+            },
+        };
+        for &(e, t) in blocks {
+            let s = seq_hash(prev, TokensHash(t));
+            match w.dir.get_mut(&e) {
+                Some((have, _)) if *have != s.0 => {
+                    self.conflicts += 1;
+                    return false;
+                }
+                Some((_, c)) => *c += 1,
+                None => {
+                    w.dir.insert(e, (s.0, 1));
+                }
+            }
+            *w.seqs.entry(s.0).or_default() += 1;
+            prev = Some(s);
+        }
+        if !w.dir.is_empty() {
+            self.workers.insert(key, w);
+        }
+        true
+    }
+
+    fn remove(&mut self, key: WorkerKey, blocks: &[u64]) -> (usize, usize) {
+        let (mut applied, mut unknown) = (0, 0);
+        let Some(w) = self.workers.get_mut(&key) else {
+            self.unknown_block += blocks.len() as u64;
+            return (0, blocks.len());
+        };
+        for e in blocks {
+            match w.dir.get_mut(e) {
+                Some((s, c)) => {
+                    let s = *s;
+                    *c -= 1;
+                    if *c == 0 {
+                        w.dir.remove(e);
+                    }
+                    let n = w.seqs.get_mut(&s).unwrap();
+                    *n -= 1;
+                    if *n == 0 {
+                        w.seqs.remove(&s);
+                    }
+                    applied += 1;
+                }
+                None => unknown += 1,
+            }
+        }
+        if w.dir.is_empty() {
+            self.workers.remove(&key);
+        }
+        self.unknown_block += unknown as u64;
+        (applied, unknown)
+    }
+
+    fn matches(&self, q: &[SeqHash]) -> Matches {
+        let mut overlaps: Vec<(WorkerKey, u32)> = self
+            .workers
+            .iter()
+            .map(|(k, w)| (*k, q.iter().take_while(|s| w.seqs.contains_key(&s.0)).count() as u32))
+            .filter(|(_, o)| *o > 0)
+            .collect();
+        overlaps.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let best = overlaps.first().map_or(0, |o| o.1);
+        let depth_counts = (0..best)
+            .map(|d| overlaps.iter().filter(|(_, o)| *o > d).count() as u32)
+            .collect();
+        Matches { overlaps, depth_counts }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// `parent`: None = starts a chain; Some(i) = the i-th (mod n) engine hash the model
+    /// knows for this key, or an unknown one when it knows none. `blocks`: (token id,
+    /// engine-hash style) with style 0 = prefix-derived, 1..=4 = a small fixed id (duplicates
+    /// and conflicts).
+    Store { w: u64, dp: u32, parent: Option<usize>, blocks: Vec<(u64, u8)> },
+    /// Removes the picked (mod n) engine hashes; `unknown` adds one the key never had.
+    Remove { w: u64, dp: u32, picks: Vec<usize>, unknown: bool },
+    Clear { w: u64, dp: u32 },
+    RemoveWorker { w: u64 },
+    /// Query: the full chain up to the picked known seq, plus extra random blocks.
+    Query { pick: usize, extra: Vec<u64>, mutate: Option<usize> },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let w = 0..5u64;
+    let dp = 0..2u32;
+    prop_oneof![
+        6 => (w.clone(), dp.clone(), proptest::option::weighted(0.6, 0..64usize),
+              proptest::collection::vec((0..4u64, prop_oneof![8 => Just(0u8), 1 => 1..=4u8]), 1..6))
+            .prop_map(|(w, dp, parent, blocks)| Op::Store { w, dp, parent, blocks }),
+        3 => (w.clone(), dp.clone(), proptest::collection::vec(0..64usize, 1..5), proptest::bool::weighted(0.1))
+            .prop_map(|(w, dp, picks, unknown)| Op::Remove { w, dp, picks, unknown }),
+        1 => (w.clone(), dp.clone()).prop_map(|(w, dp)| Op::Clear { w, dp }),
+        1 => w.prop_map(|w| Op::RemoveWorker { w }),
+        4 => (0..256usize, proptest::collection::vec(0..4u64, 0..3), proptest::option::weighted(0.2, 0..8usize))
+            .prop_map(|(pick, extra, mutate)| Op::Query { pick, extra, mutate }),
+    ]
+}
+
+fn check(ix: &KvIndex, model: &Model, q: &[SeqHash]) {
+    assert_eq!(ix.find_matches(q), model.matches(q), "query {q:?}");
+}
+
+fn run(ops: Vec<Op>) {
+    let mut ix = KvIndex::new();
+    let mut model = Model::default();
+    // seq -> parent seq, for every seq ever stored (a seq names its whole prefix).
+    let mut parents: HashMap<u64, Option<u64>> = HashMap::new();
+    let mut known: Vec<u64> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Store { w, dp, parent, blocks } => {
+                let key = WorkerKey::new(w, dp);
+                let engines: Vec<u64> = model
+                    .workers
+                    .get(&key)
+                    .map(|m| {
+                        let mut v: Vec<u64> = m.dir.keys().copied().collect();
+                        v.sort();
+                        v
+                    })
+                    .unwrap_or_default();
+                let parent = parent.map(|i| {
+                    if engines.is_empty() { 0xdead_0000 + i as u64 } else { engines[i % engines.len()] }
+                });
+                let mut prev = parent.and_then(|p| model.workers.get(&key)?.dir.get(&p).map(|x| SeqHash(x.0)));
+                let mut ev = vec![];
+                let mut chain = vec![];
+                for (t, style) in &blocks {
+                    let s = seq_hash(prev, TokensHash(*t));
+                    let e = if *style == 0 { s.0 ^ 0x5555 } else { u64::from(*style) };
+                    ev.push(StoredBlock { engine_hash: EngineHash(e), tokens_hash: TokensHash(*t) });
+                    chain.push((e, *t));
+                    chain_parent(&mut parents, &mut known, prev, s);
+                    prev = Some(s);
+                }
+                let ok_model = model.store(key, parent, &chain);
+                let got = ix.apply(key, &KvEvent::Stored { parent: parent.map(EngineHash), blocks: ev });
+                assert_eq!(got.is_ok(), ok_model, "store {key:?} {parent:?} {blocks:?}: {got:?}");
+            }
+            Op::Remove { w, dp, picks, unknown } => {
+                let key = WorkerKey::new(w, dp);
+                let mut engines: Vec<u64> = model
+                    .workers
+                    .get(&key)
+                    .map(|m| m.dir.keys().copied().collect())
+                    .unwrap_or_default();
+                engines.sort();
+                let mut hashes: Vec<u64> = if engines.is_empty() {
+                    vec![]
+                } else {
+                    picks.iter().map(|i| engines[i % engines.len()]).collect()
+                };
+                if unknown {
+                    hashes.push(0xbeef);
+                }
+                let (applied, unk) = model.remove(key, &hashes);
+                let got = ix
+                    .apply(key, &KvEvent::Removed { blocks: hashes.iter().copied().map(EngineHash).collect() })
+                    .unwrap();
+                assert_eq!((got.blocks, got.unknown), (applied, unk));
+            }
+            Op::Clear { w, dp } => {
+                let key = WorkerKey::new(w, dp);
+                let copies: u32 = model
+                    .workers
+                    .remove(&key)
+                    .map_or(0, |m| m.dir.values().map(|x| x.1).sum());
+                assert_eq!(ix.apply(key, &KvEvent::Cleared).unwrap().blocks, copies as usize);
+            }
+            Op::RemoveWorker { w } => {
+                let before = model.workers.len();
+                model.workers.retain(|k, _| k.worker != WorkerId(w));
+                assert_eq!(ix.remove_worker(WorkerId(w)), before - model.workers.len());
+            }
+            Op::Query { pick, extra, mutate } => {
+                let mut q = vec![];
+                if !known.is_empty() {
+                    let mut s = Some(known[pick % known.len()]);
+                    while let Some(x) = s {
+                        q.push(SeqHash(x));
+                        s = parents[&x];
+                    }
+                    q.reverse();
+                }
+                for t in extra {
+                    q.push(seq_hash(q.last().copied(), TokensHash(t)));
+                }
+                if let Some(i) = mutate {
+                    if !q.is_empty() {
+                        let i = i % q.len();
+                        q[i] = SeqHash(q[i].0 ^ 1);
+                    }
+                }
+                check(&ix, &model, &q);
+            }
+        }
+        // Invariants after every operation.
+        let stats = ix.stats();
+        let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
+        assert_eq!(stats.index.entries, entries as u64);
+        let distinct: HashSet<u64> = model.workers.values().flat_map(|w| w.seqs.keys().copied()).collect();
+        assert_eq!(stats.index.blocks, distinct.len());
+        assert_eq!(stats.index.worker_keys, model.workers.len());
+        for (k, w) in &model.workers {
+            assert_eq!(ix.cached_blocks(*k), w.seqs.len() as u64);
+        }
+        assert_eq!(ix.rejects().get(RejectReason::UnknownParent), model.unknown_parent);
+        assert_eq!(ix.rejects().get(RejectReason::UnknownBlock), model.unknown_block);
+        assert_eq!(ix.rejects().get(RejectReason::EngineHashConflict), model.conflicts);
+    }
+    // Everyone removes everything: back to the empty footprint.
+    for k in model.workers.keys() {
+        ix.clear(*k);
+    }
+    assert_eq!(ix.stats(), KvIndex::new().stats());
+}
+
+fn chain_parent(parents: &mut HashMap<u64, Option<u64>>, known: &mut Vec<u64>, prev: Option<SeqHash>, s: SeqHash) {
+    if parents.insert(s.0, prev.map(|p| p.0)).is_none() {
+        known.push(s.0);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_equals_reference_model(ops in proptest::collection::vec(op(), 1..120)) {
+        run(ops);
+    }
+}
