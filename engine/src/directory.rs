@@ -14,27 +14,18 @@
 //! Single writer: the thread that decodes this worker's events owns its directory.
 //!
 //! # Memory
-//! 20 bytes per entry (4-byte aligned) plus hashbrown's control byte; the table is dropped
-//! when empty and shrunk when it falls to an eighth of its capacity.
+//! 16 bytes per entry (engine hash, seq_hash) plus hashbrown's control byte. Copy counts
+//! above one are rare (the same block stored twice without a removal between), so they live
+//! in a small side map instead of widening every entry. Both tables are dropped when empty
+//! and shrunk when they fall to an eighth of their capacity.
 
 use crate::ids::{EngineHash, SeqHash};
-use hashbrown::HashTable;
+use hashbrown::{HashMap, HashTable};
 
 #[derive(Clone, Copy, Debug)]
 struct DirEntry {
-    engine: [u32; 2],
-    seq: [u32; 2],
-    count: u32,
-}
-
-#[inline]
-fn join(x: [u32; 2]) -> u64 {
-    u64::from(x[0]) | (u64::from(x[1]) << 32)
-}
-
-#[inline]
-fn split(x: u64) -> [u32; 2] {
-    [x as u32, (x >> 32) as u32]
+    engine: u64,
+    seq: u64,
 }
 
 /// Engine hashes are not ours to trust: a worker could send clustered values, so they are
@@ -60,6 +51,8 @@ pub enum Insert {
 #[derive(Debug, Default)]
 pub struct Directory {
     table: HashTable<DirEntry>,
+    /// `count - 1` for engine hashes held more than once.
+    extra: HashMap<EngineHash, u32>,
 }
 
 impl Directory {
@@ -72,8 +65,8 @@ impl Directory {
     #[inline]
     pub fn get(&self, engine: EngineHash) -> Option<SeqHash> {
         self.table
-            .find(dir_hash(engine.0), |e| join(e.engine) == engine.0)
-            .map(|e| SeqHash(join(e.seq)))
+            .find(dir_hash(engine.0), |e| e.engine == engine.0)
+            .map(|e| SeqHash(e.seq))
     }
 
     /// Records one more copy of `engine` as `seq`.
@@ -81,25 +74,24 @@ impl Directory {
     pub fn insert(&mut self, engine: EngineHash, seq: SeqHash) -> Insert {
         let entry = self.table.entry(
             dir_hash(engine.0),
-            |e| join(e.engine) == engine.0,
-            |e| dir_hash(join(e.engine)),
+            |e| e.engine == engine.0,
+            |e| dir_hash(e.engine),
         );
         match entry {
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(DirEntry {
-                    engine: split(engine.0),
-                    seq: split(seq.0),
-                    count: 1,
+                    engine: engine.0,
+                    seq: seq.0,
                 });
                 Insert::New
             }
-            hashbrown::hash_table::Entry::Occupied(mut o) => {
-                let e = o.get_mut();
-                let have = SeqHash(join(e.seq));
+            hashbrown::hash_table::Entry::Occupied(o) => {
+                let have = SeqHash(o.get().seq);
                 if have != seq {
                     return Insert::Conflict(have);
                 }
-                e.count = e.count.saturating_add(1);
+                let extra = self.extra.entry(engine).or_insert(0);
+                *extra = extra.saturating_add(1);
                 Insert::Again
             }
         }
@@ -108,17 +100,23 @@ impl Directory {
     /// Drops one copy of `engine`; returns the seq_hash it stood for, or `None` if absent.
     #[inline]
     pub fn remove(&mut self, engine: EngineHash) -> Option<SeqHash> {
-        let mut occ = self
+        let occ = self
             .table
-            .find_entry(dir_hash(engine.0), |e| join(e.engine) == engine.0)
+            .find_entry(dir_hash(engine.0), |e| e.engine == engine.0)
             .ok()?;
-        let e = occ.get_mut();
-        let seq = SeqHash(join(e.seq));
-        e.count -= 1;
-        if e.count == 0 {
-            occ.remove();
-            self.maybe_shrink();
+        let seq = SeqHash(occ.get().seq);
+        if let Some(extra) = self.extra.get_mut(&engine) {
+            *extra -= 1;
+            if *extra == 0 {
+                self.extra.remove(&engine);
+                if self.extra.is_empty() {
+                    self.extra = HashMap::new();
+                }
+            }
+            return Some(seq);
         }
+        occ.remove();
+        self.maybe_shrink();
         Some(seq)
     }
 
@@ -127,15 +125,17 @@ impl Directory {
         if len == 0 {
             self.table = HashTable::new();
         } else if cap >= 1024 && len * 8 < cap {
-            self.table.shrink_to(len * 2, |e| dir_hash(join(e.engine)));
+            self.table.shrink_to(len * 2, |e| dir_hash(e.engine));
         }
     }
 
     /// Takes every `(seq_hash, copies)` out, leaving the directory empty.
     pub fn drain(&mut self) -> impl Iterator<Item = (SeqHash, u32)> {
-        std::mem::take(&mut self.table)
-            .into_iter()
-            .map(|e| (SeqHash(join(e.seq)), e.count))
+        let extra = std::mem::take(&mut self.extra);
+        std::mem::take(&mut self.table).into_iter().map(move |e| {
+            let more = extra.get(&EngineHash(e.engine)).copied().unwrap_or(0);
+            (SeqHash(e.seq), more.saturating_add(1))
+        })
     }
 
     /// Distinct engine hashes held.
@@ -148,15 +148,9 @@ impl Directory {
         self.table.is_empty()
     }
 
-    /// Pre-sizes for `additional` more engine hashes.
-    pub fn reserve(&mut self, additional: usize) {
-        self.table
-            .reserve(additional, |e| dir_hash(join(e.engine)));
-    }
-
     /// Heap bytes owned.
     pub fn heap_bytes(&self) -> usize {
-        self.table.allocation_size()
+        self.table.allocation_size() + self.extra.allocation_size()
     }
 }
 
