@@ -10,7 +10,7 @@
 //!    a block nobody holds is removed at once, so memory returns to the empty footprint
 //!    when every worker removes everything.
 //! 2. Per `(seq_hash, slot)` the index keeps the copy count of DESIGN.md's multiset model
-//!    (inline for the usual single holder with one copy, see [`holders`]).
+//!    (inline for the usual single holder with one copy; see `holders.rs`).
 //! 3. `entries` = number of `(seq_hash, slot)` pairs with a positive count
 //!    = sum of [`WorkerSlots::blocks`].
 //!

@@ -1,0 +1,333 @@
+//! Scheduler configuration, per-call overrides and the load workers report.
+//!
+//! Everything here is plain data plus validation, so a rejected call is rejected before the
+//! scheduler touches any state.
+//!
+//! # Invariants
+//! 1. A [`SchedulerConfig`] accepted by [`SchedulerConfig::validate`] has `block_size > 0`, a
+//!    finite non-negative `overlap_weight` and `temperature`, and a `max_kv_usage` (if any)
+//!    in `0..=1`.
+//! 2. `Effective` values built by `resolve` satisfy the same ranges, and name a worker iff
+//!    the mode is [`RouteMode::Direct`].
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::{EngineError, Result};
+use crate::hash::DEFAULT_BLOCK_SIZE;
+use crate::ids::WorkerId;
+
+/// How a worker is chosen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RouteMode {
+    /// Minimise the KV cost (DESIGN.md "Choosing a worker").
+    #[default]
+    Kv,
+    /// Cycle over the registered worker keys in key order.
+    RoundRobin,
+    /// Uniformly at random.
+    Random,
+    /// The caller names the worker; the KV cost picks among its data-parallel ranks.
+    Direct,
+}
+
+impl RouteMode {
+    /// Every mode, in documentation order.
+    pub const ALL: [RouteMode; 4] = [
+        RouteMode::Kv,
+        RouteMode::RoundRobin,
+        RouteMode::Random,
+        RouteMode::Direct,
+    ];
+
+    /// The CLI / metric label: `kv`, `round-robin`, `random` or `direct`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouteMode::Kv => "kv",
+            RouteMode::RoundRobin => "round-robin",
+            RouteMode::Random => "random",
+            RouteMode::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for RouteMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RouteMode {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        RouteMode::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or(EngineError::InvalidArgument {
+                name: "mode",
+                reason: "expected kv, round-robin, random or direct",
+            })
+    }
+}
+
+/// Load a worker key reports about itself (from its metrics endpoint or events).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WorkerLoad {
+    /// Requests queued on the engine and not yet scheduled.
+    pub num_requests_waiting: u64,
+    /// Fraction of the engine's KV blocks in use, `0.0..=1.0`.
+    pub kv_usage: f64,
+}
+
+impl WorkerLoad {
+    /// Rejects a `kv_usage` that is NaN or outside `0..=1`.
+    pub fn validate(&self) -> Result<()> {
+        if (0.0..=1.0).contains(&self.kv_usage) {
+            Ok(())
+        } else {
+            Err(EngineError::InvalidArgument {
+                name: "kv_usage",
+                reason: "must be within 0..=1",
+            })
+        }
+    }
+}
+
+/// When a worker key counts as busy. A busy key is skipped unless every candidate is busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BusyThresholds {
+    /// Busy when more than this many requests are waiting.
+    pub max_waiting: Option<u64>,
+    /// Busy when the KV usage is above this fraction (`0..=1`).
+    pub max_kv_usage: Option<f64>,
+}
+
+impl BusyThresholds {
+    /// Whether any threshold is set (if none is, nothing is ever busy).
+    pub fn any(&self) -> bool {
+        self.max_waiting.is_some() || self.max_kv_usage.is_some()
+    }
+
+    /// Whether `load` is over a threshold. A key that never reported is never busy.
+    pub fn is_busy(&self, load: Option<&WorkerLoad>) -> bool {
+        let Some(load) = load else { return false };
+        self.max_waiting
+            .is_some_and(|max| load.num_requests_waiting > max)
+            || self.max_kv_usage.is_some_and(|max| load.kv_usage > max)
+    }
+}
+
+/// Everything a [`crate::sched::Scheduler`] is configured with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SchedulerConfig {
+    /// Tokens per block; must equal the index's and the engines' block size.
+    pub block_size: u32,
+    /// The mode used when a call does not override it.
+    pub mode: RouteMode,
+    /// Weight of prefill blocks against decode blocks in the logit (default 1.0).
+    pub overlap_weight: f64,
+    /// Softmax temperature; 0 picks the minimum logit (default 0.0).
+    pub temperature: f64,
+    /// When a worker key is skipped as busy.
+    pub busy: BusyThresholds,
+    /// An active request not freed after this long is freed by `expire`.
+    pub request_timeout: Duration,
+    /// Seed of the scheduler's RNG (tie-breaking, sampling, random mode).
+    pub seed: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE as u32,
+            mode: RouteMode::Kv,
+            overlap_weight: 1.0,
+            temperature: 0.0,
+            busy: BusyThresholds::default(),
+            request_timeout: Duration::from_secs(300),
+            seed: 0,
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks every range in invariant 1.
+    pub fn validate(&self) -> Result<()> {
+        if self.block_size == 0 {
+            return Err(EngineError::InvalidArgument {
+                name: "block_size",
+                reason: "must be positive",
+            });
+        }
+        check_weight(self.overlap_weight)?;
+        check_temperature(self.temperature)?;
+        if let Some(max) = self.busy.max_kv_usage
+            && !(0.0..=1.0).contains(&max)
+        {
+            return Err(EngineError::InvalidArgument {
+                name: "max_kv_usage",
+                reason: "must be within 0..=1",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Per-call overrides of the configuration; `None` keeps the configured value.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RouteOverrides {
+    /// Routing mode for this call. Naming a `worker` without a mode implies `Direct`.
+    pub mode: Option<RouteMode>,
+    /// The worker for `Direct` mode.
+    pub worker: Option<WorkerId>,
+    /// Overlap weight for this call.
+    pub overlap_weight: Option<f64>,
+    /// Temperature for this call.
+    pub temperature: Option<f64>,
+}
+
+/// The settings one routing call runs with, after overrides.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Effective {
+    pub mode: RouteMode,
+    pub worker: Option<WorkerId>,
+    pub overlap_weight: f64,
+    pub temperature: f64,
+}
+
+/// Applies `overrides` to `config`, rejecting values outside invariant 2.
+pub(crate) fn resolve(config: &SchedulerConfig, overrides: &RouteOverrides) -> Result<Effective> {
+    let overlap_weight = overrides.overlap_weight.unwrap_or(config.overlap_weight);
+    check_weight(overlap_weight)?;
+    let temperature = overrides.temperature.unwrap_or(config.temperature);
+    check_temperature(temperature)?;
+    let mode = match (overrides.mode, overrides.worker) {
+        (Some(mode), _) => mode,
+        // Naming a worker is a request to route there; anything else would ignore it.
+        (None, Some(_)) => RouteMode::Direct,
+        (None, None) => config.mode,
+    };
+    match (mode, overrides.worker) {
+        (RouteMode::Direct, None) => Err(EngineError::InvalidArgument {
+            name: "worker",
+            reason: "direct mode needs a worker id",
+        }),
+        (RouteMode::Kv | RouteMode::RoundRobin | RouteMode::Random, Some(_)) => {
+            Err(EngineError::InvalidArgument {
+                name: "worker",
+                reason: "only direct mode takes a worker id",
+            })
+        }
+        (mode, worker) => Ok(Effective {
+            mode,
+            worker,
+            overlap_weight,
+            temperature,
+        }),
+    }
+}
+
+fn check_weight(w: f64) -> Result<()> {
+    // `is_finite` also rejects NaN; an infinite weight would turn a zero prefill into NaN.
+    if w.is_finite() && w >= 0.0 {
+        Ok(())
+    } else {
+        Err(EngineError::InvalidArgument {
+            name: "overlap_weight",
+            reason: "must be finite and non-negative",
+        })
+    }
+}
+
+fn check_temperature(t: f64) -> Result<()> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(())
+    } else {
+        Err(EngineError::InvalidArgument {
+            name: "temperature",
+            reason: "must be finite and non-negative",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_labels_round_trip() {
+        for m in RouteMode::ALL {
+            assert_eq!(m.as_str().parse::<RouteMode>().unwrap(), m);
+        }
+        assert!("least-loaded".parse::<RouteMode>().is_err());
+    }
+
+    #[test]
+    fn worker_implies_direct_and_direct_needs_worker() {
+        let cfg = SchedulerConfig::default();
+        let o = RouteOverrides {
+            worker: Some(WorkerId(3)),
+            ..Default::default()
+        };
+        assert_eq!(resolve(&cfg, &o).unwrap().mode, RouteMode::Direct);
+        let o = RouteOverrides {
+            mode: Some(RouteMode::Direct),
+            ..Default::default()
+        };
+        assert!(resolve(&cfg, &o).is_err());
+        let o = RouteOverrides {
+            mode: Some(RouteMode::Random),
+            worker: Some(WorkerId(3)),
+            ..Default::default()
+        };
+        assert!(resolve(&cfg, &o).is_err());
+    }
+
+    #[test]
+    fn config_ranges() {
+        assert!(SchedulerConfig::default().validate().is_ok());
+        let bad = [
+            SchedulerConfig {
+                block_size: 0,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                overlap_weight: f64::INFINITY,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                temperature: -0.5,
+                ..Default::default()
+            },
+            SchedulerConfig {
+                busy: BusyThresholds {
+                    max_kv_usage: Some(1.5),
+                    max_waiting: None,
+                },
+                ..Default::default()
+            },
+        ];
+        for cfg in bad {
+            assert!(cfg.validate().is_err(), "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn busy_is_strictly_over_threshold() {
+        let t = BusyThresholds {
+            max_waiting: Some(2),
+            max_kv_usage: Some(0.9),
+        };
+        let load = |w, u| WorkerLoad {
+            num_requests_waiting: w,
+            kv_usage: u,
+        };
+        assert!(!t.is_busy(None));
+        assert!(!t.is_busy(Some(&load(2, 0.9))));
+        assert!(t.is_busy(Some(&load(3, 0.0))));
+        assert!(t.is_busy(Some(&load(0, 0.95))));
+        assert!(!BusyThresholds::default().is_busy(Some(&load(u64::MAX, 1.0))));
+    }
+}

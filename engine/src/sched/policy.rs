@@ -1,0 +1,75 @@
+//! The interface every routing mode implements.
+//!
+//! The scheduler does everything modes share (validation, busy filtering, scoring, recording
+//! the request as active); a [`Policy`] only says which keys it may choose among and picks
+//! one of the scored candidates. One policy per file: [`kv`](super::kv),
+//! [`round_robin`](super::round_robin), [`random`](super::random), [`direct`](super::direct).
+//!
+//! # Invariants
+//! 1. A policy never sees an empty candidate list from the scheduler, and the key it returns
+//!    is one of the candidates'.
+//! 2. All randomness comes from the `rng` argument, so a scheduler with a fixed seed makes
+//!    the same decisions for the same calls.
+
+use std::fmt;
+
+use rand::rngs::SmallRng;
+
+use crate::error::Result;
+use crate::ids::{WorkerId, WorkerKey};
+use crate::sched::config::RouteMode;
+use crate::sched::cost::CandidateScore;
+
+/// Which registered worker keys a policy may choose among.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every registered key.
+    All,
+    /// The data-parallel ranks of one worker.
+    Worker(WorkerId),
+}
+
+/// What a policy chooses from.
+pub struct SelectionInput<'a> {
+    /// Scored candidates: non-empty, sorted by key, each key once.
+    pub candidates: &'a [CandidateScore],
+    /// Softmax temperature: finite and non-negative.
+    pub temperature: f64,
+    /// Blocks each key caches in total (tie-break: fewer is better). Pure; may be called
+    /// more than once per key.
+    pub cached_blocks: &'a dyn Fn(WorkerKey) -> u64,
+}
+
+impl fmt::Debug for SelectionInput<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SelectionInput")
+            .field("candidates", &self.candidates)
+            .field("temperature", &self.temperature)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A routing mode.
+pub trait Policy {
+    /// The mode this policy implements (reported in every decision).
+    fn mode(&self) -> RouteMode;
+
+    /// The keys the scheduler should score for this policy.
+    ///
+    /// The scheduler guarantees that if the scope names a worker with no registered rank,
+    /// the call fails with `UnknownWorker` before [`Policy::select`] runs.
+    fn scope(&self) -> Scope {
+        Scope::All
+    }
+
+    /// Chooses one candidate.
+    ///
+    /// The caller guarantees `input.candidates` is non-empty, sorted by key with each key
+    /// once, that every logit is finite, and that the temperature is finite and >= 0; busy
+    /// keys are already filtered out.
+    ///
+    /// The implementation MUST return the key of one of `input.candidates`, MUST draw any
+    /// randomness from `rng` only, and MUST NOT block or allocate per candidate: it runs
+    /// once per routed request.
+    fn select(&mut self, input: &SelectionInput<'_>, rng: &mut SmallRng) -> Result<WorkerKey>;
+}

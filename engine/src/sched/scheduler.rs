@@ -1,0 +1,362 @@
+//! The scheduler: registered worker keys, their load, active requests, and routing calls.
+//!
+//! A routing call validates its overrides, lets the mode's [`Policy`] name its scope, scores
+//! the scope's non-busy keys, lets the policy choose, and records the request as active on the
+//! chosen key. The returned [`Decision`] carries every candidate's score, so each decision
+//! explains itself.
+//!
+//! # Invariants
+//! 1. A request is active only on a registered key: `remove_worker` frees a worker's requests
+//!    before its slots can be reused.
+//! 2. A call that returns an error leaves workers, loads and active requests unchanged.
+//! 3. With the same seed and the same sequence of calls, the decisions are the same.
+//!
+//! # Concurrency
+//! None: a `Scheduler` is owned by one thread (the edge's routing task) and moved, never
+//! shared. Replicas exchange active requests through [`Scheduler::add_active`].
+
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use crate::error::{EngineError, Result};
+use crate::ids::{RequestId, SeqHash, WorkerId, WorkerKey};
+use crate::matches::Matches;
+use crate::sched::active::{ActiveLoad, ActiveRequests};
+use crate::sched::candidates::{CandidateScratch, Context};
+use crate::sched::config::{RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad, resolve};
+use crate::sched::cost::{CandidateScore, CostInputs};
+use crate::sched::direct::Direct;
+use crate::sched::kv::KvPolicy;
+use crate::sched::policy::{Policy, Scope, SelectionInput};
+use crate::sched::random::RandomPolicy;
+use crate::sched::round_robin::RoundRobin;
+use crate::sched::workers::WorkerTable;
+
+/// One request to route.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    /// The caller's id for the request; must not be active.
+    pub id: RequestId,
+    /// The seq hashes of the request's full blocks, in order.
+    pub blocks: &'a [SeqHash],
+    /// Prompt tokens, the trailing partial block included.
+    pub input_tokens: u64,
+    /// Settings for this call only.
+    pub overrides: RouteOverrides,
+}
+
+/// Where a request went, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The chosen worker key.
+    pub worker: WorkerKey,
+    /// The mode that chose it.
+    pub mode: RouteMode,
+    /// Blocks of the request the chosen key already caches.
+    pub overlap_blocks: u32,
+    /// The largest overlap among the candidates (what `kv` mode could have had).
+    pub best_available_overlap_blocks: u32,
+    /// Keys of the scope skipped as busy.
+    pub busy_skipped: usize,
+    /// Every candidate considered, in key order, with its cost.
+    pub candidates: Vec<CandidateScore>,
+}
+
+impl Decision {
+    /// The chosen candidate's score.
+    pub fn chosen(&self) -> Option<&CandidateScore> {
+        self.candidates
+            .binary_search_by_key(&self.worker, |c| c.key)
+            .ok()
+            .and_then(|i| self.candidates.get(i))
+    }
+}
+
+/// What removing a worker took away.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerRemoval {
+    /// The worker's keys (one per data-parallel rank), sorted.
+    pub keys: Vec<WorkerKey>,
+    /// Active requests freed with them.
+    pub freed_requests: usize,
+}
+
+/// Worker selection state. See the module docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    workers: WorkerTable,
+    active: ActiveRequests,
+    round_robin: RoundRobin,
+    rng: SmallRng,
+    scratch: CandidateScratch,
+}
+
+impl Scheduler {
+    /// A scheduler with no workers. Fails if `config` is out of range.
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            workers: WorkerTable::default(),
+            active: ActiveRequests::new(config.block_size, config.request_timeout),
+            round_robin: RoundRobin::default(),
+            rng: SmallRng::seed_from_u64(config.seed),
+            scratch: CandidateScratch::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Registers `key`; returns false if it was already registered.
+    pub fn add_worker(&mut self, key: WorkerKey) -> Result<bool> {
+        Ok(self.workers.add(key)?.is_some())
+    }
+
+    /// Unregisters every rank of `worker`, dropping their loads and active requests.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> WorkerRemoval {
+        let mut removal = WorkerRemoval::default();
+        for (key, slot) in self.workers.remove_worker(worker) {
+            removal.freed_requests += self.active.drop_slot(slot);
+            removal.keys.push(key);
+        }
+        removal
+    }
+
+    /// Records the latest load `key` reported. Fails if `key` is not registered or the load
+    /// is out of range.
+    pub fn update_load(&mut self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
+        self.workers.set_load(key, load)
+    }
+
+    /// Chooses a worker key for `request` and records the request as active on it.
+    ///
+    /// `matches` are the request's overlaps from the index (keys not registered here are
+    /// ignored); `cached_blocks(key)` is how many blocks `key` caches in total, consulted only
+    /// to break ties.
+    pub fn route(
+        &mut self,
+        now: Instant,
+        request: &RouteRequest<'_>,
+        matches: &Matches,
+        cached_blocks: impl Fn(WorkerKey) -> u64,
+    ) -> Result<Decision> {
+        let eff = resolve(&self.config, &request.overrides)?;
+        if self.workers.len() == 0 {
+            return Err(EngineError::NoWorkers);
+        }
+        if self.active.contains(request.id) {
+            return Err(EngineError::DuplicateRequest(request.id));
+        }
+        let Self {
+            config,
+            workers,
+            active,
+            round_robin,
+            rng,
+            scratch,
+        } = self;
+
+        let mut kv = KvPolicy;
+        let mut random = RandomPolicy;
+        let mut direct = eff.worker.map(|worker| Direct { worker });
+        let policy: &mut dyn Policy = match (eff.mode, direct.as_mut()) {
+            (RouteMode::Kv, _) => &mut kv,
+            (RouteMode::RoundRobin, _) => round_robin,
+            (RouteMode::Random, _) => &mut random,
+            (RouteMode::Direct, Some(d)) => d,
+            (RouteMode::Direct, None) => {
+                return Err(EngineError::InvalidArgument {
+                    name: "worker",
+                    reason: "direct mode needs a worker id",
+                });
+            }
+        };
+        let scope = match policy.scope() {
+            Scope::All => workers.all(),
+            Scope::Worker(w) => match workers.ranks(w) {
+                [] => return Err(EngineError::UnknownWorker { worker: w }),
+                ranks => ranks,
+            },
+        };
+
+        let gathered = scratch.gather(
+            scope,
+            &Context {
+                workers,
+                active,
+                busy: &config.busy,
+                matches,
+                blocks: request.blocks,
+                cost: CostInputs {
+                    block_size: config.block_size,
+                    overlap_weight: eff.overlap_weight,
+                    request_blocks: request.blocks.len() as u64,
+                    input_tokens: request.input_tokens,
+                },
+            },
+        );
+        let candidates = gathered.candidates;
+        let worker = policy.select(
+            &SelectionInput {
+                candidates: &candidates,
+                temperature: eff.temperature,
+                cached_blocks: &cached_blocks,
+            },
+            rng,
+        )?;
+
+        // A policy naming a key it was not offered breaks its contract; refuse rather than
+        // record a request on an arbitrary key.
+        let not_offered = EngineError::UnknownWorker {
+            worker: worker.worker,
+        };
+        let chosen = candidates
+            .binary_search_by_key(&worker, |c| c.key)
+            .ok()
+            .and_then(|i| candidates.get(i))
+            .ok_or(not_offered.clone())?;
+        let overlap_blocks = chosen.overlap_blocks;
+        let slot = workers.slot(worker).ok_or(not_offered)?;
+        active.add(
+            now,
+            slot,
+            request.id,
+            request.blocks,
+            request.input_tokens,
+            overlap_blocks,
+        )?;
+
+        Ok(Decision {
+            worker,
+            mode: eff.mode,
+            overlap_blocks,
+            best_available_overlap_blocks: candidates
+                .iter()
+                .map(|c| c.overlap_blocks)
+                .max()
+                .unwrap_or(0),
+            busy_skipped: gathered.busy_skipped,
+            candidates,
+        })
+    }
+
+    /// Records a request routed elsewhere (by a peer replica) as active on `key`, exactly as
+    /// [`Scheduler::route`] would have.
+    pub fn add_active(
+        &mut self,
+        now: Instant,
+        key: WorkerKey,
+        id: RequestId,
+        blocks: &[SeqHash],
+        input_tokens: u64,
+        overlap_blocks: u32,
+    ) -> Result<()> {
+        let slot = self
+            .workers
+            .slot(key)
+            .ok_or(EngineError::UnknownWorker { worker: key.worker })?;
+        self.active
+            .add(now, slot, id, blocks, input_tokens, overlap_blocks)
+    }
+
+    /// Marks `id` prefilled (its first token was produced). Idempotent.
+    pub fn prefilled(&mut self, id: RequestId) -> Result<()> {
+        self.active.prefilled(id)
+    }
+
+    /// Frees `id` (it completed or was cancelled).
+    pub fn free(&mut self, id: RequestId) -> Result<()> {
+        self.active.free(id).map(|_| ())
+    }
+
+    /// Frees every request routed `request_timeout` or longer before `now`; returns their
+    /// ids, oldest first.
+    pub fn expire(&mut self, now: Instant) -> Vec<RequestId> {
+        self.active.expire(now)
+    }
+
+    /// The load `key`'s active requests put on it, if `key` is registered.
+    pub fn active_load(&self, key: WorkerKey) -> Option<ActiveLoad> {
+        self.workers.slot(key).map(|s| self.active.load(s))
+    }
+
+    /// The last load `key` reported, if it is registered and reported.
+    pub fn reported_load(&self, key: WorkerKey) -> Option<WorkerLoad> {
+        self.workers
+            .slot(key)
+            .and_then(|s| self.workers.load(s).copied())
+    }
+
+    /// The registered worker keys, sorted.
+    pub fn workers(&self) -> impl ExactSizeIterator<Item = WorkerKey> + '_ {
+        self.workers.all().iter().map(|(k, _)| *k)
+    }
+
+    /// Number of active requests over all keys.
+    pub fn active_requests(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Whether `id` is active.
+    pub fn is_active(&self, id: RequestId) -> bool {
+        self.active.contains(id)
+    }
+
+    /// Checks the scheduler's internal invariants (tests only).
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self) {
+        self.active.check_invariants();
+        assert!(self.scratch.is_clean());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn hs(v: &[u64]) -> Vec<SeqHash> {
+        v.iter().copied().map(SeqHash).collect()
+    }
+
+    #[test]
+    fn scratch_is_clean_after_every_kind_of_call() {
+        let t0 = Instant::now();
+        let mut s = Scheduler::new(SchedulerConfig {
+            block_size: 4,
+            ..Default::default()
+        })
+        .unwrap();
+        for w in 0..4 {
+            s.add_worker(WorkerKey::new(w, 0)).unwrap();
+        }
+        let blocks = hs(&[1, 2, 3]);
+        let m = Matches {
+            overlaps: vec![(WorkerKey::new(2, 0), 2), (WorkerKey::new(99, 0), 3)],
+            depth_counts: vec![2, 2, 1],
+        };
+        for (i, mode) in RouteMode::ALL.into_iter().enumerate() {
+            let req = RouteRequest {
+                id: RequestId(i as u64),
+                blocks: &blocks,
+                input_tokens: 12,
+                overrides: RouteOverrides {
+                    mode: Some(mode),
+                    worker: (mode == RouteMode::Direct).then_some(WorkerId(1)),
+                    ..Default::default()
+                },
+            };
+            let d = s.route(t0, &req, &m, |_| 0).unwrap();
+            assert_eq!(d.mode, mode);
+            s.check_invariants();
+        }
+        assert_eq!(s.expire(t0 + Duration::from_secs(301)).len(), 4);
+        s.check_invariants();
+    }
+}
