@@ -1,5 +1,12 @@
 //! loom models of every lock-free structure in kvengine.
 //!
-//! The engine's single-shard index (issue 2) has no lock-free structure: one thread owns it.
-//! The SPSC rings of the sharded runtime (issue 3) get their models here. Run with
-//! `RUSTFLAGS="--cfg kvengine_loom" cargo test -p kvengine-loom-tests --release`.
+//! Models live in `tests/`, one file per structure; they compile only under
+//! `--cfg kvengine_loom`, which also switches the engine's `sync` shim to loom:
+//!
+//! ```sh
+//! RUSTFLAGS="--cfg kvengine_loom" LOOM_MAX_PREEMPTIONS=2 CARGO_TARGET_DIR=target-loom \
+//!     cargo test -p kvengine-loom-tests --release
+//! ```
+//!
+//! * `tests/ring.rs`: the SPSC ring (`engine::ring`): order across wrap-around and full,
+//!   close without loss, backpressure, drop accounting.
