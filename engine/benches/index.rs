@@ -17,9 +17,14 @@ static GLOBAL: MiMalloc = MiMalloc;
 
 const LIVE: usize = 1 << 20;
 
+/// Builds Dynamo's workload shape (depth 128, prefix ratio 0.25, 4 groups) with as many
+/// sequences as make 1,048,576 live (block, worker) entries: each worker stores each group's
+/// 32-block prefix once, every sequence adds a 96-block tail.
 fn memory_report() {
     for workers in [64u64, 128] {
-        let w = Workload::dynamo(LIVE, workers);
+        let prefix_entries = workers as usize * 4 * 32;
+        let n = (LIVE - prefix_entries) / 96;
+        let w = Workload::new(n, 128, workers, 0.25, 4);
         let mut ix = KvIndex::new();
         w.build(&mut ix, 0..w.sequences.len());
         let st = ix.stats();
@@ -45,8 +50,10 @@ fn apply_events(c: &mut Criterion) {
     w.build(&mut ix, 0..live_seqs);
     // Extra sequences (not live) cycle through store + remove; their prefixes are live.
     let spare = &w.sequences[live_seqs..];
-    let removes: Vec<Vec<EngineHash>> =
-        spare.iter().map(|s| s.tail.iter().map(|b| b.engine_hash).collect()).collect();
+    let removes: Vec<Vec<EngineHash>> = spare
+        .iter()
+        .map(|s| s.tail.iter().map(|b| b.engine_hash).collect())
+        .collect();
     let mut g = c.benchmark_group("index/apply");
     let ops = spare[0].tail.len() as u64 * 2;
     g.throughput(Throughput::Elements(ops));

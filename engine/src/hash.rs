@@ -122,7 +122,10 @@ mod tests {
         let t1 = tokens_hash(&[5, 6, 7, 8], BASE_SEED);
         assert_eq!(t0, TokensHash(14643705804678351452));
         assert_eq!(t1, TokensHash(16777012769546811212));
-        assert_eq!(seq_hash(Some(SeqHash(t0.0)), t1), SeqHash(4945711292740353085));
+        assert_eq!(
+            seq_hash(Some(SeqHash(t0.0)), t1),
+            SeqHash(4945711292740353085)
+        );
         assert_eq!(
             seq_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, BASE_SEED),
             vec![SeqHash(t0.0), SeqHash(4945711292740353085)]
@@ -132,8 +135,13 @@ mod tests {
     #[test]
     fn shared_fixture_vectors_when_present() {
         // ../shared is not part of the product; the check runs only where the fixture exists.
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/kv_events/hash_vectors.json");
-        let Ok(text) = std::fs::read_to_string(path) else { return };
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/data/kv_events/hash_vectors.json"
+        );
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return;
+        };
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         let tokens: Vec<u32> = v["tokens"]
             .as_array()
@@ -142,7 +150,10 @@ mod tests {
             .map(|t| t.as_u64().unwrap() as u32)
             .collect();
         let bs = v["block_size"].as_u64().unwrap() as usize;
-        let local: Vec<u64> = tokens_hashes(&tokens, bs, BASE_SEED).iter().map(|h| h.0).collect();
+        let local: Vec<u64> = tokens_hashes(&tokens, bs, BASE_SEED)
+            .iter()
+            .map(|h| h.0)
+            .collect();
         let want_local: Vec<u64> = v["dynamo"]["local_block_hash_u64"]
             .as_array()
             .unwrap()
@@ -150,7 +161,10 @@ mod tests {
             .map(|h| h.as_u64().unwrap())
             .collect();
         assert_eq!(local, want_local);
-        let seq: Vec<u64> = seq_hashes(&tokens, bs, BASE_SEED).iter().map(|h| h.0).collect();
+        let seq: Vec<u64> = seq_hashes(&tokens, bs, BASE_SEED)
+            .iter()
+            .map(|h| h.0)
+            .collect();
         let want_seq: Vec<u64> = v["dynamo"]["sequence_hash_u64_seed1337"]
             .as_array()
             .unwrap()

@@ -100,12 +100,12 @@ impl KvIndex {
     ) -> Result<usize> {
         let mut prev = match parent {
             None => None,
-            Some(p) => Some(
-                self.dirs
-                    .get(&key)
-                    .and_then(|d| d.get(p))
-                    .ok_or(EngineError::UnknownParent { worker: key, parent: p })?,
-            ),
+            Some(p) => Some(self.dirs.get(&key).and_then(|d| d.get(p)).ok_or(
+                EngineError::UnknownParent {
+                    worker: key,
+                    parent: p,
+                },
+            )?),
         };
         if blocks.is_empty() {
             return Ok(0);
@@ -159,7 +159,8 @@ impl KvIndex {
             _ => applied.unknown = blocks.len(),
         }
         if applied.unknown > 0 {
-            self.rejects.add(RejectReason::UnknownBlock, applied.unknown as u64);
+            self.rejects
+                .add(RejectReason::UnknownBlock, applied.unknown as u64);
         }
         applied
     }

@@ -96,7 +96,9 @@ pub enum PopError {
 /// A ring holding at least `capacity` values (rounded up to a power of two, at least 2).
 pub fn ring<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
     let cap = capacity.max(2).next_power_of_two();
-    let slots = (0..cap).map(|_| UnsafeCell::new(MaybeUninit::uninit())).collect();
+    let slots = (0..cap)
+        .map(|_| UnsafeCell::new(MaybeUninit::uninit()))
+        .collect();
     let shared = Arc::new(Shared {
         head: Padded(AtomicUsize::new(0)),
         tail: Padded(AtomicUsize::new(0)),
@@ -105,8 +107,16 @@ pub fn ring<T>(capacity: usize) -> (Producer<T>, Consumer<T>) {
         slots,
     });
     (
-        Producer { shared: shared.clone(), tail: 0, head_cache: 0 },
-        Consumer { shared, head: 0, tail_cache: 0 },
+        Producer {
+            shared: shared.clone(),
+            tail: 0,
+            head_cache: 0,
+        },
+        Consumer {
+            shared,
+            head: 0,
+            tail_cache: 0,
+        },
     )
 }
 
@@ -271,13 +281,17 @@ impl<T> Drop for Shared<T> {
 
 impl<T> fmt::Debug for Producer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Producer").field("tail", &self.tail).finish_non_exhaustive()
+        f.debug_struct("Producer")
+            .field("tail", &self.tail)
+            .finish_non_exhaustive()
     }
 }
 
 impl<T> fmt::Debug for Consumer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Consumer").field("head", &self.head).finish_non_exhaustive()
+        f.debug_struct("Consumer")
+            .field("head", &self.head)
+            .finish_non_exhaustive()
     }
 }
 

@@ -96,7 +96,12 @@ impl Model {
         let mut overlaps: Vec<(WorkerKey, u32)> = self
             .workers
             .iter()
-            .map(|(k, w)| (*k, q.iter().take_while(|s| w.seqs.contains_key(&s.0)).count() as u32))
+            .map(|(k, w)| {
+                (
+                    *k,
+                    q.iter().take_while(|s| w.seqs.contains_key(&s.0)).count() as u32,
+                )
+            })
             .filter(|(_, o)| *o > 0)
             .collect();
         overlaps.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -104,7 +109,10 @@ impl Model {
         let depth_counts = (0..best)
             .map(|d| overlaps.iter().filter(|(_, o)| *o > d).count() as u32)
             .collect();
-        Matches { overlaps, depth_counts }
+        Matches {
+            overlaps,
+            depth_counts,
+        }
     }
 }
 
@@ -114,13 +122,32 @@ enum Op {
     /// knows for this key, or an unknown one when it knows none. `blocks`: (token id,
     /// engine-hash style) with style 0 = prefix-derived, 1..=4 = a small fixed id (duplicates
     /// and conflicts).
-    Store { w: u64, dp: u32, parent: Option<usize>, blocks: Vec<(u64, u8)> },
+    Store {
+        w: u64,
+        dp: u32,
+        parent: Option<usize>,
+        blocks: Vec<(u64, u8)>,
+    },
     /// Removes the picked (mod n) engine hashes; `unknown` adds one the key never had.
-    Remove { w: u64, dp: u32, picks: Vec<usize>, unknown: bool },
-    Clear { w: u64, dp: u32 },
-    RemoveWorker { w: u64 },
+    Remove {
+        w: u64,
+        dp: u32,
+        picks: Vec<usize>,
+        unknown: bool,
+    },
+    Clear {
+        w: u64,
+        dp: u32,
+    },
+    RemoveWorker {
+        w: u64,
+    },
     /// Query: the full chain up to the picked known seq, plus extra random blocks.
-    Query { pick: usize, extra: Vec<u64>, mutate: Option<usize> },
+    Query {
+        pick: usize,
+        extra: Vec<u64>,
+        mutate: Option<usize>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -151,7 +178,12 @@ fn run(ops: Vec<Op>) {
     let mut known: Vec<u64> = Vec::new();
     for op in ops {
         match op {
-            Op::Store { w, dp, parent, blocks } => {
+            Op::Store {
+                w,
+                dp,
+                parent,
+                blocks,
+            } => {
                 let key = WorkerKey::new(w, dp);
                 let engines: Vec<u64> = model
                     .workers
@@ -163,24 +195,51 @@ fn run(ops: Vec<Op>) {
                     })
                     .unwrap_or_default();
                 let parent = parent.map(|i| {
-                    if engines.is_empty() { 0xdead_0000 + i as u64 } else { engines[i % engines.len()] }
+                    if engines.is_empty() {
+                        0xdead_0000 + i as u64
+                    } else {
+                        engines[i % engines.len()]
+                    }
                 });
-                let mut prev = parent.and_then(|p| model.workers.get(&key)?.dir.get(&p).map(|x| SeqHash(x.0)));
+                let mut prev =
+                    parent.and_then(|p| model.workers.get(&key)?.dir.get(&p).map(|x| SeqHash(x.0)));
                 let mut ev = vec![];
                 let mut chain = vec![];
                 for (t, style) in &blocks {
                     let s = seq_hash(prev, TokensHash(*t));
-                    let e = if *style == 0 { s.0 ^ 0x5555 } else { u64::from(*style) };
-                    ev.push(StoredBlock { engine_hash: EngineHash(e), tokens_hash: TokensHash(*t) });
+                    let e = if *style == 0 {
+                        s.0 ^ 0x5555
+                    } else {
+                        u64::from(*style)
+                    };
+                    ev.push(StoredBlock {
+                        engine_hash: EngineHash(e),
+                        tokens_hash: TokensHash(*t),
+                    });
                     chain.push((e, *t));
                     chain_parent(&mut parents, &mut known, prev, s);
                     prev = Some(s);
                 }
                 let ok_model = model.store(key, parent, &chain);
-                let got = ix.apply(key, &KvEvent::Stored { parent: parent.map(EngineHash), blocks: ev });
-                assert_eq!(got.is_ok(), ok_model, "store {key:?} {parent:?} {blocks:?}: {got:?}");
+                let got = ix.apply(
+                    key,
+                    &KvEvent::Stored {
+                        parent: parent.map(EngineHash),
+                        blocks: ev,
+                    },
+                );
+                assert_eq!(
+                    got.is_ok(),
+                    ok_model,
+                    "store {key:?} {parent:?} {blocks:?}: {got:?}"
+                );
             }
-            Op::Remove { w, dp, picks, unknown } => {
+            Op::Remove {
+                w,
+                dp,
+                picks,
+                unknown,
+            } => {
                 let key = WorkerKey::new(w, dp);
                 let mut engines: Vec<u64> = model
                     .workers
@@ -198,7 +257,12 @@ fn run(ops: Vec<Op>) {
                 }
                 let (applied, unk) = model.remove(key, &hashes);
                 let got = ix
-                    .apply(key, &KvEvent::Removed { blocks: hashes.iter().copied().map(EngineHash).collect() })
+                    .apply(
+                        key,
+                        &KvEvent::Removed {
+                            blocks: hashes.iter().copied().map(EngineHash).collect(),
+                        },
+                    )
                     .unwrap();
                 assert_eq!((got.blocks, got.unknown), (applied, unk));
             }
@@ -208,14 +272,21 @@ fn run(ops: Vec<Op>) {
                     .workers
                     .remove(&key)
                     .map_or(0, |m| m.dir.values().map(|x| x.1).sum());
-                assert_eq!(ix.apply(key, &KvEvent::Cleared).unwrap().blocks, copies as usize);
+                assert_eq!(
+                    ix.apply(key, &KvEvent::Cleared).unwrap().blocks,
+                    copies as usize
+                );
             }
             Op::RemoveWorker { w } => {
                 let before = model.workers.len();
                 model.workers.retain(|k, _| k.worker != WorkerId(w));
                 assert_eq!(ix.remove_worker(WorkerId(w)), before - model.workers.len());
             }
-            Op::Query { pick, extra, mutate } => {
+            Op::Query {
+                pick,
+                extra,
+                mutate,
+            } => {
                 let mut q = vec![];
                 if !known.is_empty() {
                     let mut s = Some(known[pick % known.len()]);
@@ -241,15 +312,28 @@ fn run(ops: Vec<Op>) {
         let stats = ix.stats();
         let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
         assert_eq!(stats.index.entries, entries as u64);
-        let distinct: HashSet<u64> = model.workers.values().flat_map(|w| w.seqs.keys().copied()).collect();
+        let distinct: HashSet<u64> = model
+            .workers
+            .values()
+            .flat_map(|w| w.seqs.keys().copied())
+            .collect();
         assert_eq!(stats.index.blocks, distinct.len());
         assert_eq!(stats.index.worker_keys, model.workers.len());
         for (k, w) in &model.workers {
             assert_eq!(ix.cached_blocks(*k), w.seqs.len() as u64);
         }
-        assert_eq!(ix.rejects().get(RejectReason::UnknownParent), model.unknown_parent);
-        assert_eq!(ix.rejects().get(RejectReason::UnknownBlock), model.unknown_block);
-        assert_eq!(ix.rejects().get(RejectReason::EngineHashConflict), model.conflicts);
+        assert_eq!(
+            ix.rejects().get(RejectReason::UnknownParent),
+            model.unknown_parent
+        );
+        assert_eq!(
+            ix.rejects().get(RejectReason::UnknownBlock),
+            model.unknown_block
+        );
+        assert_eq!(
+            ix.rejects().get(RejectReason::EngineHashConflict),
+            model.conflicts
+        );
     }
     // Everyone removes everything: back to the empty footprint.
     for k in model.workers.keys() {
@@ -258,14 +342,19 @@ fn run(ops: Vec<Op>) {
     assert_eq!(ix.stats(), KvIndex::new().stats());
 }
 
-fn chain_parent(parents: &mut HashMap<u64, Option<u64>>, known: &mut Vec<u64>, prev: Option<SeqHash>, s: SeqHash) {
+fn chain_parent(
+    parents: &mut HashMap<u64, Option<u64>>,
+    known: &mut Vec<u64>,
+    prev: Option<SeqHash>,
+    s: SeqHash,
+) {
     if parents.insert(s.0, prev.map(|p| p.0)).is_none() {
         known.push(s.0);
     }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
 
     #[test]
     fn index_equals_reference_model(ops in proptest::collection::vec(op(), 1..120)) {

@@ -16,7 +16,13 @@ fn chain(parent: Option<SeqHash>, ids: &[u64]) -> (Vec<StoredBlock>, Vec<SeqHash
         .map(|&id| {
             let s = seq_hash(prev, TokensHash(id));
             prev = Some(s);
-            (StoredBlock { engine_hash: EngineHash(s.0), tokens_hash: TokensHash(id) }, s)
+            (
+                StoredBlock {
+                    engine_hash: EngineHash(s.0),
+                    tokens_hash: TokensHash(id),
+                },
+                s,
+            )
         })
         .unzip()
 }
@@ -28,12 +34,25 @@ fn seqs(ids: &[u64]) -> Vec<SeqHash> {
 /// Sizes without heap bytes: a refused event may leave grown capacity behind, never content.
 fn content(ix: &KvIndex) -> (engine::index::IndexStats, usize) {
     let s = ix.stats();
-    (engine::index::IndexStats { bytes: 0, ..s.index }, s.directory_entries)
+    (
+        engine::index::IndexStats {
+            bytes: 0,
+            ..s.index
+        },
+        s.directory_entries,
+    )
 }
 
 fn store(ix: &mut KvIndex, key: WorkerKey, ids: &[u64]) -> Vec<SeqHash> {
     let (blocks, s) = chain(None, ids);
-    ix.apply(key, &KvEvent::Stored { parent: None, blocks }).unwrap();
+    ix.apply(
+        key,
+        &KvEvent::Stored {
+            parent: None,
+            blocks,
+        },
+    )
+    .unwrap();
     s
 }
 
@@ -60,13 +79,26 @@ fn two_workers_share_a_first_block() {
 fn removing_last_and_mid_chain_blocks() {
     let mut ix = KvIndex::new();
     let s = store(&mut ix, W0, &[1, 2, 3, 4]);
-    assert_eq!(remove(&mut ix, W0, &s[3..]), Applied { blocks: 1, unknown: 0 });
+    assert_eq!(
+        remove(&mut ix, W0, &s[3..]),
+        Applied {
+            blocks: 1,
+            unknown: 0
+        }
+    );
     assert_eq!(ix.find_matches(&s).overlaps, vec![(W0, 3)]);
     remove(&mut ix, W0, &s[1..2]);
     assert_eq!(ix.find_matches(&s).overlaps, vec![(W0, 1)]);
     // The descendants are still held: re-storing the middle block restores the overlap.
     let (blocks, _) = chain(Some(s[0]), &[2]);
-    ix.apply(W0, &KvEvent::Stored { parent: Some(EngineHash(s[0].0)), blocks }).unwrap();
+    ix.apply(
+        W0,
+        &KvEvent::Stored {
+            parent: Some(EngineHash(s[0].0)),
+            blocks,
+        },
+    )
+    .unwrap();
     assert_eq!(ix.find_matches(&s).overlaps, vec![(W0, 3)]);
 }
 
@@ -78,7 +110,10 @@ fn continuation_under_a_parent_extends_the_chain() {
     let parent = Some(EngineHash(head[1].0));
     assert_eq!(ix.apply_stored(W0, parent, &tail), Ok(2));
     assert_eq!(tail_seqs, seqs(&[1, 2, 3, 4])[2..]);
-    assert_eq!(ix.find_matches(&seqs(&[1, 2, 3, 4, 5])).overlaps, vec![(W0, 4)]);
+    assert_eq!(
+        ix.find_matches(&seqs(&[1, 2, 3, 4, 5])).overlaps,
+        vec![(W0, 4)]
+    );
     assert_eq!(ix.cached_blocks(W0), 4);
 }
 
@@ -88,8 +123,16 @@ fn unknown_parent_is_refused_and_changes_nothing() {
     store(&mut ix, W0, &[1, 2]);
     let before = content(&ix);
     let (blocks, _) = chain(Some(SeqHash(42)), &[3]);
-    let err = ix.apply_stored(W0, Some(EngineHash(42)), &blocks).unwrap_err();
-    assert_eq!(err, EngineError::UnknownParent { worker: W0, parent: EngineHash(42) });
+    let err = ix
+        .apply_stored(W0, Some(EngineHash(42)), &blocks)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        EngineError::UnknownParent {
+            worker: W0,
+            parent: EngineHash(42)
+        }
+    );
     // A parent held by another worker key is unknown too: directories are per worker key.
     let (blocks, _) = chain(Some(seqs(&[1])[0]), &[3]);
     let e1 = EngineHash(seqs(&[1])[0].0);
@@ -105,9 +148,18 @@ fn conflicting_engine_hash_is_rolled_back() {
     let before = content(&ix);
     // Two new blocks, then an engine hash already mapped to block 1's prefix.
     let blocks = vec![
-        StoredBlock { engine_hash: EngineHash(900), tokens_hash: TokensHash(5) },
-        StoredBlock { engine_hash: EngineHash(901), tokens_hash: TokensHash(6) },
-        StoredBlock { engine_hash: EngineHash(s[0].0), tokens_hash: TokensHash(7) },
+        StoredBlock {
+            engine_hash: EngineHash(900),
+            tokens_hash: TokensHash(5),
+        },
+        StoredBlock {
+            engine_hash: EngineHash(901),
+            tokens_hash: TokensHash(6),
+        },
+        StoredBlock {
+            engine_hash: EngineHash(s[0].0),
+            tokens_hash: TokensHash(7),
+        },
     ];
     let err = ix.apply_stored(W0, None, &blocks).unwrap_err();
     assert_eq!(err.reason(), RejectReason::EngineHashConflict);
@@ -125,7 +177,13 @@ fn a_block_stored_twice_needs_two_removals() {
     remove(&mut ix, W0, &s);
     assert!(ix.find_matches(&s).overlaps.is_empty());
     let a = remove(&mut ix, W0, &s);
-    assert_eq!(a, Applied { blocks: 0, unknown: 1 });
+    assert_eq!(
+        a,
+        Applied {
+            blocks: 0,
+            unknown: 1
+        }
+    );
     assert_eq!(ix.rejects().get(RejectReason::UnknownBlock), 1);
 }
 
@@ -151,12 +209,24 @@ fn lora_and_base_blocks_never_match() {
     let tokens = [1u32, 2, 3, 4];
     let base = tokens_hash(&tokens, BASE_SEED);
     let lora = tokens_hash(&tokens, lora_seed(Some("sql-adapter")));
-    let b = StoredBlock { engine_hash: EngineHash(1), tokens_hash: base };
-    let l = StoredBlock { engine_hash: EngineHash(2), tokens_hash: lora };
+    let b = StoredBlock {
+        engine_hash: EngineHash(1),
+        tokens_hash: base,
+    };
+    let l = StoredBlock {
+        engine_hash: EngineHash(2),
+        tokens_hash: lora,
+    };
     ix.apply_stored(W0, None, &[b]).unwrap();
     ix.apply_stored(W1, None, &[l]).unwrap();
-    assert_eq!(ix.find_matches(&[seq_hash(None, base)]).overlaps, vec![(W0, 1)]);
-    assert_eq!(ix.find_matches(&[seq_hash(None, lora)]).overlaps, vec![(W1, 1)]);
+    assert_eq!(
+        ix.find_matches(&[seq_hash(None, base)]).overlaps,
+        vec![(W0, 1)]
+    );
+    assert_eq!(
+        ix.find_matches(&[seq_hash(None, lora)]).overlaps,
+        vec![(W1, 1)]
+    );
 }
 
 #[test]
@@ -168,9 +238,15 @@ fn four_workers_of_one_chain_score_by_depth() {
         store(&mut ix, *k, &ids[..n]);
     }
     let m = ix.find_matches(&seqs(&ids[..60]));
-    assert_eq!(m.overlaps, vec![(keys[0], 60), (keys[1], 60), (keys[2], 50), (keys[3], 25)]);
+    assert_eq!(
+        m.overlaps,
+        vec![(keys[0], 60), (keys[1], 60), (keys[2], 50), (keys[3], 25)]
+    );
     assert_eq!(m.depth_counts.len(), 60);
-    assert_eq!((m.depth_counts[24], m.depth_counts[25], m.depth_counts[50]), (4, 3, 2));
+    assert_eq!(
+        (m.depth_counts[24], m.depth_counts[25], m.depth_counts[50]),
+        (4, 3, 2)
+    );
 }
 
 #[test]
@@ -181,7 +257,9 @@ fn memory_returns_to_empty_after_everyone_removes_everything() {
     for w in 0..70u64 {
         let key = WorkerKey::new(w, (w % 2) as u32);
         // A shared prefix (multi-holder sets) and a private tail (single holders).
-        let ids: Vec<u64> = (0..8).chain((0..200).map(|i| 1000 + w * 1000 + i)).collect();
+        let ids: Vec<u64> = (0..8)
+            .chain((0..200).map(|i| 1000 + w * 1000 + i))
+            .collect();
         stored.push((key, store(&mut ix, key, &ids)));
     }
     store(&mut ix, stored[0].0, &[0, 1]); // a second copy

@@ -42,7 +42,13 @@ fn xxhash_rust_free_mix(mut x: u64) -> u64 {
 
 impl Workload {
     /// `sequences` sequences of `depth` blocks over `workers` workers.
-    pub fn new(sequences: usize, depth: usize, workers: u64, prefix_ratio: f64, groups: u64) -> Self {
+    pub fn new(
+        sequences: usize,
+        depth: usize,
+        workers: u64,
+        prefix_ratio: f64,
+        groups: u64,
+    ) -> Self {
         let prefix_len = (depth as f64 * prefix_ratio) as usize;
         let sequences = (0..sequences as u64)
             .map(|k| {
@@ -52,14 +58,26 @@ impl Workload {
                 let mut blocks = Vec::with_capacity(depth);
                 let mut seqs = Vec::with_capacity(depth);
                 for j in 0..depth as u64 {
-                    let t = if (j as usize) < prefix_len { mix(group, j) } else { mix(k + 1_000_000, j) };
+                    let t = if (j as usize) < prefix_len {
+                        mix(group, j)
+                    } else {
+                        mix(k + 1_000_000, j)
+                    };
                     let s = seq_hash(prev, TokensHash(t));
-                    blocks.push(StoredBlock { engine_hash: EngineHash(s.0), tokens_hash: TokensHash(t) });
+                    blocks.push(StoredBlock {
+                        engine_hash: EngineHash(s.0),
+                        tokens_hash: TokensHash(t),
+                    });
                     seqs.push(s);
                     prev = Some(s);
                 }
                 let tail = blocks.split_off(prefix_len);
-                Sequence { key, prefix: blocks, tail, seqs }
+                Sequence {
+                    key,
+                    prefix: blocks,
+                    tail,
+                    seqs,
+                }
             })
             .collect();
         Self { sequences, workers }
@@ -78,7 +96,8 @@ impl Workload {
             if !s.prefix.is_empty() && have.insert((s.key, first)) {
                 ix.apply_stored(s.key, None, &s.prefix).unwrap();
             }
-            ix.apply_stored(s.key, s.prefix.last().map(|b| b.engine_hash), &s.tail).unwrap();
+            ix.apply_stored(s.key, s.prefix.last().map(|b| b.engine_hash), &s.tail)
+                .unwrap();
         }
     }
 }

@@ -70,7 +70,9 @@ impl HolderSet {
         if self.bits.len() <= w {
             self.bits.resize(w + 1, 0);
         }
-        let Some(word) = self.bits.get_mut(w) else { return false };
+        let Some(word) = self.bits.get_mut(w) else {
+            return false;
+        };
         if *word & b == 0 {
             *word |= b;
             self.len += 1;
@@ -200,7 +202,11 @@ mod tests {
 
     #[test]
     fn raw_round_trip() {
-        for h in [Holders::Single(Slot(0)), Holders::Single(Slot(Slot::MAX)), Holders::Set(7)] {
+        for h in [
+            Holders::Single(Slot(0)),
+            Holders::Single(Slot(Slot::MAX)),
+            Holders::Set(7),
+        ] {
             assert_eq!(Holders::from_raw(h.raw()), h);
         }
     }

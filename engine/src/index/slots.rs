@@ -72,7 +72,9 @@ impl WorkerSlots {
     ///
     /// Caller guarantees the slot holds no entry (invariant 2).
     pub fn release(&mut self, key: WorkerKey) {
-        let Some(slot) = self.by_key.remove(&key) else { return };
+        let Some(slot) = self.by_key.remove(&key) else {
+            return;
+        };
         if let Some(k) = self.keys.get_mut(slot.idx()) {
             *k = None;
         }
