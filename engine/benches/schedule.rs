@@ -47,21 +47,12 @@ fn blocks(salt: u64, len: u64) -> Vec<SeqHash> {
 
 /// A quarter of the keys hold a prefix of the request, of varied length.
 fn quarter_matches(keys: &[WorkerKey]) -> Matches {
-    let mut overlaps: Vec<(WorkerKey, u32)> = keys
-        .iter()
-        .step_by(4)
-        .enumerate()
-        .map(|(i, &k)| (k, 1 + (i as u32 * 37) % REQUEST_BLOCKS as u32))
-        .collect();
-    overlaps.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let best = overlaps.first().map_or(0, |&(_, o)| o);
-    let depth_counts = (1..=best)
-        .map(|d| overlaps.iter().filter(|&&(_, o)| o >= d).count() as u32)
-        .collect();
-    Matches {
-        overlaps,
-        depth_counts,
-    }
+    Matches::from_overlaps(
+        keys.iter()
+            .step_by(4)
+            .enumerate()
+            .map(|(i, &k)| (k, 1 + (i as u32 * 37) % REQUEST_BLOCKS as u32)),
+    )
 }
 
 fn loaded_scheduler(n: u64, temperature: f64, now: Instant) -> anyhow::Result<Scheduler> {

@@ -19,6 +19,31 @@ pub struct Matches {
 }
 
 impl Matches {
+    /// Builds the answer from per-key overlaps (zero overlaps dropped), for callers that know
+    /// overlaps some other way: fixtures, other indexes, replicas.
+    pub fn from_overlaps(pairs: impl IntoIterator<Item = (WorkerKey, u32)>) -> Self {
+        let mut overlaps: Vec<(WorkerKey, u32)> = pairs.into_iter().filter(|p| p.1 > 0).collect();
+        overlaps.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let best = overlaps.first().map_or(0, |p| p.1) as usize;
+        // depth_counts[d] = keys with overlap > d: a histogram of overlaps, suffix-summed.
+        let mut depth_counts = vec![0u32; best];
+        for &(_, o) in &overlaps {
+            if let Some(c) = depth_counts.get_mut(o as usize - 1) {
+                *c += 1;
+            }
+        }
+        for d in (1..best).rev() {
+            let deeper = depth_counts.get(d).copied().unwrap_or(0);
+            if let Some(c) = depth_counts.get_mut(d - 1) {
+                *c += deeper;
+            }
+        }
+        Self {
+            overlaps,
+            depth_counts,
+        }
+    }
+
     /// The overlap of `key` (0 if it holds not even the first block).
     pub fn overlap(&self, key: WorkerKey) -> u32 {
         self.overlaps
@@ -30,5 +55,22 @@ impl Matches {
     /// The largest overlap of any worker key.
     pub fn best(&self) -> u32 {
         self.depth_counts.len() as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_overlaps_sorts_drops_zeros_and_counts_depths() {
+        let k = |w| WorkerKey::new(w, 0);
+        let m = Matches::from_overlaps([(k(2), 1), (k(1), 3), (k(3), 0), (k(0), 1)]);
+        assert_eq!(m.overlaps, vec![(k(1), 3), (k(0), 1), (k(2), 1)]);
+        assert_eq!(m.depth_counts, vec![3, 1, 1]);
+        assert_eq!(m.best(), 3);
+        assert_eq!(m.overlap(k(2)), 1);
+        assert_eq!(m.overlap(k(3)), 0);
+        assert_eq!(Matches::from_overlaps([]), Matches::default());
     }
 }

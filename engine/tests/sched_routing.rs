@@ -19,16 +19,7 @@ fn hs(v: &[u64]) -> Vec<SeqHash> {
 
 /// A `Matches` as the index would build it from per-key overlaps.
 fn matches(pairs: &[(WorkerKey, u32)]) -> Matches {
-    let mut overlaps: Vec<_> = pairs.iter().copied().filter(|&(_, o)| o > 0).collect();
-    overlaps.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let best = overlaps.first().map_or(0, |&(_, o)| o);
-    let depth_counts = (1..=best)
-        .map(|d| overlaps.iter().filter(|&&(_, o)| o >= d).count() as u32)
-        .collect();
-    Matches {
-        overlaps,
-        depth_counts,
-    }
+    Matches::from_overlaps(pairs.iter().copied())
 }
 
 fn scheduler(cfg: SchedulerConfig, keys: &[WorkerKey]) -> Scheduler {
