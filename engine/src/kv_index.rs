@@ -100,12 +100,16 @@ impl KvIndex {
     ) -> Result<usize> {
         let mut prev = match parent {
             None => None,
-            Some(p) => Some(self.dirs.get(&key).and_then(|d| d.get(p)).ok_or(
-                EngineError::UnknownParent {
-                    worker: key,
-                    parent: p,
-                },
-            )?),
+            Some(p) => Some(
+                self.dirs
+                    .get(&key)
+                    .and_then(|d| d.get(p))
+                    .map(|(seq, ())| seq)
+                    .ok_or(EngineError::UnknownParent {
+                        worker: key,
+                        parent: p,
+                    })?,
+            ),
         };
         if blocks.is_empty() {
             return Ok(0);
@@ -114,7 +118,7 @@ impl KvIndex {
         let dir = self.dirs.entry(key).or_default();
         for (i, b) in blocks.iter().enumerate() {
             let seq = seq_hash(prev, b.tokens_hash);
-            if let Insert::Conflict(_) = dir.insert(b.engine_hash, seq) {
+            if let Insert::Conflict(_) = dir.insert(b.engine_hash, seq, ()) {
                 Self::rollback(&mut self.index, dir, slot, blocks.get(..i).unwrap_or(&[]));
                 self.forget_if_empty(key);
                 return Err(EngineError::EngineHashConflict {
@@ -132,7 +136,7 @@ impl KvIndex {
     #[inline(never)]
     fn rollback(index: &mut ShardIndex, dir: &mut Directory, slot: Slot, done: &[StoredBlock]) {
         for b in done {
-            if let Some(seq) = dir.remove(b.engine_hash) {
+            if let Some((seq, ())) = dir.remove(b.engine_hash) {
                 index.remove(slot, seq);
             }
         }
@@ -146,7 +150,7 @@ impl KvIndex {
             (Some(dir), Some(slot)) => {
                 for &e in blocks {
                     match dir.remove(e) {
-                        Some(seq) => {
+                        Some((seq, ())) => {
                             let dropped = self.index.remove(slot, seq);
                             debug_assert!(dropped.is_some(), "directory and index disagree");
                             applied.blocks += 1;
@@ -172,7 +176,7 @@ impl KvIndex {
             return 0;
         };
         let mut dropped = 0;
-        for (seq, copies) in dir.drain() {
+        for (seq, (), copies) in dir.drain() {
             for _ in 0..copies {
                 self.index.remove(slot, seq);
             }

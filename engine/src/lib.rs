@@ -12,6 +12,7 @@
 //! * [`kv_index`]: the two together, applying typed [`event::KvEvent`]s.
 //! * [`sched`]: active requests, the cost function and the routing modes.
 //! * [`approx`]: the index fed by routing decisions when workers publish no events.
+//! * [`sharding`]: splitting the index across shards (policy, ingest routing, shards).
 //! * [`ring`]: the bounded SPSC ring that threads use to talk to shards.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
@@ -27,6 +28,7 @@ pub mod kv_index;
 pub mod matches;
 pub mod ring;
 pub mod sched;
+pub mod sharding;
 mod sync;
 
 pub use error::{EngineError, RejectCounts, RejectReason, Result};

@@ -3,12 +3,19 @@
 //! Random interleavings of stores (with and without parents, duplicates, conflicting engine
 //! hashes, unknown parents), removals (including mid-chain and unknown blocks), clears,
 //! worker removals and dp ranks; after every operation every query, every per-worker block
-//! count, the entry count and the refusal counters are compared.
+//! count, the entry count and the refusal counters are compared. The same operations run
+//! against the single-shard `KvIndex` and against the sharded engine (`ShardedIndex`) with
+//! 1, 2, 3 and 8 shards and several replication depths.
 
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::seq_hash;
-use engine::kv_index::KvIndex;
-use engine::{EngineHash, Matches, RejectReason, SeqHash, TokensHash, WorkerId, WorkerKey};
+use engine::kv_index::{Applied, KvIndex};
+use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::sharded::ShardedIndex;
+use engine::{
+    EngineError, EngineHash, Matches, RejectCounts, RejectReason, SeqHash, TokensHash, WorkerId,
+    WorkerKey,
+};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -166,12 +173,119 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn check(ix: &KvIndex, model: &Model, q: &[SeqHash]) {
+/// seq -> parent seq, for every seq ever stored (a seq names its whole prefix).
+type Parents = HashMap<u64, Option<u64>>;
+
+/// What the randomised test drives: the single-shard index or the sharded engine.
+trait Indexer {
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError>;
+    fn clear(&mut self, key: WorkerKey) -> usize;
+    fn remove_worker(&mut self, w: WorkerId) -> usize;
+    fn find_matches(&self, q: &[SeqHash]) -> Matches;
+    fn rejects(&self) -> &RejectCounts;
+    /// Checks this implementation's size invariants against the model.
+    fn check_sizes(&self, model: &Model, parents: &Parents);
+    /// Is the footprint back to that of a new, empty index?
+    fn is_back_to_empty(&self) -> bool;
+}
+
+impl Indexer for KvIndex {
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
+        KvIndex::apply(self, key, ev)
+    }
+    fn clear(&mut self, key: WorkerKey) -> usize {
+        KvIndex::clear(self, key)
+    }
+    fn remove_worker(&mut self, w: WorkerId) -> usize {
+        KvIndex::remove_worker(self, w)
+    }
+    fn find_matches(&self, q: &[SeqHash]) -> Matches {
+        KvIndex::find_matches(self, q)
+    }
+    fn rejects(&self) -> &RejectCounts {
+        KvIndex::rejects(self)
+    }
+    fn check_sizes(&self, model: &Model, _: &Parents) {
+        let stats = self.stats();
+        let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
+        assert_eq!(stats.index.entries, entries as u64);
+        let distinct: HashSet<u64> = model
+            .workers
+            .values()
+            .flat_map(|w| w.seqs.keys().copied())
+            .collect();
+        assert_eq!(stats.index.blocks, distinct.len());
+        assert_eq!(stats.index.worker_keys, model.workers.len());
+        for (k, w) in &model.workers {
+            assert_eq!(self.cached_blocks(*k), w.seqs.len() as u64);
+        }
+    }
+    fn is_back_to_empty(&self) -> bool {
+        self.stats() == KvIndex::new().stats()
+    }
+}
+
+struct Sharded {
+    ix: ShardedIndex<FixedDepth>,
+    policy: FixedDepth,
+}
+
+impl Indexer for Sharded {
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
+        self.ix.apply(key, ev)
+    }
+    fn clear(&mut self, key: WorkerKey) -> usize {
+        self.ix.clear(key)
+    }
+    fn remove_worker(&mut self, w: WorkerId) -> usize {
+        self.ix.remove_worker(w)
+    }
+    fn find_matches(&self, q: &[SeqHash]) -> Matches {
+        self.ix.find_matches(q)
+    }
+    fn rejects(&self) -> &RejectCounts {
+        self.ix.rejects()
+    }
+    fn check_sizes(&self, model: &Model, parents: &Parents) {
+        let depth = |mut s: u64| {
+            let mut d = 0u32;
+            while let Some(Some(p)) = parents.get(&s) {
+                s = *p;
+                d += 1;
+            }
+            d
+        };
+        let shards = self.ix.shards().len() as u64;
+        // Blocks shallower than the replication depth live in every shard.
+        let want: u64 = model
+            .workers
+            .values()
+            .flat_map(|w| w.seqs.keys())
+            .map(|&s| {
+                if depth(s) < self.policy.depth() {
+                    shards
+                } else {
+                    1
+                }
+            })
+            .sum();
+        assert_eq!(self.ix.stats().entries, want);
+        for (k, w) in &model.workers {
+            assert_eq!(self.ix.cached_blocks(*k), w.dir.len() as u64);
+        }
+        assert!(self.ix.shards().iter().all(|s| s.inconsistencies() == 0));
+    }
+    fn is_back_to_empty(&self) -> bool {
+        let fresh = ShardedIndex::new(self.policy);
+        self.ix.stats() == fresh.stats()
+    }
+}
+
+fn check(ix: &dyn Indexer, model: &Model, q: &[SeqHash]) {
     assert_eq!(ix.find_matches(q), model.matches(q), "query {q:?}");
 }
 
-fn run(ops: Vec<Op>) {
-    let mut ix = KvIndex::new();
+fn run(mut ix: Box<dyn Indexer>, ops: Vec<Op>) {
     let mut model = Model::default();
     // seq -> parent seq, for every seq ever stored (a seq names its whole prefix).
     let mut parents: HashMap<u64, Option<u64>> = HashMap::new();
@@ -305,23 +419,11 @@ fn run(ops: Vec<Op>) {
                         q[i] = SeqHash(q[i].0 ^ 1);
                     }
                 }
-                check(&ix, &model, &q);
+                check(ix.as_ref(), &model, &q);
             }
         }
         // Invariants after every operation.
-        let stats = ix.stats();
-        let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
-        assert_eq!(stats.index.entries, entries as u64);
-        let distinct: HashSet<u64> = model
-            .workers
-            .values()
-            .flat_map(|w| w.seqs.keys().copied())
-            .collect();
-        assert_eq!(stats.index.blocks, distinct.len());
-        assert_eq!(stats.index.worker_keys, model.workers.len());
-        for (k, w) in &model.workers {
-            assert_eq!(ix.cached_blocks(*k), w.seqs.len() as u64);
-        }
+        ix.check_sizes(&model, &parents);
         assert_eq!(
             ix.rejects().get(RejectReason::UnknownParent),
             model.unknown_parent
@@ -339,7 +441,7 @@ fn run(ops: Vec<Op>) {
     for k in model.workers.keys() {
         ix.clear(*k);
     }
-    assert_eq!(ix.stats(), KvIndex::new().stats());
+    assert!(ix.is_back_to_empty());
 }
 
 fn chain_parent(
@@ -358,6 +460,16 @@ proptest! {
 
     #[test]
     fn index_equals_reference_model(ops in proptest::collection::vec(op(), 1..120)) {
-        run(ops);
+        run(Box::new(KvIndex::new()), ops);
+    }
+
+    #[test]
+    fn sharded_index_equals_reference_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        depth in 0u32..4,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        run(Box::new(Sharded { ix: ShardedIndex::new(policy), policy }), ops);
     }
 }

@@ -1,0 +1,100 @@
+//! One shard: a [`ShardIndex`] that applies operation batches and answers queries.
+//!
+//! # Invariants
+//! 1. A worker key has a slot in this shard iff it holds at least one entry here.
+//! 2. An operation that cannot apply (a removal of something this shard does not hold, or
+//!    a worker key beyond the slot space) changes nothing and is counted in
+//!    [`Shard::inconsistencies`]; with a correct ingest the count stays 0.
+//!
+//! # Concurrency
+//! Owned by its shard thread; nothing in it is shared.
+//!
+//! [`ShardIndex`]: crate::index::ShardIndex
+
+use super::ShardId;
+use super::ingest::{BlockOp, OpBatch};
+use crate::ids::{SeqHash, WorkerKey};
+use crate::index::{IndexStats, ShardIndex};
+use crate::matches::Matches;
+
+/// One shard's part of the index.
+#[derive(Debug)]
+pub struct Shard {
+    id: ShardId,
+    index: ShardIndex,
+    applied: u64,
+    inconsistencies: u64,
+}
+
+impl Shard {
+    /// An empty shard.
+    pub fn new(id: ShardId) -> Self {
+        Self {
+            id,
+            index: ShardIndex::new(),
+            applied: 0,
+            inconsistencies: 0,
+        }
+    }
+
+    /// This shard's number.
+    pub fn id(&self) -> ShardId {
+        self.id
+    }
+
+    /// Applies one batch.
+    pub fn apply(&mut self, batch: &OpBatch) {
+        match batch.op {
+            BlockOp::Add => self.add(batch.key, &batch.seqs),
+            BlockOp::Remove => self.remove(batch.key, &batch.seqs),
+        }
+    }
+
+    fn add(&mut self, key: WorkerKey, seqs: &[SeqHash]) {
+        let Ok(slot) = self.index.slots_mut().get_or_insert(key) else {
+            self.inconsistencies += seqs.len() as u64;
+            return;
+        };
+        for &s in seqs {
+            self.index.add(slot, s);
+        }
+        self.applied += seqs.len() as u64;
+    }
+
+    fn remove(&mut self, key: WorkerKey, seqs: &[SeqHash]) {
+        let Some(slot) = self.index.slots().get(key) else {
+            self.inconsistencies += seqs.len() as u64;
+            return;
+        };
+        for &s in seqs {
+            match self.index.remove(slot, s) {
+                Some(_) => self.applied += 1,
+                None => self.inconsistencies += 1,
+            }
+        }
+        if self.index.slots().blocks(slot) == 0 {
+            self.index.slots_mut().release(key);
+        }
+    }
+
+    /// Overlaps of `seqs` (the policy sent this query here, so this shard holds every
+    /// block of its path).
+    pub fn find_matches(&self, seqs: &[SeqHash]) -> Matches {
+        self.index.find_matches(seqs)
+    }
+
+    /// Block operations applied.
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// Operations that could not apply (see invariant 2).
+    pub fn inconsistencies(&self) -> u64 {
+        self.inconsistencies
+    }
+
+    /// Sizes and heap bytes.
+    pub fn stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+}
