@@ -58,6 +58,9 @@ pub enum EngineError {
     /// The worker key space of one index is exhausted.
     #[error("too many worker keys")]
     TooManyWorkers,
+    /// The sharded runtime has stopped (a shard thread is gone); nothing more can apply.
+    #[error("the runtime has stopped")]
+    RuntimeStopped,
     /// A parameter outside its documented range.
     #[error("invalid {name}: {reason}")]
     InvalidArgument {

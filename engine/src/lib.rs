@@ -14,6 +14,7 @@
 //! * [`approx`]: the index fed by routing decisions when workers publish no events.
 //! * [`sharding`]: splitting the index across shards (policy, ingest routing, shards).
 //! * [`ring`]: the bounded SPSC ring that threads use to talk to shards.
+//! * [`runtime`]: the thread-per-core runtime: shard threads, ingest and query handles.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -27,6 +28,7 @@ pub mod index;
 pub mod kv_index;
 pub mod matches;
 pub mod ring;
+pub mod runtime;
 pub mod sched;
 pub mod sharding;
 mod sync;

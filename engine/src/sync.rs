@@ -8,12 +8,12 @@
 #[cfg(kvengine_loom)]
 pub(crate) use loom::sync::Arc;
 #[cfg(kvengine_loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 
 #[cfg(not(kvengine_loom))]
 pub(crate) use std::sync::Arc;
 #[cfg(not(kvengine_loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 
 /// `UnsafeCell` with loom's closure-shaped API on both builds, so the code loom checks is
 /// the code that ships.

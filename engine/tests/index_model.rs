@@ -9,7 +9,9 @@
 
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::seq_hash;
+use engine::index::ShardIndex;
 use engine::kv_index::{Applied, KvIndex};
+use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig};
 use engine::sharding::fixed_depth::FixedDepth;
 use engine::sharding::sharded::ShardedIndex;
 use engine::{
@@ -17,6 +19,7 @@ use engine::{
     WorkerKey,
 };
 use proptest::prelude::*;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// One worker key in the model: engine hash -> (seq, copies), seq -> copies.
@@ -281,6 +284,110 @@ impl Indexer for Sharded {
     }
 }
 
+/// The threaded runtime: shard threads behind one ingest and one query handle.
+struct Threaded {
+    runtime: Option<Runtime>,
+    ingest: Option<IngestHandle<FixedDepth>>,
+    query: RefCell<Option<QueryHandle<FixedDepth>>>,
+    policy: FixedDepth,
+}
+
+impl Threaded {
+    fn start(policy: FixedDepth) -> Self {
+        let config = RuntimeConfig {
+            ring_capacity: 8,
+            pin_cores: false,
+            ingest_handles: 1,
+            query_handles: 1,
+        };
+        let mut st = engine::runtime::start(policy, config).unwrap();
+        Self {
+            runtime: Some(st.runtime),
+            ingest: st.ingest.pop(),
+            query: RefCell::new(st.query.pop()),
+            policy,
+        }
+    }
+
+    fn ingest(&mut self) -> &mut IngestHandle<FixedDepth> {
+        self.ingest.as_mut().unwrap()
+    }
+
+    fn shard_stats(&self) -> Vec<engine::runtime::ShardSummary> {
+        self.query
+            .borrow_mut()
+            .as_mut()
+            .unwrap()
+            .shard_stats()
+            .unwrap()
+    }
+}
+
+impl Drop for Threaded {
+    fn drop(&mut self) {
+        self.ingest = None;
+        self.query.borrow_mut().take();
+        if let Some(rt) = self.runtime.take() {
+            let summaries = rt.join().unwrap();
+            if !std::thread::panicking() {
+                assert!(summaries.iter().all(|s| s.inconsistencies == 0));
+            }
+        }
+    }
+}
+
+impl Indexer for Threaded {
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
+        let r = self.ingest().apply(key, ev);
+        self.ingest().sync().unwrap();
+        r
+    }
+    fn clear(&mut self, key: WorkerKey) -> usize {
+        let n = self.ingest().clear(key).unwrap();
+        self.ingest().sync().unwrap();
+        n
+    }
+    fn remove_worker(&mut self, w: WorkerId) -> usize {
+        let n = self.ingest().remove_worker(w).unwrap();
+        self.ingest().sync().unwrap();
+        n
+    }
+    fn find_matches(&self, q: &[SeqHash]) -> Matches {
+        self.query
+            .borrow_mut()
+            .as_mut()
+            .unwrap()
+            .find_matches(q)
+            .unwrap()
+    }
+    fn rejects(&self) -> &RejectCounts {
+        self.ingest.as_ref().unwrap().rejects()
+    }
+    fn check_sizes(&self, model: &Model, _: &Parents) {
+        for (k, w) in &model.workers {
+            assert_eq!(
+                self.ingest.as_ref().unwrap().cached_blocks(*k),
+                w.dir.len() as u64
+            );
+        }
+        let stats = self.shard_stats();
+        assert!(stats.iter().all(|s| s.inconsistencies == 0));
+        if self.policy.depth() == 0 {
+            // Nothing replicated: the shards' entries add up to the model's.
+            let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
+            assert_eq!(
+                stats.iter().map(|s| s.index.entries).sum::<u64>(),
+                entries as u64
+            );
+        }
+    }
+    fn is_back_to_empty(&self) -> bool {
+        let empty = ShardIndex::new().stats();
+        self.shard_stats().iter().all(|s| s.index == empty)
+            && self.ingest.as_ref().unwrap().directory_size() == (0, 0)
+    }
+}
+
 fn check(ix: &dyn Indexer, model: &Model, q: &[SeqHash]) {
     assert_eq!(ix.find_matches(q), model.matches(q), "query {q:?}");
 }
@@ -471,5 +578,36 @@ proptest! {
     ) {
         let policy = FixedDepth::new(shards, depth).unwrap();
         run(Box::new(Sharded { ix: ShardedIndex::new(policy), policy }), ops);
+    }
+}
+
+proptest! {
+    // Every case starts and joins real shard threads: fewer cases, same operations.
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn threaded_runtime_equals_reference_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        depth in 0u32..3,
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        run(Box::new(Threaded::start(policy)), ops);
+    }
+}
+
+proptest! {
+    // The same with many more cases; `#[ignore]`d (about a minute), run by CI explicitly.
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+    #[test]
+    #[ignore = "stress: run with --ignored (CI does)"]
+    fn threaded_runtime_equals_reference_model_stress(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        depth in 0u32..3,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        run(Box::new(Threaded::start(policy)), ops);
     }
 }

@@ -1,0 +1,179 @@
+//! The threaded runtime under real concurrency: several ingest and query threads at once,
+//! backpressure from tiny rings, and shutdown that loses nothing.
+
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::seq_hash;
+use engine::runtime::{RuntimeConfig, start};
+use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::sharded::ShardedIndex;
+use engine::{EngineHash, SeqHash, TokensHash, WorkerKey};
+
+/// Worker `w`'s events: 20 sequences of 12 blocks sharing a 3-block prompt (stored once),
+/// then the removal of every other sequence's tail.
+fn events(w: u64) -> (Vec<(WorkerKey, KvEvent)>, Vec<Vec<SeqHash>>) {
+    let key = WorkerKey::new(w, (w % 2) as u32);
+    let mut out = vec![];
+    let mut queries = vec![];
+    let chain = |parent: Option<SeqHash>, ids: &[u64]| {
+        let mut prev = parent;
+        let mut blocks = vec![];
+        let mut seqs = vec![];
+        for &t in ids {
+            let s = seq_hash(prev, TokensHash(t));
+            blocks.push(StoredBlock {
+                engine_hash: EngineHash(s.0 ^ w),
+                tokens_hash: TokensHash(t),
+            });
+            seqs.push(s);
+            prev = Some(s);
+        }
+        (blocks, seqs)
+    };
+    let (prompt, prompt_seqs) = chain(None, &[1, 2, 3]);
+    out.push((
+        key,
+        KvEvent::Stored {
+            parent: None,
+            blocks: prompt,
+        },
+    ));
+    let last = prompt_seqs[2];
+    for i in 0..20u64 {
+        let ids: Vec<u64> = (0..9).map(|j| 1000 * (w + 1) + 10 * i + j).collect();
+        let (tail, tail_seqs) = chain(Some(last), &ids);
+        let parent = Some(EngineHash(last.0 ^ w));
+        out.push((
+            key,
+            KvEvent::Stored {
+                parent,
+                blocks: tail.clone(),
+            },
+        ));
+        let mut q = prompt_seqs.clone();
+        q.extend(&tail_seqs);
+        queries.push(q);
+        if i % 2 == 0 {
+            let blocks = tail.iter().map(|b| b.engine_hash).collect();
+            out.push((key, KvEvent::Removed { blocks }));
+        }
+    }
+    (out, queries)
+}
+
+#[test]
+fn concurrent_ingest_and_queries_end_where_one_thread_does() {
+    for (shards, depth) in [(1, 0), (2, 3), (3, 1), (8, 3)] {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        let config = RuntimeConfig {
+            ring_capacity: 4,
+            pin_cores: false,
+            ingest_handles: 2,
+            query_handles: 2,
+        };
+        let st = start(policy, config).unwrap();
+        let mut reference = ShardedIndex::new(policy);
+        let mut all_queries = vec![];
+        let mut per_ingest: Vec<Vec<(WorkerKey, KvEvent)>> = vec![vec![], vec![]];
+        for w in 0..6u64 {
+            let (ev, q) = events(w);
+            for (k, e) in &ev {
+                reference.apply(*k, e).unwrap();
+            }
+            per_ingest[(w % 2) as usize].extend(ev);
+            all_queries.extend(q);
+        }
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut ingest_threads = vec![];
+        for (mut h, evs) in st.ingest.into_iter().zip(per_ingest) {
+            ingest_threads.push(std::thread::spawn(move || {
+                for (k, e) in &evs {
+                    h.apply(*k, e).unwrap();
+                }
+                h.sync().unwrap();
+                h
+            }));
+        }
+        let mut query_threads = vec![];
+        for mut h in st.query {
+            let qs = all_queries.clone();
+            let stop = stop.clone();
+            query_threads.push(std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) || n == 0 {
+                    for q in &qs {
+                        let m = h.find_matches(q).unwrap();
+                        assert!(m.best() as usize <= q.len());
+                        n += 1;
+                    }
+                }
+                h
+            }));
+        }
+        let ingest: Vec<_> = ingest_threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut query: Vec<_> = query_threads
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect();
+        // Both ingest handles synced: every answer now equals the single-threaded engine's.
+        for q in &all_queries {
+            assert_eq!(
+                query[0].find_matches(q).unwrap(),
+                reference.find_matches(q),
+                "{shards} shards"
+            );
+        }
+        let stats = query[1].shard_stats().unwrap();
+        let applied: u64 = stats.iter().map(|s| s.applied).sum();
+        let want: u64 = reference.shards().iter().map(|s| s.applied()).sum();
+        assert_eq!(applied, want);
+        drop(ingest);
+        drop(query);
+        let summaries = st.runtime.join().unwrap();
+        assert_eq!(summaries.len(), shards);
+        assert!(summaries.iter().all(|s| s.inconsistencies == 0));
+    }
+}
+
+#[test]
+fn shutdown_drains_everything_sent() {
+    let policy = FixedDepth::new(2, 0).unwrap();
+    let config = RuntimeConfig {
+        ring_capacity: 2,
+        pin_cores: false,
+        ingest_handles: 1,
+        query_handles: 0,
+    };
+    let mut st = start(policy, config).unwrap();
+    let mut h = st.ingest.pop().unwrap();
+    let mut sent = 0u64;
+    for w in 0..4 {
+        for (k, e) in events(w).0 {
+            sent += h.apply(k, &e).unwrap().blocks as u64;
+        }
+    }
+    // No sync: flush and drop; the shards must still apply every operation before exiting.
+    h.flush().unwrap();
+    drop(h);
+    let summaries = st.runtime.join().unwrap();
+    assert_eq!(summaries.iter().map(|s| s.applied).sum::<u64>(), sent);
+}
+
+#[test]
+fn bad_configurations_are_refused() {
+    let policy = FixedDepth::new(2, 0).unwrap();
+    let none = RuntimeConfig {
+        ingest_handles: 0,
+        query_handles: 0,
+        ..RuntimeConfig::default()
+    };
+    assert!(start(policy, none).is_err());
+    let empty_ring = RuntimeConfig {
+        ring_capacity: 0,
+        ..RuntimeConfig::default()
+    };
+    assert!(start(policy, empty_ring).is_err());
+}
