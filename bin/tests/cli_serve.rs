@@ -1,0 +1,71 @@
+//! `kvengine --cores N` starts the shards, stays up, and stops cleanly on a signal.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bool) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut text = String::new();
+    // Wait until it says it is up and waiting.
+    loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "exited early: {text}"
+        );
+        text.push_str(&line);
+        if line.contains("Ctrl-C stops") {
+            break;
+        }
+    }
+    // Still running: it stays up.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "kvengine did not stay up"
+    );
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    text.push_str(&rest);
+    let ok = child.wait().unwrap().success();
+    (text, ok)
+}
+
+#[test]
+fn serves_until_sigint_with_cores_flag() {
+    let (out, ok) = serve_until("-INT", &["--cores", "3", "--no-pin"], &[]);
+    assert!(ok, "{out}");
+    assert!(out.contains("3 shard thread(s) up"), "{out}");
+    assert_eq!(out.matches("applied 0 block ops").count(), 3, "{out}");
+    assert!(out.contains("kvengine: stopped"), "{out}");
+}
+
+#[test]
+fn serves_until_sigterm_with_env_vars() {
+    let env = [("KVENGINE_CORES", "2"), ("KVENGINE_REPLICATE_DEPTH", "8")];
+    let (out, ok) = serve_until("-TERM", &["serve"], &env);
+    assert!(ok, "{out}");
+    assert!(out.contains("2 shard thread(s) up"), "{out}");
+    assert!(out.contains("replicate depth 8 blocks"), "{out}");
+}
+
+#[test]
+fn bad_cores_exit_non_zero() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args(["--cores", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--cores"));
+}
