@@ -1,4 +1,44 @@
-//! kvengine's end-to-end workload harness.
+//! kvengine's end-to-end workload harness: `kvengine bench indexer`.
 //!
-//! Empty until issue 3 (the sharded runtime) gives it something end to end to drive. The
-//! micro-benchmarks of the engine live next to it, in `engine/benches/`.
+//! It generates indexer workloads defined exactly like NVIDIA Dynamo's indexer benchmark
+//! (issue 3), plus Mooncake trace replay, pre-generates every event and query, drives any
+//! indexer through the [`driver::IndexerUnderTest`] trait phase by phase, and writes the
+//! figures as JSON. The engine's micro-benchmarks live next to it, in `engine/benches/`.
+//!
+//! * [`workload`]: the workloads ([`workload::Plan::generate`]).
+//! * [`driver`]: the trait the harness drives, and its single-threaded implementations.
+//! * [`harness`]: the phases and their measurement ([`harness::run`]).
+//! * [`report`]: the JSON report.
+//! * [`args`]: the command-line flags, for the CLI to flatten.
+//!
+//! ```no_run
+//! use kvengine_benches::driver::kv_index::KvIndexUnderTest;
+//! use kvengine_benches::harness::{RunOptions, run};
+//! use kvengine_benches::workload::{Plan, WorkloadSpec};
+//!
+//! let plan = Plan::generate(&WorkloadSpec::default())?;
+//! let report = run(&mut KvIndexUnderTest::new(), &plan, &RunOptions::default())?;
+//! println!("{}", serde_json::to_string_pretty(&report)?);
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+//!
+//! # Invariants
+//! 1. Nothing is generated, hashed or allocated for the workload inside a timed window
+//!    (workload invariant 1); timed windows contain only indexer calls.
+//! 2. A run checks itself: entry counts after build, every quiet-index query's best
+//!    overlap, and an empty index at the end ([`report::Checks`]).
+
+pub mod args;
+pub mod driver;
+pub mod harness;
+pub mod report;
+pub mod workload;
+
+use anyhow::{Context, Result};
+use std::path::Path;
+
+/// Writes `report` as pretty JSON to `path`.
+pub fn write_json(report: &report::Report, path: &Path) -> Result<()> {
+    let text = serde_json::to_string_pretty(report)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}

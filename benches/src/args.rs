@@ -1,0 +1,148 @@
+//! The flags of `kvengine bench indexer`, for the CLI to flatten into its subcommand.
+//!
+//! Every flag can also be set from a `KVENGINE_BENCH_*` environment variable (the flag's
+//! name, upper-cased, dashes as underscores); a flag on the command line wins.
+//!
+//! # Invariants
+//! 1. The defaults are issue 3's (NVIDIA Dynamo's indexer benchmark): size 1,048,576,
+//!    depth 128, 128 workers, block size 16, prefix ratio 0.25, 4 prefix groups.
+//! 2. [`IndexerArgs::spec`] and [`IndexerArgs::run_options`] only copy and convert; every
+//!    range check lives in [`WorkloadSpec::validate`] so the library refuses the same
+//!    inputs whoever builds the spec.
+
+use crate::driver::sharded::DEFAULT_REPLICATE_DEPTH;
+use crate::driver::{IndexerUnderTest, MixedPlan};
+use crate::harness::RunOptions;
+use crate::workload::{TraceAssign, TraceSpec, WorkloadKind, WorkloadSpec};
+use anyhow::{Result, bail};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Flags of the indexer benchmark.
+#[derive(clap::Args, Clone, Debug)]
+pub struct IndexerArgs {
+    /// Named workload: uniform (prefix ratio 0), dynamo (the defaults), shared-prefix
+    /// (one prefix group), trace (a Mooncake JSONL file, see --trace).
+    #[arg(long, value_enum, default_value_t = WorkloadKind::Dynamo, env = "KVENGINE_BENCH_WORKLOAD")]
+    pub workload: WorkloadKind,
+    /// Mooncake-format JSONL trace, for --workload trace.
+    #[arg(long, env = "KVENGINE_BENCH_TRACE")]
+    pub trace: Option<PathBuf>,
+    /// (worker, block) pairs the sequences describe: size / depth sequences. For traces,
+    /// size / workers is each simulated worker's cache capacity in blocks.
+    #[arg(long, default_value_t = 1 << 20, env = "KVENGINE_BENCH_SIZE")]
+    pub size: usize,
+    /// Blocks per sequence.
+    #[arg(long, default_value_t = 128, env = "KVENGINE_BENCH_DEPTH")]
+    pub depth: usize,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 128, env = "KVENGINE_BENCH_WORKERS")]
+    pub workers: u64,
+    /// Tokens per block.
+    #[arg(long, default_value_t = engine::hash::DEFAULT_BLOCK_SIZE, env = "KVENGINE_BENCH_BLOCK_SIZE")]
+    pub block_size: usize,
+    /// Share of each sequence that is a common prompt (uniform forces 0).
+    #[arg(long, default_value_t = 0.25, env = "KVENGINE_BENCH_PREFIX_RATIO")]
+    pub prefix_ratio: f64,
+    /// Distinct common prompts (shared-prefix forces 1).
+    #[arg(long, default_value_t = 4, env = "KVENGINE_BENCH_PREFIX_GROUPS")]
+    pub prefix_groups: u64,
+    /// Seed of every random choice.
+    #[arg(long, default_value_t = 42, env = "KVENGINE_BENCH_SEED")]
+    pub seed: u64,
+    /// Queries per query phase, and per mixed-phase query thread.
+    #[arg(long, default_value_t = 100_000, env = "KVENGINE_BENCH_QUERIES")]
+    pub queries: usize,
+    /// Producer threads (event streams; workers are split among them).
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_PRODUCERS")]
+    pub producers: usize,
+    /// Query threads in the mixed phase.
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_QUERY_THREADS")]
+    pub query_threads: usize,
+    /// Shards / cores of the indexer under test.
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES")]
+    pub cores: usize,
+    /// Sharded indexers: blocks shallower than this are replicated in every shard.
+    #[arg(long, default_value_t = DEFAULT_REPLICATE_DEPTH, env = "KVENGINE_BENCH_REPLICATE_DEPTH")]
+    pub replicate_depth: u32,
+    /// Repeat the mixed phase (in round pairs) until this many seconds have passed; 0 runs
+    /// one pair.
+    #[arg(long, default_value_t = 0.0, env = "KVENGINE_BENCH_DURATION_S")]
+    pub duration_s: f64,
+    /// Single-threaded indexers: events between two queries in the mixed phase.
+    #[arg(long, default_value_t = 2, env = "KVENGINE_BENCH_EVENTS_PER_QUERY")]
+    pub events_per_query: usize,
+    /// Trace replay: how requests are assigned to workers.
+    #[arg(long, value_enum, default_value_t = TraceAssign::RoundRobin, env = "KVENGINE_BENCH_TRACE_ASSIGN")]
+    pub trace_assign: TraceAssign,
+    /// Trace replay: blocks each worker caches before it evicts (default size / workers).
+    #[arg(long, env = "KVENGINE_BENCH_TRACE_CAPACITY")]
+    pub trace_capacity: Option<usize>,
+    /// Write the JSON report here.
+    #[arg(long, env = "KVENGINE_BENCH_JSON")]
+    pub json: Option<PathBuf>,
+    /// No per-phase progress lines on stderr.
+    #[arg(long, env = "KVENGINE_BENCH_QUIET")]
+    pub quiet: bool,
+}
+
+impl IndexerArgs {
+    /// The workload these flags describe (named overrides are applied by the plan).
+    pub fn spec(&self) -> WorkloadSpec {
+        WorkloadSpec {
+            kind: self.workload,
+            size: self.size,
+            depth: self.depth,
+            workers: self.workers,
+            block_size: self.block_size,
+            prefix_ratio: self.prefix_ratio,
+            prefix_groups: self.prefix_groups,
+            seed: self.seed,
+            queries: self.queries,
+            producers: self.producers,
+            query_threads: self.query_threads,
+            trace: self.trace.clone().map(|path| TraceSpec {
+                path,
+                assign: self.trace_assign,
+                capacity: self.trace_capacity,
+            }),
+        }
+    }
+
+    /// How to run the plan.
+    pub fn run_options(&self) -> Result<RunOptions> {
+        let Ok(duration) = Duration::try_from_secs_f64(self.duration_s) else {
+            bail!("--duration-s must be a non-negative number of seconds");
+        };
+        Ok(RunOptions {
+            duration,
+            mixed: MixedPlan::with_events_per_query(self.events_per_query),
+            progress: !self.quiet,
+        })
+    }
+}
+
+/// The single-threaded indexers this crate can drive on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Baseline {
+    /// The one-shard `KvIndex` (requires --cores 1).
+    KvIndex,
+    /// `ShardedIndex` with the fixed-depth policy, --cores shards in one thread.
+    Sharded,
+}
+
+impl Baseline {
+    /// The indexer, sized by `args`.
+    pub fn build(self, args: &IndexerArgs) -> Result<Box<dyn IndexerUnderTest>> {
+        Ok(match self {
+            Self::KvIndex if args.cores != 1 => {
+                bail!("--indexer kv-index is one shard: use --cores 1, or --indexer sharded")
+            }
+            Self::KvIndex => Box::new(crate::driver::kv_index::KvIndexUnderTest::new()),
+            Self::Sharded => Box::new(crate::driver::sharded::ShardedUnderTest::new(
+                args.cores,
+                args.replicate_depth,
+            )?),
+        })
+    }
+}

@@ -1,0 +1,90 @@
+//! [`IndexerUnderTest`] for the one-shard [`KvIndex`]: the single-threaded baseline.
+//!
+//! # Invariants
+//! 1. `applied` counts block copies added or dropped, so `shard_ops` is comparable with
+//!    the sharded implementations' per-shard counts.
+//! 2. A refused event or a removal of an unheld block adds to `anomalies` (driver
+//!    invariant 3); the index itself counts the same refusals in `rejects()`.
+
+use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, StepIndexer, apply_streams};
+use crate::workload::{EventStream, Query};
+use anyhow::Result;
+use engine::event::KvEvent;
+use engine::kv_index::KvIndex;
+use engine::{Matches, SeqHash, WorkerKey};
+
+/// The one-shard index, driven in the caller's thread.
+#[derive(Debug, Default)]
+pub struct KvIndexUnderTest {
+    index: KvIndex,
+    applied: u64,
+    anomalies: u64,
+}
+
+impl KvIndexUnderTest {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The index (for checks after a run).
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+}
+
+impl StepIndexer for KvIndexUnderTest {
+    #[inline]
+    fn apply_one(&mut self, key: WorkerKey, event: &KvEvent) {
+        match self.index.apply(key, event) {
+            Ok(a) => {
+                self.applied += a.blocks as u64;
+                self.anomalies += a.unknown as u64;
+            }
+            Err(_) => self.anomalies += 1,
+        }
+    }
+
+    #[inline]
+    fn query_one(&self, seqs: &[SeqHash]) -> Matches {
+        self.index.find_matches(seqs)
+    }
+}
+
+impl IndexerUnderTest for KvIndexUnderTest {
+    fn name(&self) -> String {
+        "kv-index".to_owned()
+    }
+
+    fn cores(&self) -> usize {
+        1
+    }
+
+    fn apply_all(&mut self, streams: &[EventStream]) -> Result<()> {
+        apply_streams(self, streams);
+        Ok(())
+    }
+
+    fn query(&mut self, seqs: &[SeqHash]) -> Result<Matches> {
+        Ok(self.query_one(seqs))
+    }
+
+    fn mixed(
+        &mut self,
+        streams: &[EventStream],
+        queries: &[Vec<Query>],
+        plan: &MixedPlan,
+    ) -> Result<MixedOutcome> {
+        Ok(super::interleaved_mixed(self, streams, queries, plan))
+    }
+
+    fn stats(&mut self) -> Result<IndexerStats> {
+        let st = self.index.stats();
+        Ok(IndexerStats {
+            live_entries: st.index.entries,
+            bytes: st.bytes,
+            shard_ops: vec![self.applied],
+            anomalies: self.anomalies,
+        })
+    }
+}

@@ -1,0 +1,110 @@
+//! [`IndexerUnderTest`] for [`ShardedIndex`] with the [`FixedDepth`] policy: N shards
+//! behind one ingest, all in the caller's thread.
+//!
+//! It measures what sharding costs and how evenly a workload spreads (`shard_ops` from
+//! [`Shard::applied`]), not parallel speed-up: `cores` reports the shard count, but one
+//! thread does all the work.
+//!
+//! # Invariants
+//! 1. `live_entries` counts each (block, worker) pair once (the ingest directories'
+//!    engine hashes), however many shards replicate the block; `bytes` adds every shard's
+//!    index and the directories, so `bytes / live_entries` includes replication's cost.
+//! 2. A refused event, a removal of an unheld block, or a shard inconsistency adds to
+//!    `anomalies` (driver invariant 3).
+//!
+//! [`Shard::applied`]: engine::sharding::shard::Shard::applied
+
+use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, StepIndexer, apply_streams};
+use crate::workload::{EventStream, Query};
+use anyhow::Result;
+use engine::event::KvEvent;
+use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::sharded::ShardedIndex;
+use engine::{Matches, SeqHash, WorkerKey};
+
+/// Blocks shallower than this are replicated in every shard by default: a 512-token
+/// system prompt at block size 16, and the common prompt of the `dynamo` workload.
+pub const DEFAULT_REPLICATE_DEPTH: u32 = 32;
+
+/// The sharded index, single-threaded.
+#[derive(Debug)]
+pub struct ShardedUnderTest {
+    index: ShardedIndex<FixedDepth>,
+    replicate_depth: u32,
+    anomalies: u64,
+}
+
+impl ShardedUnderTest {
+    /// `shards` shards; blocks at depth `< replicate_depth` in every shard.
+    pub fn new(shards: usize, replicate_depth: u32) -> Result<Self> {
+        let policy = FixedDepth::new(shards, replicate_depth)?;
+        Ok(Self {
+            index: ShardedIndex::new(policy),
+            replicate_depth,
+            anomalies: 0,
+        })
+    }
+
+    /// The index (for checks after a run).
+    pub fn index(&self) -> &ShardedIndex<FixedDepth> {
+        &self.index
+    }
+}
+
+impl StepIndexer for ShardedUnderTest {
+    #[inline]
+    fn apply_one(&mut self, key: WorkerKey, event: &KvEvent) {
+        match self.index.apply(key, event) {
+            Ok(a) => self.anomalies += a.unknown as u64,
+            Err(_) => self.anomalies += 1,
+        }
+    }
+
+    #[inline]
+    fn query_one(&self, seqs: &[SeqHash]) -> Matches {
+        self.index.find_matches(seqs)
+    }
+}
+
+impl IndexerUnderTest for ShardedUnderTest {
+    fn name(&self) -> String {
+        format!(
+            "sharded-st(shards={}, replicate_depth={})",
+            self.index.shards().len(),
+            self.replicate_depth
+        )
+    }
+
+    fn cores(&self) -> usize {
+        self.index.shards().len()
+    }
+
+    fn apply_all(&mut self, streams: &[EventStream]) -> Result<()> {
+        apply_streams(self, streams);
+        Ok(())
+    }
+
+    fn query(&mut self, seqs: &[SeqHash]) -> Result<Matches> {
+        Ok(self.query_one(seqs))
+    }
+
+    fn mixed(
+        &mut self,
+        streams: &[EventStream],
+        queries: &[Vec<Query>],
+        plan: &MixedPlan,
+    ) -> Result<MixedOutcome> {
+        Ok(super::interleaved_mixed(self, streams, queries, plan))
+    }
+
+    fn stats(&mut self) -> Result<IndexerStats> {
+        let st = self.index.stats();
+        let shards = self.index.shards();
+        Ok(IndexerStats {
+            live_entries: st.directory_entries as u64,
+            bytes: st.index_bytes + st.directory_bytes,
+            shard_ops: shards.iter().map(|s| s.applied()).collect(),
+            anomalies: self.anomalies + shards.iter().map(|s| s.inconsistencies()).sum::<u64>(),
+        })
+    }
+}
