@@ -122,9 +122,12 @@ impl IndexerArgs {
     }
 }
 
-/// The single-threaded indexers this crate can drive on its own.
+/// The indexers this crate can drive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Baseline {
+    /// The threaded runtime: --cores pinned shard threads, --producers ingest threads,
+    /// --query-threads query threads.
+    Runtime,
     /// The one-shard `KvIndex` (requires --cores 1).
     KvIndex,
     /// `ShardedIndex` with the fixed-depth policy, --cores shards in one thread.
@@ -142,6 +145,13 @@ impl Baseline {
             Self::Sharded => Box::new(crate::driver::sharded::ShardedUnderTest::new(
                 args.cores,
                 args.replicate_depth,
+            )?),
+            Self::Runtime => Box::new(crate::driver::runtime::RuntimeUnderTest::new(
+                args.cores,
+                args.replicate_depth,
+                args.producers,
+                args.query_threads,
+                true,
             )?),
         })
     }

@@ -3,11 +3,13 @@
 //! * `kvengine [--cores N]` (or `kvengine serve`): start the sharded engine and stay up
 //!   until SIGINT/SIGTERM (transports attach in later issues).
 //! * `kvengine demo`: KV-aware routing on a simulated cluster (see `demo.rs`).
+//! * `kvengine bench indexer`: the indexer benchmark (see `bench.rs`).
 //!
 //! # Invariants
 //! 1. Every flag can also be set by a `KVENGINE_*` environment variable; the flag wins.
 //! 2. A bad flag exits non-zero with a message naming it.
 
+mod bench;
 mod demo;
 mod serve;
 
@@ -42,6 +44,9 @@ enum Command {
     /// Route a workload over simulated GPU workers with each routing mode and compare the
     /// prefix-cache hit rates (no cluster, GPU or data file needed).
     Demo(demo::DemoArgs),
+    /// Benchmarks (`kvengine bench indexer`).
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +55,7 @@ fn main() -> ExitCode {
         None => serve::run(&cli.serve),
         Some(Command::Serve(args)) => serve::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
+        Some(Command::Bench(cmd)) => bench::run_bench(&cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,6 +10,8 @@
 //! * [`kv_index::KvIndexUnderTest`]: the one-shard [`engine::kv_index::KvIndex`] (1 core).
 //! * [`sharded::ShardedUnderTest`]: [`engine::sharding::sharded::ShardedIndex`] with the
 //!   fixed-depth policy, N shards in one thread (for `shard_balance`; `cores` = shards).
+//! * [`runtime::RuntimeUnderTest`]: the threaded runtime, N pinned shard threads fed by
+//!   producer threads over SPSC rings (`cores` = shard threads).
 //!
 //! # Invariants (every implementation MUST keep them)
 //! 1. When `apply_all` or `mixed` returns `Ok`, every event of every stream has been
@@ -27,6 +29,7 @@
 //! events applied, all queries answered) when the call returns.
 
 pub mod kv_index;
+pub mod runtime;
 pub mod sharded;
 
 use crate::workload::{EventStream, Query};

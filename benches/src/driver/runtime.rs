@@ -1,0 +1,221 @@
+//! [`IndexerUnderTest`] for the threaded runtime ([`engine::runtime`]): shard threads behind
+//! one ingest handle per producer thread and one query handle per query thread.
+//!
+//! `cores` is the number of shard threads. The producer and query threads the harness
+//! drives run beside them (on a machine with as many cores as shards they share cores with
+//! the shards; the report states the thread counts).
+//!
+//! # Invariants
+//! 1. Producer `i` owns ingest handle `i` (and so the directories of the workers in stream
+//!    `i`); `apply_all` and `mixed` return only after every handle has synced, so every
+//!    event is applied and visible to the next query (driver invariant 1).
+//! 2. Query handle 0 serves the harness's own single queries and `stats`; mixed-phase query
+//!    thread `t` uses handle `t + 1`.
+//! 3. Dropping the driver closes every handle and joins the shards.
+
+use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, latency_histogram};
+use crate::workload::{EventStream, Query};
+use anyhow::{Context, Result, bail};
+use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig, start};
+use engine::sharding::fixed_depth::FixedDepth;
+use engine::{Matches, SeqHash};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// The runtime with its handles.
+#[derive(Debug)]
+pub struct RuntimeUnderTest {
+    runtime: Option<Runtime>,
+    ingest: Vec<IngestHandle<FixedDepth>>,
+    query: Vec<QueryHandle<FixedDepth>>,
+    shards: usize,
+    replicate_depth: u32,
+    anomalies: u64,
+}
+
+impl RuntimeUnderTest {
+    /// `shards` shard threads (pinned if `pin`), `producers` ingest handles and
+    /// `query_threads` mixed-phase query handles.
+    pub fn new(
+        shards: usize,
+        replicate_depth: u32,
+        producers: usize,
+        query_threads: usize,
+        pin: bool,
+    ) -> Result<Self> {
+        let policy = FixedDepth::new(shards, replicate_depth)?;
+        let config = RuntimeConfig {
+            ring_capacity: 256,
+            pin_cores: pin,
+            ingest_handles: producers.max(1),
+            query_handles: query_threads + 1,
+        };
+        let st = start(policy, config).context("starting the runtime")?;
+        Ok(Self {
+            runtime: Some(st.runtime),
+            ingest: st.ingest,
+            query: st.query,
+            shards,
+            replicate_depth,
+            anomalies: 0,
+        })
+    }
+
+    /// Runs one producer thread per stream; returns the anomalies they saw.
+    fn produce(
+        handles: &mut [IngestHandle<FixedDepth>],
+        streams: &[EventStream],
+        done: &AtomicBool,
+    ) -> Result<u64> {
+        if streams.len() > handles.len() {
+            bail!(
+                "{} streams but {} ingest handles",
+                streams.len(),
+                handles.len()
+            );
+        }
+        std::thread::scope(|s| {
+            let threads: Vec<_> = handles
+                .iter_mut()
+                .zip(streams)
+                .map(|(h, stream)| {
+                    s.spawn(move || -> Result<u64> {
+                        let mut anomalies = 0u64;
+                        for (key, ev) in stream.iter() {
+                            match h.apply(*key, ev) {
+                                Ok(a) => anomalies += a.unknown as u64,
+                                Err(engine::EngineError::RuntimeStopped) => {
+                                    bail!("the runtime stopped")
+                                }
+                                Err(_) => anomalies += 1,
+                            }
+                        }
+                        h.sync()?;
+                        Ok(anomalies)
+                    })
+                })
+                .collect();
+            let mut total = 0u64;
+            let mut first_err = None;
+            for t in threads {
+                match t.join() {
+                    Ok(Ok(n)) => total += n,
+                    Ok(Err(e)) => first_err = first_err.or(Some(e)),
+                    Err(_) => {
+                        first_err = first_err.or(Some(anyhow::anyhow!("a producer panicked")))
+                    }
+                }
+            }
+            done.store(true, Ordering::Release);
+            match first_err {
+                Some(e) => Err(e),
+                None => Ok(total),
+            }
+        })
+    }
+}
+
+impl IndexerUnderTest for RuntimeUnderTest {
+    fn name(&self) -> String {
+        format!(
+            "runtime(shards={}, replicate_depth={}, producers={}, query_threads={})",
+            self.shards,
+            self.replicate_depth,
+            self.ingest.len(),
+            self.query.len().saturating_sub(1)
+        )
+    }
+
+    fn cores(&self) -> usize {
+        self.shards
+    }
+
+    fn apply_all(&mut self, streams: &[EventStream]) -> Result<()> {
+        let done = AtomicBool::new(false);
+        self.anomalies += Self::produce(&mut self.ingest, streams, &done)?;
+        Ok(())
+    }
+
+    fn query(&mut self, seqs: &[SeqHash]) -> Result<Matches> {
+        let q = self.query.first_mut().context("no query handle")?;
+        Ok(q.find_matches(seqs)?)
+    }
+
+    fn mixed(
+        &mut self,
+        streams: &[EventStream],
+        queries: &[Vec<Query>],
+        _plan: &MixedPlan,
+    ) -> Result<MixedOutcome> {
+        let done = AtomicBool::new(false);
+        let start = Instant::now();
+        let (query_handles, ingest) = (&mut self.query, &mut self.ingest);
+        let (produced, hist) = std::thread::scope(|s| -> Result<_> {
+            let done = &done;
+            let query_threads: Vec<_> = query_handles
+                .iter_mut()
+                .skip(1)
+                .zip(queries)
+                .filter(|(_, list)| !list.is_empty())
+                .map(|(h, list)| {
+                    s.spawn(move || -> Result<_> {
+                        let mut hist = latency_histogram();
+                        let mut i = 0usize;
+                        while !done.load(Ordering::Acquire) {
+                            let Some(q) = list.get(i % list.len()) else {
+                                break;
+                            };
+                            i += 1;
+                            let t = Instant::now();
+                            black_box(h.find_matches(q)?);
+                            hist.saturating_record(t.elapsed().as_nanos() as u64);
+                        }
+                        Ok(hist)
+                    })
+                })
+                .collect();
+            let produced = Self::produce(ingest, streams, done);
+            let elapsed = start.elapsed();
+            let mut hist = latency_histogram();
+            for t in query_threads {
+                let h = t
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("a query thread panicked"))??;
+                hist.add(&h).context("merging latencies")?;
+            }
+            Ok(((produced?, elapsed), hist))
+        })?;
+        self.anomalies += produced.0;
+        Ok(MixedOutcome {
+            elapsed: produced.1,
+            latencies_ns: hist,
+        })
+    }
+
+    fn stats(&mut self) -> Result<IndexerStats> {
+        let q = self.query.first_mut().context("no query handle")?;
+        let shards = q.shard_stats()?;
+        let (entries, dir_bytes) = self
+            .ingest
+            .iter()
+            .map(|h| h.directory_size())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        Ok(IndexerStats {
+            live_entries: entries as u64,
+            bytes: dir_bytes + shards.iter().map(|s| s.index.bytes).sum::<usize>(),
+            shard_ops: shards.iter().map(|s| s.applied).collect(),
+            anomalies: self.anomalies + shards.iter().map(|s| s.inconsistencies).sum::<u64>(),
+        })
+    }
+}
+
+impl Drop for RuntimeUnderTest {
+    fn drop(&mut self) {
+        self.ingest.clear();
+        self.query.clear();
+        if let Some(rt) = self.runtime.take() {
+            let _ = rt.join();
+        }
+    }
+}
