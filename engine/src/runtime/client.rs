@@ -22,8 +22,10 @@ use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::{ShardId, ShardPolicy};
 use std::sync::Arc;
 
-/// Block operations buffered before an ingest handle sends them on its own.
-const FLUSH_OPS: usize = 4096;
+/// Block operations buffered before an ingest handle sends them on its own: large enough
+/// to amortise a ring transfer, small enough (tens of microseconds of shard work) that a
+/// query queued behind it is not held up long.
+const FLUSH_OPS: usize = 1024;
 /// Polls of an empty reply ring before the waiting client starts yielding its core.
 const SPINS_BEFORE_YIELD: u32 = 1 << 12;
 

@@ -133,6 +133,7 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
             replies,
             waker: wakers.get(s).cloned().unwrap_or_default(),
             pinned_core: core.map(|c| c.id),
+            ingest_clients: config.ingest_handles,
         };
         let handle = std::thread::Builder::new()
             .name(format!("kvengine-shard-{s}"))

@@ -3,8 +3,9 @@
 //! # Invariants
 //! 1. Messages of one client are handled in the order the client sent them, so a client's
 //!    `Sync(n)` is answered only after everything it sent before is applied.
-//! 2. Clients are served round-robin, at most [`BURST`] messages each per round, so one busy
-//!    ingest cannot starve a query.
+//! 2. Clients are served round-robin: query clients first, up to [`QUERY_BURST`] messages
+//!    each, then ingest clients, up to [`INGEST_BURST`] each. An ingest message carries up to
+//!    a few thousand block operations, so a query waits behind at most a couple of them.
 //! 3. The thread exits only when every inbox is closed and drained: nothing a client sent
 //!    is lost on shutdown.
 //! 4. A panic in this thread aborts the process (a shard that died would otherwise leave
@@ -21,8 +22,11 @@ use crate::sharding::shard::Shard;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Messages taken from one client before moving to the next.
-const BURST: usize = 64;
+/// Messages taken from one query client before moving to the next (each is one query).
+const QUERY_BURST: usize = 64;
+/// Messages taken from one ingest client before moving to the next (each is an operation
+/// batch of up to `FLUSH_OPS` blocks, see `client.rs`).
+const INGEST_BURST: usize = 2;
 /// Idle rounds spent spinning, then yielding, before parking.
 const SPIN_ROUNDS: u32 = 2_000;
 const YIELD_ROUNDS: u32 = 2_100;
@@ -50,6 +54,8 @@ pub(crate) struct ShardThread {
     pub replies: Vec<Producer<FromShard>>,
     pub waker: Arc<Waker>,
     pub pinned_core: Option<usize>,
+    /// Inboxes `0..ingest_clients` belong to ingest handles, the rest to query handles.
+    pub ingest_clients: usize,
 }
 
 impl ShardThread {
@@ -61,8 +67,13 @@ impl ShardThread {
         let mut idle = 0u32;
         loop {
             let mut progressed = false;
-            for (i, inbox) in self.inboxes.iter_mut().enumerate() {
-                for _ in 0..BURST {
+            let ingest = self.ingest_clients;
+            let n = self.inboxes.len();
+            // Query clients first, then ingest clients.
+            for i in (ingest..n).chain(0..ingest.min(n)) {
+                let burst = if i < ingest { INGEST_BURST } else { QUERY_BURST };
+                let Some(inbox) = self.inboxes.get_mut(i) else { continue };
+                for _ in 0..burst {
                     match inbox.try_pop() {
                         Ok(msg) => {
                             progressed = true;
