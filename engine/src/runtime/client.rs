@@ -27,7 +27,7 @@ use std::sync::Arc;
 /// query queued behind it is not held up long.
 const FLUSH_OPS: usize = 1024;
 /// Polls of an empty reply ring before the waiting client starts yielding its core.
-const SPINS_BEFORE_YIELD: u32 = 1 << 12;
+const SPINS_BEFORE_YIELD: u32 = 64;
 
 /// One client's rings to and from every shard.
 #[derive(Debug)]

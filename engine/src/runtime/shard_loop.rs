@@ -28,8 +28,8 @@ const QUERY_BURST: usize = 64;
 /// batch of up to `FLUSH_OPS` blocks, see `client.rs`).
 const INGEST_BURST: usize = 2;
 /// Idle rounds spent spinning, then yielding, before parking.
-const SPIN_ROUNDS: u32 = 2_000;
-const YIELD_ROUNDS: u32 = 2_100;
+const SPIN_ROUNDS: u32 = 64;
+const YIELD_ROUNDS: u32 = 1_064;
 /// Longest park: bounds the cost of a missed wake-up.
 const PARK: Duration = Duration::from_millis(1);
 
