@@ -71,8 +71,14 @@ impl ShardThread {
             let n = self.inboxes.len();
             // Query clients first, then ingest clients.
             for i in (ingest..n).chain(0..ingest.min(n)) {
-                let burst = if i < ingest { INGEST_BURST } else { QUERY_BURST };
-                let Some(inbox) = self.inboxes.get_mut(i) else { continue };
+                let burst = if i < ingest {
+                    INGEST_BURST
+                } else {
+                    QUERY_BURST
+                };
+                let Some(inbox) = self.inboxes.get_mut(i) else {
+                    continue;
+                };
                 for _ in 0..burst {
                     match inbox.try_pop() {
                         Ok(msg) => {
