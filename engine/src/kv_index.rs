@@ -1,38 +1,32 @@
 //! The exact KV index of one shard: worker directories plus the prefix index.
 //!
 //! [`KvIndex`] applies typed [`KvEvent`]s per worker key and answers prefix queries. It is
-//! DESIGN.md's "Semantics of the index" made concrete; `engine/tests/index_model.rs` checks it
-//! against a plain `HashMap` model on random event interleavings.
+//! DESIGN.md's "Semantics of the index" made concrete, as [`Directories`] (the event
+//! semantics, shared with the sharded ingest) feeding one [`Shard`];
+//! `engine/tests/index_model.rs` checks it against a plain `HashMap` model on random event
+//! interleavings.
 //!
 //! # Invariants
 //! 1. For every worker key, the index's copy count of each seq_hash equals the sum of the
 //!    directory counts of the engine hashes mapped to it (DESIGN.md's multiset).
-//! 2. A refused event changes nothing: a store is validated (parent) before it is applied,
-//!    and a store that hits an engine-hash conflict half way is rolled back.
-//! 3. A worker key with an empty directory holds nothing and has neither a directory nor a
-//!    slot, so memory returns to the empty footprint when everyone removes everything.
-//! 4. Every refusal is counted once under its [`RejectReason`].
+//! 2. A refused event changes nothing (see [`Directories`]).
+//! 3. A worker key that holds nothing has neither a directory nor a slot, so memory returns
+//!    to the empty footprint when everyone removes everything.
+//! 4. Every refusal is counted once under its [`crate::RejectReason`].
 //!
 //! # Concurrency
-//! Owned by one thread; the sharded runtime gives each shard its own.
+//! Owned by one thread.
 
-use crate::directory::{Directory, Insert};
-use crate::error::{EngineError, RejectCounts, RejectReason, Result};
+pub use crate::directories::Applied;
+
+use crate::directories::{Directories, Unrouted};
+use crate::error::{RejectCounts, Result};
 use crate::event::{KvEvent, StoredBlock};
-use crate::hash::seq_hash;
 use crate::ids::{EngineHash, SeqHash, WorkerId, WorkerKey};
-use crate::index::{IndexStats, ShardIndex, Slot};
+use crate::index::IndexStats;
 use crate::matches::Matches;
-use hashbrown::HashMap;
-
-/// What an accepted event did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Applied {
-    /// Block copies added or dropped.
-    pub blocks: usize,
-    /// Engine hashes of a removal that this worker key did not hold (counted, skipped).
-    pub unknown: usize,
-}
+use crate::sharding::ShardId;
+use crate::sharding::shard::Shard;
 
 /// Sizes of a [`KvIndex`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,11 +42,19 @@ pub struct KvStats {
 }
 
 /// The exact KV index of one shard.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KvIndex {
-    index: ShardIndex,
-    dirs: HashMap<WorkerKey, Directory>,
-    rejects: RejectCounts,
+    dirs: Directories<()>,
+    shard: Shard,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self {
+            dirs: Directories::new(),
+            shard: Shard::new(ShardId(0)),
+        }
+    }
 }
 
 impl KvIndex {
@@ -63,16 +65,7 @@ impl KvIndex {
 
     /// Applies one event of `key`. A refused event is counted and changes nothing.
     pub fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> Result<Applied> {
-        match event {
-            KvEvent::Stored { parent, blocks } => self
-                .apply_stored(key, *parent, blocks)
-                .map(|blocks| Applied { blocks, unknown: 0 }),
-            KvEvent::Removed { blocks } => Ok(self.apply_removed(key, blocks)),
-            KvEvent::Cleared => Ok(Applied {
-                blocks: self.clear(key),
-                unknown: 0,
-            }),
-        }
+        self.dirs.apply(key, event, &Unrouted, &mut self.shard)
     }
 
     /// Stores a chain of blocks under `parent` for `key`; returns how many were added.
@@ -85,165 +78,53 @@ impl KvIndex {
         parent: Option<EngineHash>,
         blocks: &[StoredBlock],
     ) -> Result<usize> {
-        let result = self.try_store(key, parent, blocks);
-        if let Err(e) = &result {
-            self.rejects.add(e.reason(), 1);
-        }
+        let result = self
+            .dirs
+            .store(key, parent, blocks, &Unrouted, &mut self.shard);
+        self.dirs.count(&result);
         result
-    }
-
-    fn try_store(
-        &mut self,
-        key: WorkerKey,
-        parent: Option<EngineHash>,
-        blocks: &[StoredBlock],
-    ) -> Result<usize> {
-        let mut prev = match parent {
-            None => None,
-            Some(p) => Some(
-                self.dirs
-                    .get(&key)
-                    .and_then(|d| d.get(p))
-                    .map(|(seq, ())| seq)
-                    .ok_or(EngineError::UnknownParent {
-                        worker: key,
-                        parent: p,
-                    })?,
-            ),
-        };
-        if blocks.is_empty() {
-            return Ok(0);
-        }
-        let slot = self.index.slots_mut().get_or_insert(key)?;
-        let dir = self.dirs.entry(key).or_default();
-        for (i, b) in blocks.iter().enumerate() {
-            let seq = seq_hash(prev, b.tokens_hash);
-            if let Insert::Conflict(_) = dir.insert(b.engine_hash, seq, ()) {
-                Self::rollback(&mut self.index, dir, slot, blocks.get(..i).unwrap_or(&[]));
-                self.forget_if_empty(key);
-                return Err(EngineError::EngineHashConflict {
-                    worker: key,
-                    block: b.engine_hash,
-                });
-            }
-            self.index.add(slot, seq);
-            prev = Some(seq);
-        }
-        Ok(blocks.len())
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn rollback(index: &mut ShardIndex, dir: &mut Directory, slot: Slot, done: &[StoredBlock]) {
-        for b in done {
-            if let Some((seq, ())) = dir.remove(b.engine_hash) {
-                index.remove(slot, seq);
-            }
-        }
     }
 
     /// Drops one copy of each listed block of `key`. Unknown engine hashes are counted
     /// under `unknown_block` and skipped; the known ones are applied.
     pub fn apply_removed(&mut self, key: WorkerKey, blocks: &[EngineHash]) -> Applied {
-        let mut applied = Applied::default();
-        match (self.dirs.get_mut(&key), self.index.slots().get(key)) {
-            (Some(dir), Some(slot)) => {
-                for &e in blocks {
-                    match dir.remove(e) {
-                        Some((seq, ())) => {
-                            let dropped = self.index.remove(slot, seq);
-                            debug_assert!(dropped.is_some(), "directory and index disagree");
-                            applied.blocks += 1;
-                        }
-                        None => applied.unknown += 1,
-                    }
-                }
-                self.forget_if_empty(key);
-            }
-            _ => applied.unknown = blocks.len(),
-        }
-        if applied.unknown > 0 {
-            self.rejects
-                .add(RejectReason::UnknownBlock, applied.unknown as u64);
-        }
-        applied
+        self.dirs.remove(key, blocks, &mut self.shard)
     }
 
     /// Empties `key`'s cache (one dp rank only); returns how many block copies it dropped.
     pub fn clear(&mut self, key: WorkerKey) -> usize {
-        let (Some(mut dir), Some(slot)) = (self.dirs.remove(&key), self.index.slots().get(key))
-        else {
-            return 0;
-        };
-        let mut dropped = 0;
-        for (seq, (), copies) in dir.drain() {
-            for _ in 0..copies {
-                self.index.remove(slot, seq);
-            }
-            dropped += copies as usize;
-        }
-        self.index.slots_mut().release(key);
-        self.shrink_dirs();
-        dropped
+        self.dirs.clear(key, &mut self.shard)
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
     pub fn remove_worker(&mut self, worker: WorkerId) -> usize {
-        let keys: Vec<WorkerKey> = self
-            .dirs
-            .keys()
-            .filter(|k| k.worker == worker)
-            .copied()
-            .collect();
-        for &k in &keys {
-            self.clear(k);
-        }
-        keys.len()
-    }
-
-    fn forget_if_empty(&mut self, key: WorkerKey) {
-        if self.dirs.get(&key).is_some_and(Directory::is_empty) {
-            self.dirs.remove(&key);
-            self.index.slots_mut().release(key);
-            self.shrink_dirs();
-        }
-    }
-
-    fn shrink_dirs(&mut self) {
-        if self.dirs.is_empty() {
-            self.dirs = HashMap::new();
-        }
+        self.dirs.remove_worker(worker, &mut self.shard)
     }
 
     /// Overlaps of the request `seqs` (see [`Matches`]).
     pub fn find_matches(&self, seqs: &[SeqHash]) -> Matches {
-        self.index.find_matches(seqs)
+        self.shard.find_matches(seqs)
     }
 
     /// Distinct blocks `key` holds (the scheduler's tie-breaker).
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        self.index
-            .slots()
-            .get(key)
-            .map_or(0, |s| self.index.slots().blocks(s))
+        self.shard.cached_blocks(key)
     }
 
     /// Worker keys holding at least one block.
     pub fn worker_keys(&self) -> impl Iterator<Item = WorkerKey> + '_ {
-        self.dirs.keys().copied()
+        self.dirs.worker_keys()
     }
 
     /// Refusals so far, per reason.
     pub fn rejects(&self) -> &RejectCounts {
-        &self.rejects
+        self.dirs.rejects()
     }
 
     /// Sizes and heap bytes.
     pub fn stats(&self) -> KvStats {
-        let index = self.index.stats();
-        let directory_entries = self.dirs.values().map(Directory::len).sum();
-        let directory_bytes = self.dirs.allocation_size()
-            + self.dirs.values().map(Directory::heap_bytes).sum::<usize>();
+        let index = self.shard.stats();
+        let (directory_entries, directory_bytes) = self.dirs.size();
         KvStats {
             index,
             directory_entries,

@@ -9,6 +9,8 @@
 //! * [`hash`]: `tokens_hash` / `seq_hash` exactly as DESIGN.md defines them.
 //! * [`index`]: one shard's worth of the prefix index (`seq_hash -> holders`).
 //! * [`directory`]: per worker key, `engine hash -> seq_hash` with copy counts.
+//! * [`directories`]: every worker key's directory and what a KV event means (shared by
+//!   the single-shard index and the sharded ingest).
 //! * [`kv_index`]: the two together, applying typed [`event::KvEvent`]s.
 //! * [`sched`]: active requests, the cost function and the routing modes.
 //! * [`approx`]: the index fed by routing decisions when workers publish no events.
@@ -19,6 +21,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod approx;
+pub mod directories;
 pub mod directory;
 pub mod error;
 pub mod event;

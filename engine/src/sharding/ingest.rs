@@ -1,10 +1,9 @@
 //! The ingest side of the sharded engine: worker directories in, per-shard batches out.
 //!
-//! [`Ingest`] does for the sharded engine what [`crate::kv_index::KvIndex`] does for one
-//! shard, minus the index itself: it resolves engine hashes through each worker key's
-//! directory, chains seq_hashes, asks the [`ShardPolicy`] where each block goes, and
-//! appends the resulting operations to an [`Outbox`] with one queue per shard. Whoever
-//! drives it (a test, the threaded runtime) delivers the outbox to the shards.
+//! [`Ingest`] is the sharded engine's front half: the shared event semantics
+//! ([`Directories`], routes from the [`ShardPolicy`]) with an [`Outbox`] as the sink, one
+//! queue of operation batches per shard. Whoever drives it (a test, the threaded runtime)
+//! delivers the outbox to the shards.
 //!
 //! # Invariants
 //! 1. Everything `KvIndex` promises about directories and refusals holds here too: a
@@ -18,13 +17,10 @@
 //! whose events it decodes.
 
 use super::{Placement, Route, ShardId, ShardPolicy};
-use crate::directory::{Directory, Insert};
-use crate::error::{EngineError, RejectCounts, RejectReason, Result};
-use crate::event::{KvEvent, StoredBlock};
-use crate::hash::seq_hash;
-use crate::ids::{EngineHash, SeqHash, WorkerId, WorkerKey};
-use crate::kv_index::Applied;
-use hashbrown::HashMap;
+use crate::directories::{Applied, BlockSink, Directories, Placer};
+use crate::error::{RejectCounts, Result};
+use crate::event::KvEvent;
+use crate::ids::{SeqHash, WorkerId, WorkerKey};
 
 /// Add or drop one copy per listed block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,13 +103,43 @@ impl Outbox {
     }
 }
 
+/// The policy as the directories see it.
+struct PolicyPlacer<'a, P>(&'a P);
+
+impl<P: ShardPolicy> Placer<Route> for PolicyPlacer<'_, P> {
+    #[inline]
+    fn place(&self, parent: Option<Route>, seq: SeqHash) -> Route {
+        self.0.place(parent, seq)
+    }
+}
+
+/// The outbox as the directories see it: each block goes to the queues of its placement.
+struct OutboxSink<'a, P> {
+    policy: &'a P,
+    outbox: &'a mut Outbox,
+}
+
+impl<P: ShardPolicy> BlockSink<Route> for OutboxSink<'_, P> {
+    fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
+        for &(seq, route) in blocks {
+            let placement = self.policy.placement(route);
+            self.outbox.push(placement, key, BlockOp::Add, seq);
+        }
+    }
+
+    fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
+        for &(seq, route) in blocks {
+            let placement = self.policy.placement(route);
+            self.outbox.push(placement, key, BlockOp::Remove, seq);
+        }
+    }
+}
+
 /// Worker directories and the routing of their events to shards.
 #[derive(Debug)]
 pub struct Ingest<P> {
     policy: P,
-    dirs: HashMap<WorkerKey, Directory<Route>>,
-    rejects: RejectCounts,
-    scratch: Vec<(SeqHash, Route)>,
+    dirs: Directories<Route>,
 }
 
 impl<P: ShardPolicy> Ingest<P> {
@@ -121,9 +147,7 @@ impl<P: ShardPolicy> Ingest<P> {
     pub fn new(policy: P) -> Self {
         Self {
             policy,
-            dirs: HashMap::new(),
-            rejects: RejectCounts::default(),
-            scratch: Vec::new(),
+            dirs: Directories::new(),
         }
     }
 
@@ -135,151 +159,45 @@ impl<P: ShardPolicy> Ingest<P> {
     /// Applies one event of `key`, appending its operations to `out`. A refused event is
     /// counted and emits nothing.
     pub fn apply(&mut self, key: WorkerKey, event: &KvEvent, out: &mut Outbox) -> Result<Applied> {
-        match event {
-            KvEvent::Stored { parent, blocks } => {
-                let result = self.store(key, *parent, blocks, out);
-                if let Err(e) = &result {
-                    self.rejects.add(e.reason(), 1);
-                }
-                result.map(|blocks| Applied { blocks, unknown: 0 })
-            }
-            KvEvent::Removed { blocks } => Ok(self.remove(key, blocks, out)),
-            KvEvent::Cleared => Ok(Applied {
-                blocks: self.clear(key, out),
-                unknown: 0,
-            }),
-        }
-    }
-
-    fn store(
-        &mut self,
-        key: WorkerKey,
-        parent: Option<EngineHash>,
-        blocks: &[StoredBlock],
-        out: &mut Outbox,
-    ) -> Result<usize> {
-        let (mut prev_seq, mut prev_route) = match parent {
-            None => (None, None),
-            Some(p) => {
-                let (seq, route) = self.dirs.get(&key).and_then(|d| d.get(p)).ok_or(
-                    EngineError::UnknownParent {
-                        worker: key,
-                        parent: p,
-                    },
-                )?;
-                (Some(seq), Some(route))
-            }
+        let mut sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
         };
-        if blocks.is_empty() {
-            return Ok(0);
-        }
-        let dir = self.dirs.entry(key).or_default();
-        self.scratch.clear();
-        for (i, b) in blocks.iter().enumerate() {
-            let seq = seq_hash(prev_seq, b.tokens_hash);
-            let route = self.policy.place(prev_route, seq);
-            if let Insert::Conflict(_) = dir.insert(b.engine_hash, seq, route) {
-                for done in blocks.get(..i).unwrap_or(&[]) {
-                    dir.remove(done.engine_hash);
-                }
-                self.forget_if_empty(key);
-                return Err(EngineError::EngineHashConflict {
-                    worker: key,
-                    block: b.engine_hash,
-                });
-            }
-            self.scratch.push((seq, route));
-            prev_seq = Some(seq);
-            prev_route = Some(route);
-        }
-        for &(seq, route) in &self.scratch {
-            out.push(self.policy.placement(route), key, BlockOp::Add, seq);
-        }
-        Ok(blocks.len())
-    }
-
-    fn remove(&mut self, key: WorkerKey, blocks: &[EngineHash], out: &mut Outbox) -> Applied {
-        let mut applied = Applied::default();
-        match self.dirs.get_mut(&key) {
-            Some(dir) => {
-                for &e in blocks {
-                    match dir.remove(e) {
-                        Some((seq, route)) => {
-                            out.push(self.policy.placement(route), key, BlockOp::Remove, seq);
-                            applied.blocks += 1;
-                        }
-                        None => applied.unknown += 1,
-                    }
-                }
-                self.forget_if_empty(key);
-            }
-            None => applied.unknown = blocks.len(),
-        }
-        if applied.unknown > 0 {
-            self.rejects
-                .add(RejectReason::UnknownBlock, applied.unknown as u64);
-        }
-        applied
+        self.dirs
+            .apply(key, event, &PolicyPlacer(&self.policy), &mut sink)
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.
     pub fn clear(&mut self, key: WorkerKey, out: &mut Outbox) -> usize {
-        let Some(mut dir) = self.dirs.remove(&key) else {
-            return 0;
+        let mut sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
         };
-        let mut dropped = 0;
-        for (seq, route, copies) in dir.drain() {
-            let placement = self.policy.placement(route);
-            for _ in 0..copies {
-                out.push(placement, key, BlockOp::Remove, seq);
-            }
-            dropped += copies as usize;
-        }
-        self.forget_if_empty(key);
-        dropped
-    }
-
-    /// Drops `key`'s directory once it is empty, and the directory map's memory once no
-    /// worker key is left (memory returns to the empty footprint).
-    fn forget_if_empty(&mut self, key: WorkerKey) {
-        if self.dirs.get(&key).is_some_and(Directory::is_empty) {
-            self.dirs.remove(&key);
-        }
-        if self.dirs.is_empty() {
-            self.dirs = HashMap::new();
-        }
+        self.dirs.clear(key, &mut sink)
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
     pub fn remove_worker(&mut self, worker: WorkerId, out: &mut Outbox) -> usize {
-        let keys: Vec<WorkerKey> = self
-            .dirs
-            .keys()
-            .filter(|k| k.worker == worker)
-            .copied()
-            .collect();
-        for &k in &keys {
-            self.clear(k, out);
-        }
-        keys.len()
+        let mut sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
+        };
+        self.dirs.remove_worker(worker, &mut sink)
     }
 
     /// Distinct engine hashes `key` holds (its cached blocks, unless it maps two engine
     /// hashes to one prefix).
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        self.dirs.get(&key).map_or(0, |d| d.len() as u64)
+        self.dirs.engine_hashes(key) as u64
     }
 
     /// Refusals so far, per reason.
     pub fn rejects(&self) -> &RejectCounts {
-        &self.rejects
+        self.dirs.rejects()
     }
 
     /// Engine hashes in all directories, and their heap bytes.
     pub fn directory_size(&self) -> (usize, usize) {
-        let entries = self.dirs.values().map(Directory::len).sum();
-        let bytes = self.dirs.allocation_size()
-            + self.dirs.values().map(Directory::heap_bytes).sum::<usize>();
-        (entries, bytes)
+        self.dirs.size()
     }
 }

@@ -1,4 +1,4 @@
-//! One shard: a [`ShardIndex`] that applies operation batches and answers queries.
+//! One shard: a [`ShardIndex`] that applies block operations and answers queries.
 //!
 //! # Invariants
 //! 1. A worker key has a slot in this shard iff it holds at least one entry here.
@@ -7,12 +7,13 @@
 //!    [`Shard::inconsistencies`]; with a correct ingest the count stays 0.
 //!
 //! # Concurrency
-//! Owned by its shard thread; nothing in it is shared.
+//! Owned by its shard thread (or by the single-shard `KvIndex`); nothing in it is shared.
 //!
 //! [`ShardIndex`]: crate::index::ShardIndex
 
 use super::ShardId;
 use super::ingest::{BlockOp, OpBatch};
+use crate::directories::BlockSink;
 use crate::ids::{SeqHash, WorkerKey};
 use crate::index::{IndexStats, ShardIndex};
 use crate::matches::Matches;
@@ -45,28 +46,30 @@ impl Shard {
     /// Applies one batch.
     pub fn apply(&mut self, batch: &OpBatch) {
         match batch.op {
-            BlockOp::Add => self.add(batch.key, &batch.seqs),
-            BlockOp::Remove => self.remove(batch.key, &batch.seqs),
+            BlockOp::Add => self.add_seqs(batch.key, batch.seqs.iter().copied()),
+            BlockOp::Remove => self.remove_seqs(batch.key, batch.seqs.iter().copied()),
         }
     }
 
-    fn add(&mut self, key: WorkerKey, seqs: &[SeqHash]) {
+    /// One more copy of each block for `key`.
+    pub fn add_seqs(&mut self, key: WorkerKey, seqs: impl ExactSizeIterator<Item = SeqHash>) {
         let Ok(slot) = self.index.slots_mut().get_or_insert(key) else {
             self.inconsistencies += seqs.len() as u64;
             return;
         };
-        for &s in seqs {
+        for s in seqs {
             self.index.add(slot, s);
+            self.applied += 1;
         }
-        self.applied += seqs.len() as u64;
     }
 
-    fn remove(&mut self, key: WorkerKey, seqs: &[SeqHash]) {
+    /// One copy fewer of each block for `key`.
+    pub fn remove_seqs(&mut self, key: WorkerKey, seqs: impl ExactSizeIterator<Item = SeqHash>) {
         let Some(slot) = self.index.slots().get(key) else {
             self.inconsistencies += seqs.len() as u64;
             return;
         };
-        for &s in seqs {
+        for s in seqs {
             match self.index.remove(slot, s) {
                 Some(_) => self.applied += 1,
                 None => self.inconsistencies += 1,
@@ -83,6 +86,12 @@ impl Shard {
         self.index.find_matches(seqs)
     }
 
+    /// Distinct blocks `key` holds in this shard.
+    pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
+        let slots = self.index.slots();
+        slots.get(key).map_or(0, |s| slots.blocks(s))
+    }
+
     /// Block operations applied.
     pub fn applied(&self) -> u64 {
         self.applied
@@ -96,5 +105,20 @@ impl Shard {
     /// Sizes and heap bytes.
     pub fn stats(&self) -> IndexStats {
         self.index.stats()
+    }
+}
+
+/// The single-shard index applies accepted events straight to its shard.
+impl<R: Copy> BlockSink<R> for Shard {
+    #[inline]
+    fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]) {
+        self.add_seqs(key, blocks.iter().map(|b| b.0));
+    }
+
+    #[inline]
+    fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]) {
+        if !blocks.is_empty() {
+            self.remove_seqs(key, blocks.iter().map(|b| b.0));
+        }
     }
 }
