@@ -10,10 +10,15 @@ pub(crate) use loom::sync::Arc;
 #[cfg(kvengine_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 
+#[cfg(kvengine_loom)]
+pub(crate) use loom::thread::{Thread, current as current_thread};
+
 #[cfg(not(kvengine_loom))]
 pub(crate) use std::sync::Arc;
 #[cfg(not(kvengine_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+#[cfg(not(kvengine_loom))]
+pub(crate) use std::thread::{Thread, current as current_thread};
 
 /// `UnsafeCell` with loom's closure-shaped API on both builds, so the code loom checks is
 /// the code that ships.
@@ -38,6 +43,19 @@ impl<T> UnsafeCell<T> {
         #[cfg(not(kvengine_loom))]
         return f(self.0.get());
     }
+}
+
+/// Parks the current thread for at most `timeout` (std), or until unparked (loom has no
+/// timed park: its models must prove that a wake-up is never lost without one).
+#[inline]
+pub(crate) fn park_timeout(timeout: std::time::Duration) {
+    #[cfg(kvengine_loom)]
+    {
+        let _ = timeout;
+        loom::thread::park();
+    }
+    #[cfg(not(kvengine_loom))]
+    std::thread::park_timeout(timeout);
 }
 
 /// What a spinning thread does between two polls: a CPU hint normally, a yield under loom

@@ -10,3 +10,6 @@
 //!
 //! * `tests/ring.rs`: the SPSC ring (`engine::ring`): order across wrap-around and full,
 //!   close without loss, backpressure, drop accounting.
+//! * The shard sleep/wake protocol (`engine::runtime::waker`, crate-private) is modelled
+//!   next to it, in `engine/src/runtime/waker.rs` (`cargo test -p kvengine-engine --lib
+//!   loom` under the same cfg).

@@ -115,9 +115,10 @@ impl ShardThread {
             } else {
                 self.waker.prepare_sleep();
                 if self.inboxes.iter().all(|c| c.is_empty()) {
-                    std::thread::park_timeout(PARK);
+                    self.waker.sleep(PARK);
+                } else {
+                    self.waker.cancel_sleep();
                 }
-                self.waker.cancel_sleep();
             }
         }
         summary(&self.shard, queries, self.pinned_core)
