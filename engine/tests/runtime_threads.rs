@@ -177,3 +177,55 @@ fn bad_configurations_are_refused() {
     };
     assert!(start(policy, empty_ring).is_err());
 }
+
+#[test]
+fn odd_queries_and_events_get_answers_not_panics() {
+    let policy = FixedDepth::new(3, 2).unwrap();
+    let config = RuntimeConfig {
+        pin_cores: false,
+        ..RuntimeConfig::default()
+    };
+    let mut st = start(policy, config).unwrap();
+    let mut q = st.query.pop().unwrap();
+    let mut h = st.ingest.pop().unwrap();
+    // Empty and very long queries against an empty index.
+    assert_eq!(q.find_matches(&[]).unwrap(), engine::Matches::default());
+    let long: Vec<SeqHash> = (0..1_000_000u64).map(SeqHash).collect();
+    assert_eq!(q.find_matches(&long).unwrap(), engine::Matches::default());
+    // Events for a worker nobody has heard of: counted, nothing stuck.
+    let unknown = WorkerKey::new(404, 0);
+    let a = h
+        .apply(
+            unknown,
+            &KvEvent::Removed {
+                blocks: vec![EngineHash(1); 3],
+            },
+        )
+        .unwrap();
+    assert_eq!((a.blocks, a.unknown), (0, 3));
+    assert!(
+        h.apply(
+            unknown,
+            &KvEvent::Stored {
+                parent: Some(EngineHash(9)),
+                blocks: vec![StoredBlock {
+                    engine_hash: EngineHash(10),
+                    tokens_hash: TokensHash(1)
+                }],
+            }
+        )
+        .is_err()
+    );
+    assert_eq!(h.clear(unknown).unwrap(), 0);
+    assert_eq!(h.remove_worker(engine::WorkerId(404)).unwrap(), 0);
+    h.sync().unwrap();
+    assert_eq!(h.rejects().total(), 4);
+    drop((q, h));
+    assert!(
+        st.runtime
+            .join()
+            .unwrap()
+            .iter()
+            .all(|s| s.inconsistencies == 0)
+    );
+}
