@@ -11,7 +11,7 @@ use engine::event::{KvEvent, StoredBlock};
 use engine::hash::seq_hash;
 use engine::index::ShardIndex;
 use engine::kv_index::{Applied, KvIndex};
-use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig};
+use engine::runtime::{CoreSummary, IngestHandle, QueryHandle, Runtime, RuntimeConfig};
 use engine::sharding::fixed_depth::FixedDepth;
 use engine::sharding::sharded::ShardedIndex;
 use engine::{
@@ -185,7 +185,7 @@ trait Indexer {
     fn clear(&mut self, key: WorkerKey) -> usize;
     fn remove_worker(&mut self, w: WorkerId) -> usize;
     fn find_matches(&self, q: &[SeqHash]) -> Matches;
-    fn rejects(&self) -> &RejectCounts;
+    fn rejects(&self) -> RejectCounts;
     /// Checks this implementation's size invariants against the model.
     fn check_sizes(&self, model: &Model, parents: &Parents);
     /// Is the footprint back to that of a new, empty index?
@@ -205,8 +205,8 @@ impl Indexer for KvIndex {
     fn find_matches(&self, q: &[SeqHash]) -> Matches {
         KvIndex::find_matches(self, q)
     }
-    fn rejects(&self) -> &RejectCounts {
-        KvIndex::rejects(self)
+    fn rejects(&self) -> RejectCounts {
+        KvIndex::rejects(self).clone()
     }
     fn check_sizes(&self, model: &Model, _: &Parents) {
         let stats = self.stats();
@@ -246,8 +246,8 @@ impl Indexer for Sharded {
     fn find_matches(&self, q: &[SeqHash]) -> Matches {
         self.ix.find_matches(q)
     }
-    fn rejects(&self) -> &RejectCounts {
-        self.ix.rejects()
+    fn rejects(&self) -> RejectCounts {
+        self.ix.rejects().clone()
     }
     fn check_sizes(&self, model: &Model, parents: &Parents) {
         let depth = |mut s: u64| {
@@ -284,18 +284,17 @@ impl Indexer for Sharded {
     }
 }
 
-/// The threaded runtime: shard threads behind one ingest and one query handle.
+/// The threaded runtime: core threads behind one ingest and one query handle.
 struct Threaded {
     runtime: Option<Runtime>,
-    ingest: Option<IngestHandle<FixedDepth>>,
+    ingest: RefCell<Option<IngestHandle>>,
     query: RefCell<Option<QueryHandle<FixedDepth>>>,
-    policy: FixedDepth,
 }
 
 impl Threaded {
     fn start(policy: FixedDepth) -> Self {
         let config = RuntimeConfig {
-            ring_capacity: 8,
+            ring_capacity: 2,
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 1,
@@ -303,29 +302,28 @@ impl Threaded {
         let mut st = engine::runtime::start(policy, config).unwrap();
         Self {
             runtime: Some(st.runtime),
-            ingest: st.ingest.pop(),
+            ingest: RefCell::new(st.ingest.pop()),
             query: RefCell::new(st.query.pop()),
-            policy,
         }
     }
 
-    fn ingest(&mut self) -> &mut IngestHandle<FixedDepth> {
-        self.ingest.as_mut().unwrap()
+    fn with_ingest<T>(&self, f: impl FnOnce(&mut IngestHandle) -> T) -> T {
+        f(self.ingest.borrow_mut().as_mut().unwrap())
     }
 
-    fn shard_stats(&self) -> Vec<engine::runtime::ShardSummary> {
+    fn core_stats(&self) -> Vec<CoreSummary> {
         self.query
             .borrow_mut()
             .as_mut()
             .unwrap()
-            .shard_stats()
+            .core_stats()
             .unwrap()
     }
 }
 
 impl Drop for Threaded {
     fn drop(&mut self) {
-        self.ingest = None;
+        self.ingest.borrow_mut().take();
         self.query.borrow_mut().take();
         if let Some(rt) = self.runtime.take() {
             let summaries = rt.join().unwrap();
@@ -338,19 +336,25 @@ impl Drop for Threaded {
 
 impl Indexer for Threaded {
     fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
-        let r = self.ingest().apply(key, ev);
-        self.ingest().sync().unwrap();
-        r
+        self.with_ingest(|h| {
+            let r = h.apply(key, ev);
+            h.sync().unwrap();
+            r
+        })
     }
     fn clear(&mut self, key: WorkerKey) -> usize {
-        let n = self.ingest().clear(key).unwrap();
-        self.ingest().sync().unwrap();
-        n
+        self.with_ingest(|h| {
+            let n = h.clear(key).unwrap();
+            h.sync().unwrap();
+            n
+        })
     }
     fn remove_worker(&mut self, w: WorkerId) -> usize {
-        let n = self.ingest().remove_worker(w).unwrap();
-        self.ingest().sync().unwrap();
-        n
+        self.with_ingest(|h| {
+            let n = h.remove_worker(w).unwrap();
+            h.sync().unwrap();
+            n
+        })
     }
     fn find_matches(&self, q: &[SeqHash]) -> Matches {
         self.query
@@ -360,31 +364,25 @@ impl Indexer for Threaded {
             .find_matches(q)
             .unwrap()
     }
-    fn rejects(&self) -> &RejectCounts {
-        self.ingest.as_ref().unwrap().rejects()
+    fn rejects(&self) -> RejectCounts {
+        self.with_ingest(|h| h.rejects().unwrap())
     }
     fn check_sizes(&self, model: &Model, _: &Parents) {
         for (k, w) in &model.workers {
-            assert_eq!(
-                self.ingest.as_ref().unwrap().cached_blocks(*k),
-                w.dir.len() as u64
-            );
+            let got = self.with_ingest(|h| h.cached_blocks(*k).unwrap());
+            assert_eq!(got, w.dir.len() as u64);
         }
-        let stats = self.shard_stats();
+        let stats = self.core_stats();
         assert!(stats.iter().all(|s| s.inconsistencies == 0));
-        if self.policy.depth() == 0 {
-            // Nothing replicated: the shards' entries add up to the model's.
-            let entries: usize = model.workers.values().map(|w| w.seqs.len()).sum();
-            assert_eq!(
-                stats.iter().map(|s| s.index.entries).sum::<u64>(),
-                entries as u64
-            );
-        }
+        let dir_entries: usize = stats.iter().map(|s| s.directory_entries).sum();
+        let want: usize = model.workers.values().map(|w| w.dir.len()).sum();
+        assert_eq!(dir_entries, want);
     }
     fn is_back_to_empty(&self) -> bool {
         let empty = ShardIndex::new().stats();
-        self.shard_stats().iter().all(|s| s.index == empty)
-            && self.ingest.as_ref().unwrap().directory_size() == (0, 0)
+        self.core_stats()
+            .iter()
+            .all(|s| s.index == empty && s.directory_entries == 0 && s.directory_bytes == 0)
     }
 }
 

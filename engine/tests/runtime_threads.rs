@@ -126,7 +126,7 @@ fn concurrent_ingest_and_queries_end_where_one_thread_does() {
                 "{shards} shards"
             );
         }
-        let stats = query[1].shard_stats().unwrap();
+        let stats = query[1].core_stats().unwrap();
         let applied: u64 = stats.iter().map(|s| s.applied).sum();
         let want: u64 = reference.shards().iter().map(|s| s.applied()).sum();
         assert_eq!(applied, want);
@@ -140,26 +140,77 @@ fn concurrent_ingest_and_queries_end_where_one_thread_does() {
 
 #[test]
 fn shutdown_drains_everything_sent() {
-    let policy = FixedDepth::new(2, 0).unwrap();
+    for cores in [1, 2, 3] {
+        let policy = FixedDepth::new(cores, 0).unwrap();
+        let config = RuntimeConfig {
+            ring_capacity: 2,
+            pin_cores: false,
+            ingest_handles: 1,
+            query_handles: 0,
+        };
+        let mut st = start(policy, config).unwrap();
+        let mut h = st.ingest.pop().unwrap();
+        let mut reference = ShardedIndex::new(policy);
+        let mut all = vec![];
+        for w in 0..4 {
+            for (k, e) in events(w).0 {
+                reference.apply(k, &e).unwrap();
+                all.push((k, e));
+            }
+        }
+        // Fire and forget, then drop without syncing: the cores must still apply every
+        // operation (their own and their peers') before exiting.
+        h.send(&std::sync::Arc::from(all)).unwrap();
+        drop(h);
+        let summaries = st.runtime.join().unwrap();
+        let want: u64 = reference.shards().iter().map(|s| s.applied()).sum();
+        assert_eq!(
+            summaries.iter().map(|s| s.applied).sum::<u64>(),
+            want,
+            "{cores} cores"
+        );
+        assert!(summaries.iter().all(|s| s.inconsistencies == 0));
+    }
+}
+
+#[test]
+fn shared_slices_reach_each_workers_home_core() {
+    let policy = FixedDepth::new(3, 1).unwrap();
     let config = RuntimeConfig {
-        ring_capacity: 2,
+        ring_capacity: 4,
         pin_cores: false,
         ingest_handles: 1,
-        query_handles: 0,
+        query_handles: 1,
     };
     let mut st = start(policy, config).unwrap();
     let mut h = st.ingest.pop().unwrap();
-    let mut sent = 0u64;
-    for w in 0..4 {
-        for (k, e) in events(w).0 {
-            sent += h.apply(k, &e).unwrap().blocks as u64;
+    let mut q = st.query.pop().unwrap();
+    let mut reference = ShardedIndex::new(policy);
+    let mut all = vec![];
+    let mut queries = vec![];
+    for w in 0..9 {
+        let (ev, qs) = events(w);
+        for (k, e) in &ev {
+            reference.apply(*k, e).unwrap();
         }
+        all.extend(ev);
+        queries.extend(qs);
     }
-    // No sync: flush and drop; the shards must still apply every operation before exiting.
-    h.flush().unwrap();
-    drop(h);
-    let summaries = st.runtime.join().unwrap();
-    assert_eq!(summaries.iter().map(|s| s.applied).sum::<u64>(), sent);
+    h.send(&std::sync::Arc::from(all)).unwrap();
+    h.sync().unwrap();
+    for qs in &queries {
+        assert_eq!(q.find_matches(qs).unwrap(), reference.find_matches(qs));
+    }
+    assert_eq!(h.rejects().unwrap().total(), 0);
+    let dirs: usize = h
+        .core_stats()
+        .unwrap()
+        .iter()
+        .map(|s| s.directory_entries)
+        .sum();
+    assert_eq!(dirs, reference.stats().directory_entries);
+    drop((h, q));
+    st.runtime.join().unwrap();
 }
 
 #[test]
@@ -219,7 +270,7 @@ fn odd_queries_and_events_get_answers_not_panics() {
     assert_eq!(h.clear(unknown).unwrap(), 0);
     assert_eq!(h.remove_worker(engine::WorkerId(404)).unwrap(), 0);
     h.sync().unwrap();
-    assert_eq!(h.rejects().total(), 4);
+    assert_eq!(h.rejects().unwrap().total(), 4);
     drop((q, h));
     assert!(
         st.runtime

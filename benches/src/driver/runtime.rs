@@ -1,14 +1,16 @@
-//! [`IndexerUnderTest`] for the threaded runtime ([`engine::runtime`]): shard threads behind
-//! one ingest handle per producer thread and one query handle per query thread.
+//! [`IndexerUnderTest`] for the thread-per-core runtime ([`engine::runtime`]): core threads
+//! (each ingests its own workers' events and owns a shard) fed by one ingest handle per
+//! producer thread, and one query handle per query thread.
 //!
-//! `cores` is the number of shard threads. The producer and query threads the harness
-//! drives run beside them (on a machine with as many cores as shards they share cores with
-//! the shards; the report states the thread counts).
+//! `cores` is the number of core threads. A producer only forwards shared slices of its
+//! pre-generated stream (the cores do the work); query threads run beside the cores (on a
+//! machine with as many CPUs as cores they share CPUs with them; the report states the
+//! thread counts).
 //!
 //! # Invariants
-//! 1. Producer `i` owns ingest handle `i` (and so the directories of the workers in stream
-//!    `i`); `apply_all` and `mixed` return only after every handle has synced, so every
-//!    event is applied and visible to the next query (driver invariant 1).
+//! 1. Producer `i` sends stream `i` through ingest handle `i`; `apply_all` and `mixed`
+//!    return only after every handle has synced, so every event is applied and visible to
+//!    the next query (driver invariant 1).
 //! 2. Query handle 0 serves the harness's own single queries and `stats`; mixed-phase query
 //!    thread `t` uses handle `t + 1`.
 //! 3. Dropping the driver closes every handle and joins the shards.
@@ -27,7 +29,7 @@ use std::time::Instant;
 #[derive(Debug)]
 pub struct RuntimeUnderTest {
     runtime: Option<Runtime>,
-    ingest: Vec<IngestHandle<FixedDepth>>,
+    ingest: Vec<IngestHandle>,
     query: Vec<QueryHandle<FixedDepth>>,
     shards: usize,
     replicate_depth: u32,
@@ -64,7 +66,7 @@ impl RuntimeUnderTest {
 
     /// Runs one producer thread per stream; returns the anomalies they saw.
     fn produce(
-        handles: &mut [IngestHandle<FixedDepth>],
+        handles: &mut [IngestHandle],
         streams: &[EventStream],
         done: &AtomicBool,
     ) -> Result<u64> {
@@ -81,18 +83,10 @@ impl RuntimeUnderTest {
                 .zip(streams)
                 .map(|(h, stream)| {
                     s.spawn(move || -> Result<u64> {
-                        let mut anomalies = 0u64;
-                        for (key, ev) in stream.iter() {
-                            match h.apply(*key, ev) {
-                                Ok(a) => anomalies += a.unknown as u64,
-                                Err(engine::EngineError::RuntimeStopped) => {
-                                    bail!("the runtime stopped")
-                                }
-                                Err(_) => anomalies += 1,
-                            }
-                        }
+                        // Refusals are counted by the cores; `stats` reads them.
+                        h.send(stream)?;
                         h.sync()?;
-                        Ok(anomalies)
+                        Ok(0)
                     })
                 })
                 .collect();
@@ -119,7 +113,7 @@ impl RuntimeUnderTest {
 impl IndexerUnderTest for RuntimeUnderTest {
     fn name(&self) -> String {
         format!(
-            "runtime(shards={}, replicate_depth={}, producers={}, query_threads={})",
+            "runtime(cores={}, replicate_depth={}, producers={}, query_threads={})",
             self.shards,
             self.replicate_depth,
             self.ingest.len(),
@@ -195,17 +189,19 @@ impl IndexerUnderTest for RuntimeUnderTest {
 
     fn stats(&mut self) -> Result<IndexerStats> {
         let q = self.query.first_mut().context("no query handle")?;
-        let shards = q.shard_stats()?;
-        let (entries, dir_bytes) = self
-            .ingest
-            .iter()
-            .map(|h| h.directory_size())
-            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let cores = q.core_stats()?;
         Ok(IndexerStats {
-            live_entries: entries as u64,
-            bytes: dir_bytes + shards.iter().map(|s| s.index.bytes).sum::<usize>(),
-            shard_ops: shards.iter().map(|s| s.applied).collect(),
-            anomalies: self.anomalies + shards.iter().map(|s| s.inconsistencies).sum::<u64>(),
+            live_entries: cores.iter().map(|s| s.directory_entries as u64).sum(),
+            bytes: cores
+                .iter()
+                .map(|s| s.directory_bytes + s.index.bytes)
+                .sum(),
+            shard_ops: cores.iter().map(|s| s.applied).collect(),
+            anomalies: self.anomalies
+                + cores
+                    .iter()
+                    .map(|s| s.inconsistencies + s.rejects.total())
+                    .sum::<u64>(),
         })
     }
 }

@@ -1,45 +1,45 @@
-//! Client handles: how ingest threads and query threads talk to the shards.
+//! Client handles: how the threads that decode events, and the edge, talk to the cores.
 //!
-//! Each handle owns one ring to every shard and one reply ring from every shard, so every
+//! Each handle owns one ring to every core and one reply ring from every core, so every
 //! ring has exactly one producer and one consumer. A handle is `Send` but not `Sync`: move
 //! it to the thread that uses it.
 //!
 //! # Invariants
-//! 1. A full ring pauses the sender (it spins, then yields) until the shard makes room;
-//!    nothing is dropped.
-//! 2. [`IngestHandle::sync`] returns only once every shard has applied everything this
-//!    handle sent before it.
+//! 1. A full ring pauses the sender (it spins briefly, then yields) until the core makes
+//!    room; nothing is dropped.
+//! 2. A handle has at most one request with a reply outstanding per core, so reply rings
+//!    never fill.
+//! 3. [`IngestHandle::sync`] returns only once every operation produced from events this
+//!    handle sent before it is applied, on every core.
 
-use super::msg::{FromShard, ShardSummary, ToShard};
+use super::home_core;
+use super::msg::{CoreSummary, FromCore, ToCore};
 use super::waker::Waker;
-use crate::error::{EngineError, RejectCounts, Result};
+use crate::directories::Applied;
+use crate::error::{EngineError, RejectCounts, RejectReason, Result};
 use crate::event::KvEvent;
 use crate::ids::{SeqHash, WorkerId, WorkerKey};
-use crate::kv_index::Applied;
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError, Producer, PushError};
-use crate::sharding::ingest::{Ingest, Outbox};
-use crate::sharding::{ShardId, ShardPolicy};
+use crate::sharding::ShardPolicy;
 use std::sync::Arc;
 
-/// Block operations buffered before an ingest handle sends them on its own: large enough
-/// to amortise a ring transfer, small enough (tens of microseconds of shard work) that a
-/// query queued behind it is not held up long.
-const FLUSH_OPS: usize = 1024;
+/// Events per message when a handle forwards a shared slice.
+const SEND_CHUNK: usize = 64;
 /// Polls of an empty reply ring before the waiting client starts yielding its core.
 const SPINS_BEFORE_YIELD: u32 = 64;
 
-/// One client's rings to and from every shard.
+/// One client's rings to and from every core.
 #[derive(Debug)]
 pub(crate) struct Link {
-    pub to: Vec<Producer<ToShard>>,
-    pub from: Vec<Consumer<FromShard>>,
+    pub to: Vec<Producer<ToCore>>,
+    pub from: Vec<Consumer<FromCore>>,
     pub wakers: Arc<[Arc<Waker>]>,
 }
 
 impl Link {
-    fn send(&mut self, shard: usize, mut msg: ToShard) -> Result<()> {
-        let (Some(ring), Some(waker)) = (self.to.get_mut(shard), self.wakers.get(shard)) else {
+    fn send(&mut self, core: usize, mut msg: ToCore) -> Result<()> {
+        let (Some(ring), Some(waker)) = (self.to.get_mut(core), self.wakers.get(core)) else {
             return Err(EngineError::RuntimeStopped);
         };
         let mut spins = 0u32;
@@ -59,11 +59,8 @@ impl Link {
         }
     }
 
-    fn recv(&mut self, shard: usize) -> Result<FromShard> {
-        let ring = self
-            .from
-            .get_mut(shard)
-            .ok_or(EngineError::RuntimeStopped)?;
+    fn recv(&mut self, core: usize) -> Result<FromCore> {
+        let ring = self.from.get_mut(core).ok_or(EngineError::RuntimeStopped)?;
         let mut spins = 0u32;
         loop {
             match ring.try_pop() {
@@ -74,8 +71,32 @@ impl Link {
         }
     }
 
-    fn shards(&self) -> usize {
+    fn cores(&self) -> usize {
         self.to.len()
+    }
+
+    fn call(&mut self, core: usize, msg: ToCore) -> Result<FromCore> {
+        self.send(core, msg)?;
+        self.recv(core)
+    }
+
+    fn count(&mut self, core: usize, msg: ToCore) -> Result<usize> {
+        match self.call(core, msg)? {
+            FromCore::Count(n) => Ok(n),
+            _ => Err(EngineError::RuntimeStopped),
+        }
+    }
+
+    /// Every core's figures.
+    fn stats(&mut self) -> Result<Vec<CoreSummary>> {
+        let mut out = Vec::with_capacity(self.cores());
+        for c in 0..self.cores() {
+            match self.call(c, ToCore::Stats)? {
+                FromCore::Stats(s) => out.push(*s),
+                _ => return Err(EngineError::RuntimeStopped),
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -89,80 +110,82 @@ fn backoff(spins: &mut u32) {
     }
 }
 
-/// Feeds KV events of the workers it owns into the shards. Owns those workers'
-/// directories: a worker's events must always go through the same handle.
+/// Feeds KV events to the cores. Each worker has a home core that owns its directory;
+/// the handle sends each event there (or a shared slice to every core, each taking its own
+/// workers' events).
 #[derive(Debug)]
-pub struct IngestHandle<P> {
-    ingest: Ingest<P>,
-    outbox: Outbox,
+pub struct IngestHandle {
     link: Link,
-    buffered: usize,
     syncs: u64,
 }
 
-impl<P: ShardPolicy> IngestHandle<P> {
-    pub(crate) fn new(policy: P, link: Link) -> Self {
-        let shards = link.shards();
-        Self {
-            ingest: Ingest::new(policy),
-            outbox: Outbox::new(shards),
-            link,
-            buffered: 0,
-            syncs: 0,
+impl IngestHandle {
+    pub(crate) fn new(link: Link) -> Self {
+        Self { link, syncs: 0 }
+    }
+
+    fn home(&self, worker: WorkerId) -> usize {
+        home_core(worker, self.link.cores()).idx()
+    }
+
+    /// Applies one event of `key` on its home core and returns what it did (see
+    /// [`crate::directories::Directories::apply`]). Its operations for other cores may
+    /// still be in flight: [`IngestHandle::sync`] waits for them.
+    pub fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> Result<Applied> {
+        let home = self.home(key.worker);
+        match self.link.call(home, ToCore::Apply(key, event.clone()))? {
+            FromCore::Applied(r) => r,
+            _ => Err(EngineError::RuntimeStopped),
         }
     }
 
-    /// Applies one event of `key` (see [`Ingest::apply`]). Its operations are sent to the
-    /// shards once enough are buffered, or by [`IngestHandle::flush`].
-    pub fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> Result<Applied> {
-        let applied = self.ingest.apply(key, event, &mut self.outbox)?;
-        self.buffered += applied.blocks;
-        if self.buffered >= FLUSH_OPS {
-            self.flush()?;
+    /// Sends `events` without waiting: every core receives the slice (in chunks) and
+    /// applies the events of its own workers. Refusals are counted by the cores
+    /// ([`IngestHandle::rejects`]).
+    pub fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> Result<()> {
+        let mut start = 0;
+        while start < events.len() {
+            let end = (start + SEND_CHUNK).min(events.len());
+            for c in 0..self.link.cores() {
+                self.link
+                    .send(c, ToCore::Events((events.clone(), start..end)))?;
+            }
+            start = end;
         }
-        Ok(applied)
+        Ok(())
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.
     pub fn clear(&mut self, key: WorkerKey) -> Result<usize> {
-        let n = self.ingest.clear(key, &mut self.outbox);
-        self.buffered += n;
-        self.flush()?;
-        Ok(n)
+        let home = self.home(key.worker);
+        self.link.count(home, ToCore::Clear(key))
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
     pub fn remove_worker(&mut self, worker: WorkerId) -> Result<usize> {
-        let n = self.ingest.remove_worker(worker, &mut self.outbox);
-        self.flush()?;
-        Ok(n)
+        let home = self.home(worker);
+        self.link.count(home, ToCore::RemoveWorker(worker))
     }
 
-    /// Sends every buffered operation to its shard.
-    pub fn flush(&mut self) -> Result<()> {
-        for s in 0..self.outbox.shards() {
-            let batches = self.outbox.take(ShardId(s as u16));
-            if !batches.is_empty() {
-                self.link.send(s, ToShard::Ops(batches))?;
-            }
-        }
-        self.buffered = 0;
-        Ok(())
+    /// Distinct engine hashes `key` holds.
+    pub fn cached_blocks(&mut self, key: WorkerKey) -> Result<u64> {
+        let home = self.home(key.worker);
+        Ok(self.link.count(home, ToCore::CachedBlocks(key))? as u64)
     }
 
-    /// Flushes, then waits until every shard has applied everything sent so far.
+    /// Waits until every core has applied everything produced from the events this handle
+    /// sent before.
     pub fn sync(&mut self) -> Result<()> {
-        self.flush()?;
         self.syncs += 1;
         let n = self.syncs;
-        for s in 0..self.link.shards() {
-            self.link.send(s, ToShard::Sync(n))?;
+        for c in 0..self.link.cores() {
+            self.link.send(c, ToCore::Sync(n))?;
         }
-        for s in 0..self.link.shards() {
+        for c in 0..self.link.cores() {
             loop {
-                match self.link.recv(s)? {
-                    FromShard::Synced(m) if m == n => break,
-                    // Nothing else is ever addressed to an ingest handle.
+                match self.link.recv(c)? {
+                    FromCore::Synced(m) if m == n => break,
+                    // Nothing else is outstanding on this handle (invariant 2).
                     _ => {}
                 }
             }
@@ -170,23 +193,25 @@ impl<P: ShardPolicy> IngestHandle<P> {
         Ok(())
     }
 
-    /// Distinct engine hashes `key` holds.
-    pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        self.ingest.cached_blocks(key)
+    /// Refusals counted by all cores, per reason.
+    pub fn rejects(&mut self) -> Result<RejectCounts> {
+        let mut total = RejectCounts::default();
+        for s in self.link.stats()? {
+            for r in RejectReason::ALL {
+                total.add(r, s.rejects.get(r));
+            }
+        }
+        Ok(total)
     }
 
-    /// Refusals so far, per reason.
-    pub fn rejects(&self) -> &RejectCounts {
-        self.ingest.rejects()
-    }
-
-    /// Engine hashes in this handle's directories, and their heap bytes.
-    pub fn directory_size(&self) -> (usize, usize) {
-        self.ingest.directory_size()
+    /// Every core's figures.
+    pub fn core_stats(&mut self) -> Result<Vec<CoreSummary>> {
+        self.link.stats()
     }
 }
 
-/// Asks shards for overlaps. Queries are answered by one shard each, chosen by the policy.
+/// Asks the cores for overlaps. Queries are answered by one core each, chosen by the
+/// policy.
 #[derive(Debug)]
 pub struct QueryHandle<P> {
     policy: P,
@@ -203,27 +228,15 @@ impl<P: ShardPolicy> QueryHandle<P> {
         if seqs.is_empty() {
             return Ok(Matches::default());
         }
-        let s = self.policy.query_shard(seqs).idx();
-        self.link.send(s, ToShard::Query(seqs.into()))?;
-        loop {
-            if let FromShard::Matches(m) = self.link.recv(s)? {
-                return Ok(m);
-            }
+        let c = self.policy.query_shard(seqs).idx();
+        match self.link.call(c, ToCore::Query(seqs.into()))? {
+            FromCore::Matches(m) => Ok(m),
+            _ => Err(EngineError::RuntimeStopped),
         }
     }
 
-    /// Every shard's figures.
-    pub fn shard_stats(&mut self) -> Result<Vec<ShardSummary>> {
-        let mut out = Vec::with_capacity(self.link.shards());
-        for s in 0..self.link.shards() {
-            self.link.send(s, ToShard::Stats)?;
-            loop {
-                if let FromShard::Stats(st) = self.link.recv(s)? {
-                    out.push(st);
-                    break;
-                }
-            }
-        }
-        Ok(out)
+    /// Every core's figures.
+    pub fn core_stats(&mut self) -> Result<Vec<CoreSummary>> {
+        self.link.stats()
     }
 }

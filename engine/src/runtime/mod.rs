@@ -1,22 +1,23 @@
-//! The thread-per-core sharded runtime.
+//! The thread-per-core runtime.
 //!
-//! `start` spawns one thread per shard, each owning its [`Shard`] outright, pinned to a core
-//! where one exists. Clients (ingest and query handles) reach shards only through bounded
-//! SPSC rings ([`crate::ring`]): one ring per (client, shard) pair each way, so no lock and no
-//! shared mutable state is on the hot path, and nothing is shared by all shards.
+//! `start` spawns one thread per core, pinned where a core exists. Each core owns one shard
+//! of the index outright and the directories of the workers homed on it (a worker's home is
+//! a hash of its id, so all its dp ranks share one). A core applies its own workers' events,
+//! keeps the operations for its own shard and sends the rest to their cores. Every pair of
+//! cores has one SPSC ring each way ([`crate::ring`]), and every client handle one ring to
+//! and from every core: no locks, and nothing shared by all cores.
 //!
 //! # Invariants
-//! 1. Each shard answers exactly what the single-threaded [`ShardedIndex`] would, given the
-//!    same operations (tested against the reference model with 1, 2, 3 and 8 shards).
-//! 2. Shutdown: dropping every handle closes the rings; each shard drains what was sent and
-//!    exits; [`Runtime::join`] returns their final figures. Nothing sent is lost.
-//! 3. A shard thread that panics aborts the process.
+//! 1. The cores together answer exactly what the single-threaded [`ShardedIndex`] would,
+//!    given the same events (tested against the reference model with 1, 2, 3 and 8 cores).
+//! 2. Shutdown: dropping every handle closes the client rings; each core finishes what it
+//!    was sent, closes its rings to the other cores, drains theirs and exits;
+//!    [`Runtime::join`] returns their final figures. Nothing sent is lost.
+//! 3. A core thread that panics aborts the process.
 //!
 //! # Concurrency
-//! Handles are `Send`, not `Sync`: each belongs to one thread. Shards never talk to each
-//! other; a block placed everywhere reaches every shard through the ingest's own rings.
+//! Handles are `Send`, not `Sync`: each belongs to one thread.
 //!
-//! [`Shard`]: crate::sharding::shard::Shard
 //! [`ShardedIndex`]: crate::sharding::sharded::ShardedIndex
 
 mod client;
@@ -25,24 +26,35 @@ mod shard_loop;
 mod waker;
 
 pub use client::{IngestHandle, QueryHandle};
-pub use msg::ShardSummary;
+pub use msg::CoreSummary;
 
 use crate::error::{EngineError, Result};
+use crate::ids::WorkerId;
 use crate::ring::ring;
+use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
-use crate::sharding::{ShardId, ShardPolicy};
+use crate::sharding::{ShardId, ShardPolicy, shard_of};
 use client::Link;
-use shard_loop::ShardThread;
+use shard_loop::Core;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use waker::Waker;
+
+/// The core that owns `worker`'s directories (worker ids are often small and sequential,
+/// so they are mixed first).
+pub fn home_core(worker: WorkerId, cores: usize) -> ShardId {
+    let mut x = worker.0;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    shard_of(x ^ (x >> 31), cores)
+}
 
 /// How to start the runtime.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RuntimeConfig {
     /// Messages each ring holds.
     pub ring_capacity: usize,
-    /// Pin shard `i` to core `i` (where that core exists).
+    /// Pin core thread `i` to CPU `i` (where that CPU exists).
     pub pin_cores: bool,
     /// Ingest handles to create.
     pub ingest_handles: usize,
@@ -61,87 +73,114 @@ impl Default for RuntimeConfig {
     }
 }
 
-/// The running shard threads.
+/// The running core threads.
 #[derive(Debug)]
 pub struct Runtime {
-    threads: Vec<JoinHandle<ShardSummary>>,
+    threads: Vec<JoinHandle<CoreSummary>>,
     pinned: Vec<Option<usize>>,
 }
 
 /// A started runtime and its handles.
 #[derive(Debug)]
 pub struct Started<P> {
-    /// The shard threads.
+    /// The core threads.
     pub runtime: Runtime,
     /// Ingest handles (`config.ingest_handles` of them).
-    pub ingest: Vec<IngestHandle<P>>,
+    pub ingest: Vec<IngestHandle>,
     /// Query handles (`config.query_handles` of them).
     pub query: Vec<QueryHandle<P>>,
 }
 
-/// Starts one thread per shard of `policy`.
+/// Starts one core thread per shard of `policy`.
 pub fn start<P: ShardPolicy + Clone + 'static>(
     policy: P,
     config: RuntimeConfig,
 ) -> Result<Started<P>> {
-    let shards = policy.shards();
+    let cores = policy.shards();
     let clients = config.ingest_handles + config.query_handles;
-    if shards == 0 || clients == 0 || config.ring_capacity == 0 {
+    if cores == 0 || clients == 0 || config.ring_capacity == 0 {
         return Err(EngineError::InvalidArgument {
             name: "runtime",
-            reason: "needs at least one shard, one handle and a non-empty ring",
+            reason: "needs at least one core, one handle and a non-empty ring",
         });
     }
-    let wakers: Arc<[Arc<Waker>]> = (0..shards).map(|_| Arc::new(Waker::default())).collect();
-    // links[c] is client c's side; inboxes[s] / replies[s] are shard s's side.
+    let wakers: Arc<[Arc<Waker>]> = (0..cores).map(|_| Arc::new(Waker::default())).collect();
+    // Client rings: links[c] is client c's side; clients_in[k] / clients_out[k] core k's.
     let mut links: Vec<Link> = (0..clients)
         .map(|_| Link {
-            to: Vec::with_capacity(shards),
-            from: Vec::with_capacity(shards),
+            to: Vec::with_capacity(cores),
+            from: Vec::with_capacity(cores),
             wakers: wakers.clone(),
         })
         .collect();
-    let mut inboxes: Vec<Vec<_>> = (0..shards).map(|_| Vec::with_capacity(clients)).collect();
-    let mut replies: Vec<Vec<_>> = (0..shards).map(|_| Vec::with_capacity(clients)).collect();
+    let mut clients_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();
+    let mut clients_out: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();
     for link in &mut links {
-        for s in 0..shards {
+        for k in 0..cores {
             let (tx, rx) = ring(config.ring_capacity);
             link.to.push(tx);
-            if let Some(v) = inboxes.get_mut(s) {
+            if let Some(v) = clients_in.get_mut(k) {
                 v.push(rx);
             }
             let (tx, rx) = ring(config.ring_capacity);
             link.from.push(rx);
-            if let Some(v) = replies.get_mut(s) {
+            if let Some(v) = clients_out.get_mut(k) {
                 v.push(tx);
             }
         }
     }
-    let cores = if config.pin_cores {
+    // Peer rings: peers_out[a][b] sends a -> b, peers_in[b] holds the receiving ends.
+    let mut peers_out: Vec<Vec<Option<_>>> = (0..cores)
+        .map(|_| (0..cores).map(|_| None).collect())
+        .collect();
+    let mut peers_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::new()).collect();
+    for a in 0..cores {
+        for b in 0..cores {
+            if a == b {
+                continue;
+            }
+            let (tx, rx) = ring(config.ring_capacity);
+            if let Some(slot) = peers_out.get_mut(a).and_then(|v| v.get_mut(b)) {
+                *slot = Some(tx);
+            }
+            if let Some(v) = peers_in.get_mut(b) {
+                v.push(rx);
+            }
+        }
+    }
+    let cpus = if config.pin_cores {
         core_affinity::get_core_ids().unwrap_or_default()
     } else {
         Vec::new()
     };
-    let mut threads = Vec::with_capacity(shards);
-    let mut pinned = Vec::with_capacity(shards);
-    for (s, (inboxes, replies)) in inboxes.into_iter().zip(replies).enumerate() {
-        let core = cores.get(s).copied();
-        pinned.push(core.map(|c| c.id));
-        let worker = ShardThread {
-            shard: Shard::new(ShardId(s as u16)),
-            inboxes,
-            replies,
-            waker: wakers.get(s).cloned().unwrap_or_default(),
-            pinned_core: core.map(|c| c.id),
+    let mut threads = Vec::with_capacity(cores);
+    let mut pinned = Vec::with_capacity(cores);
+    let parts = clients_in
+        .into_iter()
+        .zip(clients_out)
+        .zip(peers_in.into_iter().zip(peers_out));
+    for (k, ((cin, cout), (pin, pout))) in parts.enumerate() {
+        let cpu = cpus.get(k).copied();
+        pinned.push(cpu.map(|c| c.id));
+        let core = Core {
+            shard: Shard::new(ShardId(k as u16)),
+            ingest: Ingest::new(policy.clone()),
+            outbox: Outbox::new(cores),
+            clients_in: cin,
+            clients_out: cout,
             ingest_clients: config.ingest_handles,
+            peers_in: pin,
+            peers_out: pout,
+            wakers: wakers.clone(),
+            pinned_core: cpu.map(|c| c.id),
         };
         let handle = std::thread::Builder::new()
-            .name(format!("kvengine-shard-{s}"))
+            .name(format!("kvengine-core-{k}"))
             .spawn(move || {
-                if let Some(c) = core {
+                if let Some(c) = cpu {
                     core_affinity::set_for_current(c);
                 }
-                worker.run()
+                core.run()
             })
             .map_err(|_| EngineError::RuntimeStopped)?;
         threads.push(handle);
@@ -150,7 +189,7 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     let ingest = links
         .by_ref()
         .take(config.ingest_handles)
-        .map(|l| IngestHandle::new(policy.clone(), l))
+        .map(IngestHandle::new)
         .collect();
     let query = links.map(|l| QueryHandle::new(policy.clone(), l)).collect();
     Ok(Started {
@@ -161,19 +200,20 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
 }
 
 impl Runtime {
-    /// Shards started.
-    pub fn shards(&self) -> usize {
+    /// Core threads started.
+    pub fn cores(&self) -> usize {
         self.threads.len()
     }
 
-    /// The core each shard is pinned to (`None`: not pinned, e.g. more shards than cores).
+    /// The CPU each core thread is pinned to (`None`: not pinned, e.g. more cores than
+    /// CPUs).
     pub fn pinned(&self) -> &[Option<usize>] {
         &self.pinned
     }
 
-    /// Waits for every shard to drain and exit (drop every handle first) and returns their
+    /// Waits for every core to finish and exit (drop every handle first) and returns their
     /// final figures.
-    pub fn join(self) -> Result<Vec<ShardSummary>> {
+    pub fn join(self) -> Result<Vec<CoreSummary>> {
         self.threads
             .into_iter()
             .map(|t| t.join().map_err(|_| EngineError::RuntimeStopped))

@@ -1,48 +1,81 @@
-//! What travels over the rings between clients (ingest, query) and shards.
+//! What travels over the rings: client -> core, core -> client, core -> core.
 
-use crate::ids::SeqHash;
+use crate::directories::Applied;
+use crate::error::{RejectCounts, Result};
+use crate::event::KvEvent;
+use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::index::IndexStats;
 use crate::matches::Matches;
 use crate::sharding::ShardId;
 use crate::sharding::ingest::OpBatch;
+use std::ops::Range;
+use std::sync::Arc;
 
-/// A client's message to one shard.
+/// Events shared by reference: a client sends the same slice to every core, and each core
+/// applies the events of the workers it is home to.
+pub(crate) type EventSlice = (Arc<[(WorkerKey, KvEvent)]>, Range<usize>);
+
+/// A client's message to one core.
 #[derive(Debug)]
-pub(crate) enum ToShard {
-    /// Operations to apply, in order.
-    Ops(Vec<OpBatch>),
-    /// A prefix query; the answer goes back on the asking client's reply ring.
+pub(crate) enum ToCore {
+    /// Apply the events of this slice whose worker lives on this core (no reply).
+    Events(EventSlice),
+    /// Apply one event (this core is its worker's home); reply `Applied`.
+    Apply(WorkerKey, KvEvent),
+    /// Clear one worker key (home core); reply `Count`.
+    Clear(WorkerKey),
+    /// Forget a worker (home core); reply `Count`.
+    RemoveWorker(WorkerId),
+    /// Distinct engine hashes a worker key holds (home core); reply `Count`.
+    CachedBlocks(WorkerKey),
+    /// A prefix query; reply `Matches`.
     Query(Box<[SeqHash]>),
-    /// Reply `Synced(n)` once everything this client sent before is applied.
+    /// Reply `Synced(n)` once every operation from events this client sent before is
+    /// applied, on this core and by every peer.
     Sync(u64),
-    /// Reply with this shard's figures.
+    /// Reply with this core's figures.
     Stats,
 }
 
-/// A shard's reply to one client.
+/// A core's reply to one client.
 #[derive(Debug)]
-pub(crate) enum FromShard {
-    /// The answer to a query.
+pub(crate) enum FromCore {
     Matches(Matches),
-    /// Everything sent before `Sync(n)` is applied.
+    Applied(Result<Applied>),
+    Count(usize),
     Synced(u64),
-    /// The shard's figures.
-    Stats(ShardSummary),
+    Stats(Box<CoreSummary>),
 }
 
-/// One shard's figures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ShardSummary {
-    /// Which shard.
+/// A core's message to another core.
+#[derive(Debug)]
+pub(crate) enum PeerMsg {
+    /// Operations for the receiving core's shard, in order.
+    Ops(Vec<OpBatch>),
+    /// Everything this core produced from client `client`'s events before its `Sync(n)`
+    /// precedes this marker on this ring.
+    Fence { client: usize, n: u64 },
+}
+
+/// One core's figures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CoreSummary {
+    /// Which core (and shard).
     pub shard: ShardId,
-    /// Block operations applied.
+    /// Block operations its shard applied.
     pub applied: u64,
-    /// Operations that could not apply (0 unless the ingest is wrong).
+    /// Operations that could not apply (0 unless routing is wrong).
     pub inconsistencies: u64,
     /// Queries answered.
     pub queries: u64,
-    /// Index sizes.
+    /// Its shard's index sizes.
     pub index: IndexStats,
+    /// Engine hashes in the directories of the workers homed here.
+    pub directory_entries: usize,
+    /// Heap bytes of those directories.
+    pub directory_bytes: usize,
+    /// Refusals of events homed here.
+    pub rejects: RejectCounts,
     /// The core it is pinned to, if any.
     pub pinned_core: Option<usize>,
 }

@@ -1,46 +1,59 @@
-//! The body of a shard thread.
+//! The body of a core thread: it owns one shard and the directories of the workers homed
+//! on it.
+//!
+//! A core applies the KV events of its own workers (directories, seq_hash chaining,
+//! routing), applies the resulting operations for its own shard at once, and sends the
+//! others to the cores that own them, over one SPSC ring per ordered pair of cores. It also
+//! answers queries for its shard. Nothing is shared between cores but the rings.
 //!
 //! # Invariants
-//! 1. Messages of one client are handled in the order the client sent them, so a client's
-//!    `Sync(n)` is answered only after everything it sent before is applied.
-//! 2. Clients are served round-robin: query clients first, up to [`QUERY_BURST`] messages
-//!    each, then ingest clients, up to [`INGEST_BURST`] each. An ingest message carries up to
-//!    a few thousand block operations, so a query waits behind at most a couple of them.
-//! 3. The thread exits only when every inbox is closed and drained: nothing a client sent
-//!    is lost on shutdown.
-//! 4. A panic in this thread aborts the process (a shard that died would otherwise leave
-//!    its partition silently missing from every answer).
-//!
-//! # Concurrency
-//! The [`Shard`] is owned by this thread alone; the only shared state is the rings and the
-//! waker.
+//! 1. Messages of one client are handled in the order the client sent them, and so are the
+//!    messages of one peer core.
+//! 2. `Synced(n)` goes to client `c` only when this core has handled `c`'s `Sync(n)` and has
+//!    received `Fence { c, n }` from every peer: each peer sends that fence after the
+//!    operations it produced from `c`'s earlier events, on the same ring.
+//! 3. Peer rings are never waited on: a message for a full peer ring waits in `pending`,
+//!    and while anything is pending the core takes no new events from clients (so pending
+//!    stays bounded) but keeps draining its peers (so two cores pushing to each other never
+//!    deadlock).
+//! 4. Serving order each round: peer operations, queries, then at most [`INGEST_BURST`]
+//!    messages from each ingest client.
+//! 5. The thread exits when every client ring is closed and drained, nothing is pending,
+//!    and every peer has closed its ring to this core; it closes its own peer rings first.
+//! 6. A panic in this thread aborts the process.
 
-use super::msg::{FromShard, ShardSummary, ToShard};
+use super::home_core;
+use super::msg::{CoreSummary, FromCore, PeerMsg, ToCore};
 use super::waker::Waker;
-use crate::ring::{Consumer, PopError, Producer};
+use crate::ring::{Consumer, PopError, Producer, PushError};
+use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
+use crate::sharding::{ShardId, ShardPolicy};
+use hashbrown::{HashMap, HashSet};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Messages taken from one query client before moving to the next (each is one query).
+/// Messages taken from one query client per round (each is one query).
 const QUERY_BURST: usize = 64;
-/// Messages taken from one ingest client before moving to the next (each is an operation
-/// batch of up to `FLUSH_OPS` blocks, see `client.rs`).
+/// Messages taken from one ingest client per round.
 const INGEST_BURST: usize = 2;
+/// Messages taken from one peer per round.
+const PEER_BURST: usize = 16;
 /// Idle rounds spent spinning, then yielding, before parking.
 const SPIN_ROUNDS: u32 = 64;
 const YIELD_ROUNDS: u32 = 1_064;
 /// Longest park: bounds the cost of a missed wake-up.
 const PARK: Duration = Duration::from_millis(1);
 
-/// Aborts the process if the shard thread unwinds.
+/// Aborts the process if the core thread unwinds.
 struct AbortOnPanic(usize);
 
 impl Drop for AbortOnPanic {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(
-                "kvengine: shard {} panicked; aborting rather than serving wrong answers",
+                "kvengine: core {} panicked; aborting rather than serving wrong answers",
                 self.0
             );
             std::process::abort();
@@ -48,51 +61,85 @@ impl Drop for AbortOnPanic {
     }
 }
 
-pub(crate) struct ShardThread {
+pub(crate) struct Core<P> {
     pub shard: Shard,
-    pub inboxes: Vec<Consumer<ToShard>>,
-    pub replies: Vec<Producer<FromShard>>,
-    pub waker: Arc<Waker>,
-    pub pinned_core: Option<usize>,
-    /// Inboxes `0..ingest_clients` belong to ingest handles, the rest to query handles.
+    pub ingest: Ingest<P>,
+    pub outbox: Outbox,
+    pub clients_in: Vec<Consumer<ToCore>>,
+    pub clients_out: Vec<Producer<FromCore>>,
+    /// Clients `0..ingest_clients` are ingest handles, the rest query handles.
     pub ingest_clients: usize,
+    pub peers_in: Vec<Consumer<PeerMsg>>,
+    /// Indexed by core id; `None` for this core (and once closed at shutdown).
+    pub peers_out: Vec<Option<Producer<PeerMsg>>>,
+    pub wakers: Arc<[Arc<Waker>]>,
+    pub pinned_core: Option<usize>,
 }
 
-impl ShardThread {
-    pub(crate) fn run(mut self) -> ShardSummary {
-        let _guard = AbortOnPanic(self.shard.id().idx());
-        self.waker.register_current();
-        let mut queries = 0u64;
-        let mut open: Vec<bool> = vec![true; self.inboxes.len()];
+/// Per-run state of a core.
+struct State {
+    pending: Vec<VecDeque<PeerMsg>>,
+    fences: HashMap<(usize, u64), usize>,
+    own_syncs: HashSet<(usize, u64)>,
+    queries: u64,
+    lost_peer_msgs: u64,
+}
+
+impl<P: ShardPolicy> Core<P> {
+    fn me(&self) -> ShardId {
+        self.shard.id()
+    }
+
+    fn cores(&self) -> usize {
+        self.peers_out.len()
+    }
+
+    pub(crate) fn run(mut self) -> CoreSummary {
+        let _guard = AbortOnPanic(self.me().idx());
+        let my_waker = self
+            .wakers
+            .get(self.me().idx())
+            .cloned()
+            .unwrap_or_default();
+        my_waker.register_current();
+        let mut st = State {
+            pending: (0..self.cores()).map(|_| VecDeque::new()).collect(),
+            fences: HashMap::new(),
+            own_syncs: HashSet::new(),
+            queries: 0,
+            lost_peer_msgs: 0,
+        };
+        let mut clients_open = vec![true; self.clients_in.len()];
+        let mut peers_open = vec![true; self.peers_in.len()];
+        let mut closed_peers = false;
         let mut idle = 0u32;
         loop {
-            let mut progressed = false;
-            let ingest = self.ingest_clients;
-            let n = self.inboxes.len();
-            // Query clients first, then ingest clients.
-            for i in (ingest..n).chain(0..ingest.min(n)) {
+            let mut progressed = self.serve_peers(&mut st, &mut peers_open);
+            progressed |= self.flush_pending(&mut st);
+            let n = self.clients_in.len();
+            let ingest = self.ingest_clients.min(n);
+            let backlog = st.pending.iter().any(|q| !q.is_empty());
+            for i in (ingest..n).chain(0..ingest) {
+                if i < ingest && backlog {
+                    continue;
+                }
                 let burst = if i < ingest {
                     INGEST_BURST
                 } else {
                     QUERY_BURST
                 };
-                let Some(inbox) = self.inboxes.get_mut(i) else {
-                    continue;
-                };
                 for _ in 0..burst {
+                    let Some(inbox) = self.clients_in.get_mut(i) else {
+                        break;
+                    };
                     match inbox.try_pop() {
                         Ok(msg) => {
                             progressed = true;
-                            let reply =
-                                handle(&mut self.shard, msg, &mut queries, self.pinned_core);
-                            if let (Some(r), Some(out)) = (reply, self.replies.get_mut(i)) {
-                                // A client that is gone no longer needs its answer.
-                                let _ = out.push(r);
-                            }
+                            self.handle_client(&mut st, i, msg);
                         }
                         Err(PopError::Empty) => break,
                         Err(PopError::Closed) => {
-                            if let Some(o) = open.get_mut(i) {
+                            if let Some(o) = clients_open.get_mut(i) {
                                 *o = false;
                             }
                             break;
@@ -100,60 +147,222 @@ impl ShardThread {
                     }
                 }
             }
+            let nothing_pending = st.pending.iter().all(VecDeque::is_empty);
+            if !closed_peers && nothing_pending && clients_open.iter().all(|o| !o) {
+                // No client can send more events, and everything we produced is on the
+                // rings: close ours, so the peers can finish too.
+                for p in &mut self.peers_out {
+                    *p = None;
+                }
+                closed_peers = true;
+            }
+            if closed_peers && peers_open.iter().all(|o| !o) {
+                break;
+            }
             if progressed {
                 idle = 0;
                 continue;
             }
-            if open.iter().all(|o| !o) {
-                break;
-            }
             idle = idle.saturating_add(1);
             if idle < SPIN_ROUNDS {
                 std::hint::spin_loop();
-            } else if idle < YIELD_ROUNDS {
+            } else if idle < YIELD_ROUNDS || !nothing_pending {
                 std::thread::yield_now();
             } else {
-                self.waker.prepare_sleep();
-                if self.inboxes.iter().all(|c| c.is_empty()) {
-                    self.waker.sleep(PARK);
+                my_waker.prepare_sleep();
+                let quiet = self.clients_in.iter().all(|c| c.is_empty())
+                    && self.peers_in.iter().all(|c| c.is_empty());
+                if quiet {
+                    my_waker.sleep(PARK);
                 } else {
-                    self.waker.cancel_sleep();
+                    my_waker.cancel_sleep();
                 }
             }
         }
-        summary(&self.shard, queries, self.pinned_core)
+        self.summary(&st)
     }
-}
 
-fn handle(
-    shard: &mut Shard,
-    msg: ToShard,
-    queries: &mut u64,
-    pinned_core: Option<usize>,
-) -> Option<FromShard> {
-    match msg {
-        ToShard::Ops(batches) => {
-            for b in &batches {
-                shard.apply(b);
+    fn serve_peers(&mut self, st: &mut State, open: &mut [bool]) -> bool {
+        let mut progressed = false;
+        for i in 0..self.peers_in.len() {
+            for _ in 0..PEER_BURST {
+                let Some(inbox) = self.peers_in.get_mut(i) else {
+                    break;
+                };
+                match inbox.try_pop() {
+                    Ok(PeerMsg::Ops(batches)) => {
+                        progressed = true;
+                        for b in &batches {
+                            self.shard.apply(b);
+                        }
+                    }
+                    Ok(PeerMsg::Fence { client, n }) => {
+                        progressed = true;
+                        *st.fences.entry((client, n)).or_insert(0) += 1;
+                        self.check_sync(st, client, n);
+                    }
+                    Err(PopError::Empty) => break,
+                    Err(PopError::Closed) => {
+                        if let Some(o) = open.get_mut(i) {
+                            *o = false;
+                        }
+                        break;
+                    }
+                }
             }
-            None
         }
-        ToShard::Query(seqs) => {
-            *queries += 1;
-            Some(FromShard::Matches(shard.find_matches(&seqs)))
-        }
-        ToShard::Sync(n) => Some(FromShard::Synced(n)),
-        ToShard::Stats => Some(FromShard::Stats(summary(shard, *queries, pinned_core))),
+        progressed
     }
-}
 
-fn summary(shard: &Shard, queries: u64, pinned_core: Option<usize>) -> ShardSummary {
-    ShardSummary {
-        shard: shard.id(),
-        applied: shard.applied(),
-        inconsistencies: shard.inconsistencies(),
-        queries,
-        index: shard.stats(),
-        pinned_core,
+    fn handle_client(&mut self, st: &mut State, client: usize, msg: ToCore) {
+        let me = self.me();
+        let cores = self.cores();
+        match msg {
+            ToCore::Events((events, range)) => {
+                if let Some(slice) = events.get(range) {
+                    for (key, ev) in slice {
+                        if home_core(key.worker, cores) == me {
+                            // Refusals are counted by the directories.
+                            let _ = self.ingest.apply(*key, ev, &mut self.outbox);
+                        }
+                    }
+                }
+                self.flush_outbox(st);
+            }
+            ToCore::Apply(key, ev) => {
+                let r = self.ingest.apply(key, &ev, &mut self.outbox);
+                self.flush_outbox(st);
+                self.reply(client, FromCore::Applied(r));
+            }
+            ToCore::Clear(key) => {
+                let n = self.ingest.clear(key, &mut self.outbox);
+                self.flush_outbox(st);
+                self.reply(client, FromCore::Count(n));
+            }
+            ToCore::RemoveWorker(w) => {
+                let n = self.ingest.remove_worker(w, &mut self.outbox);
+                self.flush_outbox(st);
+                self.reply(client, FromCore::Count(n));
+            }
+            ToCore::CachedBlocks(key) => {
+                let n = self.ingest.cached_blocks(key) as usize;
+                self.reply(client, FromCore::Count(n));
+            }
+            ToCore::Query(seqs) => {
+                st.queries += 1;
+                let m = self.shard.find_matches(&seqs);
+                self.reply(client, FromCore::Matches(m));
+            }
+            ToCore::Sync(n) => {
+                for p in 0..cores {
+                    if p != me.idx() {
+                        self.send_peer(st, p, PeerMsg::Fence { client, n });
+                    }
+                }
+                st.own_syncs.insert((client, n));
+                self.check_sync(st, client, n);
+            }
+            ToCore::Stats => {
+                let s = self.summary(st);
+                self.reply(client, FromCore::Stats(Box::new(s)));
+            }
+        }
+    }
+
+    fn check_sync(&mut self, st: &mut State, client: usize, n: u64) {
+        let peers = self.cores().saturating_sub(1);
+        let fenced = st.fences.get(&(client, n)).copied().unwrap_or(0);
+        if fenced == peers && st.own_syncs.remove(&(client, n)) {
+            st.fences.remove(&(client, n));
+            self.reply(client, FromCore::Synced(n));
+        }
+    }
+
+    /// Applies this core's share of the outbox, queues the rest for the peers.
+    fn flush_outbox(&mut self, st: &mut State) {
+        let me = self.me().idx();
+        for s in 0..self.outbox.shards() {
+            let batches = self.outbox.take(ShardId(s as u16));
+            if batches.is_empty() {
+                continue;
+            }
+            if s == me {
+                for b in &batches {
+                    self.shard.apply(b);
+                }
+            } else {
+                self.send_peer(st, s, PeerMsg::Ops(batches));
+            }
+        }
+    }
+
+    fn send_peer(&mut self, st: &mut State, peer: usize, msg: PeerMsg) {
+        let Some(queue) = st.pending.get_mut(peer) else {
+            return;
+        };
+        if !queue.is_empty() {
+            queue.push_back(msg);
+            return;
+        }
+        match self.peers_out.get_mut(peer) {
+            Some(Some(ring)) => match ring.try_push(msg) {
+                Ok(()) => {
+                    if let Some(w) = self.wakers.get(peer) {
+                        w.wake();
+                    }
+                }
+                Err(PushError::Full(m)) => queue.push_back(m),
+                Err(PushError::Closed(_)) => st.lost_peer_msgs += 1,
+            },
+            _ => st.lost_peer_msgs += 1,
+        }
+    }
+
+    fn flush_pending(&mut self, st: &mut State) -> bool {
+        let mut progressed = false;
+        for (peer, queue) in st.pending.iter_mut().enumerate() {
+            while let Some(msg) = queue.pop_front() {
+                let Some(Some(ring)) = self.peers_out.get_mut(peer) else {
+                    st.lost_peer_msgs += 1;
+                    continue;
+                };
+                match ring.try_push(msg) {
+                    Ok(()) => {
+                        progressed = true;
+                        if let Some(w) = self.wakers.get(peer) {
+                            w.wake();
+                        }
+                    }
+                    Err(PushError::Full(m)) => {
+                        queue.push_front(m);
+                        break;
+                    }
+                    Err(PushError::Closed(_)) => st.lost_peer_msgs += 1,
+                }
+            }
+        }
+        progressed
+    }
+
+    fn reply(&mut self, client: usize, msg: FromCore) {
+        if let Some(out) = self.clients_out.get_mut(client) {
+            // A client that is gone no longer needs its answer.
+            let _ = out.push(msg);
+        }
+    }
+
+    fn summary(&self, st: &State) -> CoreSummary {
+        let (directory_entries, directory_bytes) = self.ingest.directory_size();
+        CoreSummary {
+            shard: self.me(),
+            applied: self.shard.applied(),
+            inconsistencies: self.shard.inconsistencies() + st.lost_peer_msgs,
+            queries: st.queries,
+            index: self.shard.stats(),
+            directory_entries,
+            directory_bytes,
+            rejects: self.ingest.rejects().clone(),
+            pinned_core: self.pinned_core,
+        }
     }
 }
