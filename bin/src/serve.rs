@@ -1,9 +1,10 @@
 //! `kvengine [serve]`: start the thread-per-core engine and stay up.
 //!
-//! Starts one shard thread per core (`--cores`, default: the cores this process may use),
-//! pinned where a core exists, and waits for SIGINT or SIGTERM; then closes every handle,
-//! lets each shard drain what it was sent, joins them and prints their figures. The
-//! transports that feed it (ZMQ, QUIC, HTTP) attach here in later issues.
+//! Starts one core thread per core (`--cores`, default: the CPUs this process may use),
+//! pinned where a CPU exists; each owns a shard and ingests the events of the workers homed
+//! on it. Waits for SIGINT or SIGTERM; then closes every handle, lets each core drain what
+//! it was sent, joins them and prints their figures. The transports that feed it (ZMQ,
+//! QUIC, HTTP) attach here in later issues.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -14,7 +15,7 @@ use std::sync::mpsc;
 /// Engine settings.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Shard threads, one per core (default: the cores available to this process).
+    /// Core threads, each owning a shard (default: the CPUs available to this process).
     #[arg(long, env = "KVENGINE_CORES",
           value_parser = clap::value_parser!(u16).range(1..=32768))]
     pub cores: Option<u16>,
@@ -52,7 +53,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let pinned = started.runtime.pinned();
     let pinned_count = pinned.iter().flatten().count();
     println!(
-        "kvengine: {cores} shard thread(s) up ({available} core(s) available); \
+        "kvengine: {cores} core thread(s) up ({available} CPU(s) available); \
          replicate depth {} blocks",
         args.replicate_depth
     );
@@ -60,18 +61,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         println!("kvengine: pinning disabled (--no-pin)");
     } else if pinned_count < cores {
         println!(
-            "kvengine: pinned {pinned_count} of {cores} shards; the other {} share cores \
-             (more shards than cores)",
+            "kvengine: pinned {pinned_count} of {cores} core threads; the other {} share CPUs \
+             (more core threads than CPUs)",
             cores - pinned_count
         );
     } else {
-        println!("kvengine: every shard pinned to its own core");
+        println!("kvengine: every core thread pinned to its own CPU");
     }
     println!("kvengine: no transport attached yet (ZMQ, QUIC and HTTP come next); Ctrl-C stops");
 
     // Until a signal. A closed channel (handler gone) also stops.
     let _ = rx.recv();
-    println!("kvengine: stopping: draining shards");
+    println!("kvengine: stopping: draining the cores");
     drop(started.ingest);
     drop(started.query);
     let summaries = started.runtime.join().context("a shard thread failed")?;

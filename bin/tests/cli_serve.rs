@@ -46,7 +46,7 @@ fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bo
 fn serves_until_sigint_with_cores_flag() {
     let (out, ok) = serve_until("-INT", &["--cores", "3", "--no-pin"], &[]);
     assert!(ok, "{out}");
-    assert!(out.contains("3 shard thread(s) up"), "{out}");
+    assert!(out.contains("3 core thread(s) up"), "{out}");
     assert_eq!(out.matches("applied 0 block ops").count(), 3, "{out}");
     assert!(out.contains("kvengine: stopped"), "{out}");
 }
@@ -56,7 +56,7 @@ fn serves_until_sigterm_with_env_vars() {
     let env = [("KVENGINE_CORES", "2"), ("KVENGINE_REPLICATE_DEPTH", "8")];
     let (out, ok) = serve_until("-TERM", &["serve"], &env);
     assert!(ok, "{out}");
-    assert!(out.contains("2 shard thread(s) up"), "{out}");
+    assert!(out.contains("2 core thread(s) up"), "{out}");
     assert!(out.contains("replicate depth 8 blocks"), "{out}");
 }
 

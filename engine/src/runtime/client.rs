@@ -28,6 +28,11 @@ use std::sync::Arc;
 const SEND_CHUNK: usize = 64;
 /// Polls of an empty reply ring before the waiting client starts yielding its core.
 const SPINS_BEFORE_YIELD: u32 = 64;
+/// A sender facing a full ring yields this many times, then sleeps [`FULL_NAP`] per retry:
+/// a full ring means the core has at least a ring's worth of work queued, and a sender
+/// that keeps yielding would compete with it for a CPU.
+const YIELDS_BEFORE_NAP: u32 = 64;
+const FULL_NAP: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// One client's rings to and from every core.
 #[derive(Debug)]
@@ -53,7 +58,11 @@ impl Link {
                 Err(PushError::Full(m)) => {
                     msg = m;
                     waker.wake();
-                    backoff(&mut spins);
+                    if spins >= SPINS_BEFORE_YIELD + YIELDS_BEFORE_NAP {
+                        std::thread::sleep(FULL_NAP);
+                    } else {
+                        backoff(&mut spins);
+                    }
                 }
             }
         }

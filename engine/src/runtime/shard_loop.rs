@@ -17,7 +17,8 @@
 //!    stays bounded) but keeps draining its peers (so two cores pushing to each other never
 //!    deadlock).
 //! 4. Serving order each round: peer operations, queries, then at most [`INGEST_BURST`]
-//!    messages from each ingest client.
+//!    messages from each ingest client; while applying a slice of events the core also
+//!    answers waiting queries between two events, so a query waits for at most one event.
 //! 5. The thread exits when every client ring is closed and drained, nothing is pending,
 //!    and every peer has closed its ring to this core; it closes its own peer rings first.
 //! 6. A panic in this thread aborts the process.
@@ -224,6 +225,7 @@ impl<P: ShardPolicy> Core<P> {
                         if home_core(key.worker, cores) == me {
                             // Refusals are counted by the directories.
                             let _ = self.ingest.apply(*key, ev, &mut self.outbox);
+                            self.serve_queries(st);
                         }
                     }
                 }
@@ -265,6 +267,22 @@ impl<P: ShardPolicy> Core<P> {
             ToCore::Stats => {
                 let s = self.summary(st);
                 self.reply(client, FromCore::Stats(Box::new(s)));
+            }
+        }
+    }
+
+    /// Answers queries already waiting (between two events of a slice). Only query
+    /// clients are served here, so per-client order is kept.
+    fn serve_queries(&mut self, st: &mut State) {
+        for i in self.ingest_clients..self.clients_in.len() {
+            for _ in 0..QUERY_BURST {
+                let Some(inbox) = self.clients_in.get_mut(i) else {
+                    break;
+                };
+                match inbox.try_pop() {
+                    Ok(msg) => self.handle_client(st, i, msg),
+                    Err(_) => break,
+                }
             }
         }
     }
