@@ -225,6 +225,9 @@ impl<P: ShardPolicy> Core<P> {
                         if home_core(key.worker, cores) == me {
                             // Refusals are counted by the directories.
                             let _ = self.ingest.apply(*key, ev, &mut self.outbox);
+                            // This shard's share now, so a waiting query sees at most one
+                            // event's work ahead of it; peers' shares go at the end.
+                            self.apply_own();
                             self.serve_queries(st);
                         }
                     }
@@ -293,6 +296,13 @@ impl<P: ShardPolicy> Core<P> {
         if fenced == peers && st.own_syncs.remove(&(client, n)) {
             st.fences.remove(&(client, n));
             self.reply(client, FromCore::Synced(n));
+        }
+    }
+
+    /// Applies this core's share of the outbox.
+    fn apply_own(&mut self) {
+        for b in &self.outbox.take(self.me()) {
+            self.shard.apply(b);
         }
     }
 
