@@ -223,11 +223,15 @@ impl<P: ShardPolicy> Core<P> {
                 if let Some(slice) = events.get(range) {
                     for (key, ev) in slice {
                         if home_core(key.worker, cores) == me {
-                            // Refusals are counted by the directories.
-                            let _ = self.ingest.apply(*key, ev, &mut self.outbox);
-                            // This shard's share now, so a waiting query sees at most one
-                            // event's work ahead of it; peers' shares go at the end.
-                            self.apply_own();
+                            // Refusals are counted by the directories. This shard's
+                            // share is applied at once, so a waiting query sees at most
+                            // one event's work ahead of it; peers' shares go at the end.
+                            let _ = self.ingest.apply_local(
+                                *key,
+                                ev,
+                                &mut self.outbox,
+                                &mut self.shard,
+                            );
                             self.serve_queries(st);
                         }
                     }
@@ -235,7 +239,9 @@ impl<P: ShardPolicy> Core<P> {
                 self.flush_outbox(st);
             }
             ToCore::Apply(key, ev) => {
-                let r = self.ingest.apply(key, &ev, &mut self.outbox);
+                let r = self
+                    .ingest
+                    .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
                 self.flush_outbox(st);
                 self.reply(client, FromCore::Applied(r));
             }
@@ -296,13 +302,6 @@ impl<P: ShardPolicy> Core<P> {
         if fenced == peers && st.own_syncs.remove(&(client, n)) {
             st.fences.remove(&(client, n));
             self.reply(client, FromCore::Synced(n));
-        }
-    }
-
-    /// Applies this core's share of the outbox.
-    fn apply_own(&mut self) {
-        for b in &self.outbox.take(self.me()) {
-            self.shard.apply(b);
         }
     }
 

@@ -16,6 +16,7 @@
 //! Single writer: one ingest thread owns an `Ingest` and the directories of the workers
 //! whose events it decodes.
 
+use super::shard::Shard;
 use super::{Placement, Route, ShardId, ShardPolicy};
 use crate::directories::{Applied, BlockSink, Directories, Placer};
 use crate::error::{RejectCounts, Result};
@@ -68,17 +69,29 @@ impl Outbox {
         }
     }
 
+    /// Queues `seq` for the shards of `placement`, except `skip` (a shard the caller
+    /// applies to directly).
     #[inline]
-    fn push(&mut self, placement: Placement, key: WorkerKey, op: BlockOp, seq: SeqHash) {
+    fn push(
+        &mut self,
+        placement: Placement,
+        skip: Option<ShardId>,
+        key: WorkerKey,
+        op: BlockOp,
+        seq: SeqHash,
+    ) {
         match placement {
+            Placement::Shard(s) if Some(s) == skip => {}
             Placement::Shard(s) => {
                 if let Some(q) = self.queues.get_mut(s.idx()) {
                     Self::push_one(q, key, op, seq);
                 }
             }
             Placement::Everywhere => {
-                for q in &mut self.queues {
-                    Self::push_one(q, key, op, seq);
+                for (i, q) in self.queues.iter_mut().enumerate() {
+                    if skip.map(ShardId::idx) != Some(i) {
+                        Self::push_one(q, key, op, seq);
+                    }
                 }
             }
         }
@@ -113,25 +126,45 @@ impl<P: ShardPolicy> Placer<Route> for PolicyPlacer<'_, P> {
     }
 }
 
-/// The outbox as the directories see it: each block goes to the queues of its placement.
+/// The outbox as the directories see it: each block goes to the queues of its placement,
+/// except that blocks of the `local` shard (if any) are applied to it at once.
 struct OutboxSink<'a, P> {
     policy: &'a P,
     outbox: &'a mut Outbox,
+    local: Option<&'a mut Shard>,
+}
+
+impl<P: ShardPolicy> OutboxSink<'_, P> {
+    fn route(&mut self, key: WorkerKey, op: BlockOp, blocks: &[(SeqHash, Route)]) {
+        let me = self.local.as_ref().map(|s| s.id());
+        if let (Some(me), Some(shard)) = (me, self.local.as_deref_mut()) {
+            let policy = self.policy;
+            let seqs = blocks
+                .iter()
+                .filter(move |b| match policy.placement(b.1) {
+                    Placement::Everywhere => true,
+                    Placement::Shard(s) => s == me,
+                })
+                .map(|b| b.0);
+            match op {
+                BlockOp::Add => shard.add_seqs(key, seqs),
+                BlockOp::Remove => shard.remove_seqs(key, seqs),
+            }
+        }
+        for &(seq, route) in blocks {
+            let placement = self.policy.placement(route);
+            self.outbox.push(placement, me, key, op, seq);
+        }
+    }
 }
 
 impl<P: ShardPolicy> BlockSink<Route> for OutboxSink<'_, P> {
     fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
-        for &(seq, route) in blocks {
-            let placement = self.policy.placement(route);
-            self.outbox.push(placement, key, BlockOp::Add, seq);
-        }
+        self.route(key, BlockOp::Add, blocks);
     }
 
     fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
-        for &(seq, route) in blocks {
-            let placement = self.policy.placement(route);
-            self.outbox.push(placement, key, BlockOp::Remove, seq);
-        }
+        self.route(key, BlockOp::Remove, blocks);
     }
 }
 
@@ -162,6 +195,25 @@ impl<P: ShardPolicy> Ingest<P> {
         let mut sink = OutboxSink {
             policy: &self.policy,
             outbox: out,
+            local: None,
+        };
+        self.dirs
+            .apply(key, event, &PolicyPlacer(&self.policy), &mut sink)
+    }
+
+    /// Like [`Ingest::apply`], but the operations for `local` are applied to it at once
+    /// instead of being queued (a core applying its own shard's share).
+    pub fn apply_local(
+        &mut self,
+        key: WorkerKey,
+        event: &KvEvent,
+        out: &mut Outbox,
+        local: &mut Shard,
+    ) -> Result<Applied> {
+        let mut sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
+            local: Some(local),
         };
         self.dirs
             .apply(key, event, &PolicyPlacer(&self.policy), &mut sink)
@@ -172,6 +224,7 @@ impl<P: ShardPolicy> Ingest<P> {
         let mut sink = OutboxSink {
             policy: &self.policy,
             outbox: out,
+            local: None,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -181,6 +234,7 @@ impl<P: ShardPolicy> Ingest<P> {
         let mut sink = OutboxSink {
             policy: &self.policy,
             outbox: out,
+            local: None,
         };
         self.dirs.remove_worker(worker, &mut sink)
     }

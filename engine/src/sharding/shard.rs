@@ -51,10 +51,15 @@ impl Shard {
         }
     }
 
-    /// One more copy of each block for `key`.
-    pub fn add_seqs(&mut self, key: WorkerKey, seqs: impl ExactSizeIterator<Item = SeqHash>) {
+    /// One more copy of each block for `key` (nothing, not even a slot, if `seqs` is
+    /// empty).
+    pub fn add_seqs(&mut self, key: WorkerKey, seqs: impl Iterator<Item = SeqHash>) {
+        let mut seqs = seqs.peekable();
+        if seqs.peek().is_none() {
+            return;
+        }
         let Ok(slot) = self.index.slots_mut().get_or_insert(key) else {
-            self.inconsistencies += seqs.len() as u64;
+            self.inconsistencies += seqs.count() as u64;
             return;
         };
         for s in seqs {
@@ -64,9 +69,13 @@ impl Shard {
     }
 
     /// One copy fewer of each block for `key`.
-    pub fn remove_seqs(&mut self, key: WorkerKey, seqs: impl ExactSizeIterator<Item = SeqHash>) {
+    pub fn remove_seqs(&mut self, key: WorkerKey, seqs: impl Iterator<Item = SeqHash>) {
+        let mut seqs = seqs.peekable();
+        if seqs.peek().is_none() {
+            return;
+        }
         let Some(slot) = self.index.slots().get(key) else {
-            self.inconsistencies += seqs.len() as u64;
+            self.inconsistencies += seqs.count() as u64;
             return;
         };
         for s in seqs {
@@ -117,8 +126,6 @@ impl<R: Copy> BlockSink<R> for Shard {
 
     #[inline]
     fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]) {
-        if !blocks.is_empty() {
-            self.remove_seqs(key, blocks.iter().map(|b| b.0));
-        }
+        self.remove_seqs(key, blocks.iter().map(|b| b.0));
     }
 }
