@@ -1,9 +1,11 @@
-//! kvengine's sans-IO core.
+//! kvengine's core.
 //!
 //! This crate holds everything that decides: block hashing, the exact prefix index of which
-//! worker holds which block, the per-worker engine-hash directory, and worker selection. It
-//! opens no sockets, reads no clock (callers pass `now`), and never panics on input: every
-//! refusal is an [`EngineError`], counted by [`RejectReason`].
+//! worker holds which block, the per-worker engine-hash directory, worker selection, and the
+//! thread-per-core runtime that runs shards of the index on cores. It opens no sockets,
+//! reads no clock (callers pass `now`; the runtime only parks with a timeout), and never
+//! panics on input: every refusal is an [`EngineError`], counted by [`RejectReason`].
+//! Everything but [`runtime`] is single-threaded and sans-IO.
 //!
 //! # Components
 //! * [`hash`]: `tokens_hash` / `seq_hash` exactly as DESIGN.md defines them.
