@@ -6,17 +6,17 @@
 //! switch tokio into its own loom mode too.
 
 #[cfg(kvengine_loom)]
-pub(crate) use loom::sync::Arc;
-#[cfg(kvengine_loom)]
 pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+#[cfg(kvengine_loom)]
+pub(crate) use loom::sync::{Arc, Mutex};
 
 #[cfg(kvengine_loom)]
 pub(crate) use loom::thread::{Thread, current as current_thread};
 
 #[cfg(not(kvengine_loom))]
-pub(crate) use std::sync::Arc;
-#[cfg(not(kvengine_loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+#[cfg(not(kvengine_loom))]
+pub(crate) use std::sync::{Arc, Mutex};
 #[cfg(not(kvengine_loom))]
 pub(crate) use std::thread::{Thread, current as current_thread};
 

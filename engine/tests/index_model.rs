@@ -518,11 +518,11 @@ fn run(mut ix: Box<dyn Indexer>, ops: Vec<Op>) {
                 for t in extra {
                     q.push(seq_hash(q.last().copied(), TokensHash(t)));
                 }
-                if let Some(i) = mutate {
-                    if !q.is_empty() {
-                        let i = i % q.len();
-                        q[i] = SeqHash(q[i].0 ^ 1);
-                    }
+                if let Some(i) = mutate
+                    && !q.is_empty()
+                {
+                    let i = i % q.len();
+                    q[i] = SeqHash(q[i].0 ^ 1);
                 }
                 check(ix.as_ref(), &model, &q);
             }

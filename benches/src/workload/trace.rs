@@ -259,7 +259,7 @@ pub(crate) fn plan(spec: WorkloadSpec) -> Result<Plan> {
 
 /// The plan of a trace already loaded (tests use inline traces).
 pub fn plan_records(spec: WorkloadSpec, records: &[TraceRecord]) -> Result<Plan> {
-    if TRACE_BLOCK_TOKENS % spec.block_size != 0 {
+    if !TRACE_BLOCK_TOKENS.is_multiple_of(spec.block_size) {
         bail!(
             "--block-size {} must divide the trace's {TRACE_BLOCK_TOKENS}-token blocks",
             spec.block_size

@@ -106,11 +106,24 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     }
     let wakers: Arc<[Arc<Waker>]> = (0..cores).map(|_| Arc::new(Waker::default())).collect();
     // Client rings: links[c] is client c's side; clients_in[k] / clients_out[k] core k's.
-    let mut links: Vec<Link> = (0..clients)
-        .map(|_| Link {
+    let client_wakers: Arc<[Arc<Waker>]> =
+        (0..clients).map(|_| Arc::new(Waker::default())).collect();
+    // Clients on a CPU of their own may poll longer for replies; clients sharing CPUs with
+    // busy cores must get off the CPU quickly.
+    let cpus_available = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let spins_before_park = if cpus_available > cores {
+        client::SPINS_BEFORE_PARK_SPARE_CPU
+    } else {
+        client::SPINS_BEFORE_PARK_SHARED_CPU
+    };
+    let mut links: Vec<Link> = client_wakers
+        .iter()
+        .map(|own| Link {
             to: Vec::with_capacity(cores),
             from: Vec::with_capacity(cores),
             wakers: wakers.clone(),
+            own: own.clone(),
+            spins_before_park,
         })
         .collect();
     let mut clients_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();
@@ -172,6 +185,7 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
             peers_in: pin,
             peers_out: pout,
             wakers: wakers.clone(),
+            client_wakers: client_wakers.clone(),
             pinned_core: cpu.map(|c| c.id),
         };
         let handle = std::thread::Builder::new()

@@ -74,6 +74,9 @@ pub(crate) struct Core<P> {
     /// Indexed by core id; `None` for this core (and once closed at shutdown).
     pub peers_out: Vec<Option<Producer<PeerMsg>>>,
     pub wakers: Arc<[Arc<Waker>]>,
+    /// Clients' wakers, by client index: a client parked on its reply ring is woken after
+    /// the reply is pushed.
+    pub client_wakers: Arc<[Arc<Waker>]>,
     pub pinned_core: Option<usize>,
 }
 
@@ -375,6 +378,9 @@ impl<P: ShardPolicy> Core<P> {
         if let Some(out) = self.clients_out.get_mut(client) {
             // A client that is gone no longer needs its answer.
             let _ = out.push(msg);
+            if let Some(w) = self.client_wakers.get(client) {
+                w.wake();
+            }
         }
     }
 

@@ -1,60 +1,72 @@
-//! Waking a parked shard thread.
+//! Waking a parked thread: a core waiting for messages, or a client waiting for a reply.
 //!
-//! A shard with nothing to do spins, then yields, then parks. A client that has just pushed
-//! a message wakes it if it is parked.
+//! A waiter with nothing to do spins, then parks. Whoever has just pushed a message for it
+//! wakes it if it is parked (a core after a reply, a client after a request).
 //!
 //! # Memory orderings
-//! Dekker's pattern with fences: the shard stores `sleeping = true`, issues a SeqCst fence,
-//! then re-checks its inboxes; a client pushes (the ring's Release store), issues a SeqCst
+//! Dekker's pattern with fences: the waiter stores `sleeping = true`, issues a SeqCst fence,
+//! then re-checks its rings; a pusher pushes (the ring's Release store), issues a SeqCst
 //! fence, then loads `sleeping`. At least one of them sees the other's write, so either the
-//! shard finds the message or the client unparks the shard. The shard also parks with a
-//! timeout, which bounds the cost of any wake-up this reasoning might miss.
+//! waiter finds the message or the pusher unparks it. Parking has a timeout too, which bounds
+//! the cost of any wake-up this reasoning might miss.
+//!
+//! # Concurrency
+//! The waiter's thread handle sits behind a mutex because a client handle may move between
+//! threads: it re-registers before every park. The mutex is taken only to park and to wake a
+//! parked waiter, never on the busy path.
 
-use crate::sync::{AtomicBool, Ordering, Thread, current_thread, fence, park_timeout};
-use std::sync::OnceLock;
+use crate::sync::{AtomicBool, Mutex, Ordering, Thread, current_thread, fence, park_timeout};
 use std::time::Duration;
 
-/// One shard thread's sleep flag and handle.
+/// One waiter's sleep flag and thread.
 #[derive(Debug, Default)]
 pub(crate) struct Waker {
     sleeping: AtomicBool,
-    thread: OnceLock<Thread>,
+    thread: Mutex<Option<Thread>>,
 }
 
 impl Waker {
-    /// Called by the shard thread once, before it may park.
+    /// Records the calling thread as the one to unpark (before it may park).
     pub(crate) fn register_current(&self) {
-        let _ = self.thread.set(current_thread());
+        let mut slot = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        *slot = Some(current_thread());
     }
 
-    /// Shard side: announce the intent to park. The caller re-checks its inboxes after this
+    /// Waiter side: announce the intent to park. The caller re-checks its inboxes after this
     /// and calls [`Waker::cancel_sleep`] instead of parking if anything arrived.
     pub(crate) fn prepare_sleep(&self) {
         self.sleeping.store(true, Ordering::Relaxed);
         fence(Ordering::SeqCst);
     }
 
-    /// Shard side, after [`Waker::prepare_sleep`] found nothing to do: park (at most
+    /// Waiter side, after [`Waker::prepare_sleep`] found nothing to do: park (at most
     /// `timeout`), then clear the flag.
     pub(crate) fn sleep(&self, timeout: Duration) {
         park_timeout(timeout);
         self.cancel_sleep();
     }
 
-    /// Shard side: no longer parked or about to park.
+    /// Waiter side: no longer parked or about to park.
     pub(crate) fn cancel_sleep(&self) {
         self.sleeping.store(false, Ordering::Relaxed);
     }
 
-    /// Client side, after a push: unpark the shard if it is parked or about to park.
+    /// Pusher side, after a push: unpark the waiter if it is parked or about to park.
     #[inline]
     pub(crate) fn wake(&self) {
         fence(Ordering::SeqCst);
         if self.sleeping.load(Ordering::Relaxed) {
-            self.sleeping.store(false, Ordering::Relaxed);
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
+            self.unpark();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn unpark(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+        let slot = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = slot.as_ref() {
+            t.unpark();
         }
     }
 }
