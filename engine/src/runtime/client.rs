@@ -138,6 +138,17 @@ impl Link {
     }
 }
 
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Closing a ring does not wake its reader: close ours, then wake every core so it
+        // sees the close now rather than at its next park timeout.
+        self.to.clear();
+        for w in self.wakers.iter() {
+            w.wake();
+        }
+    }
+}
+
 #[inline]
 fn backoff(spins: &mut u32) {
     *spins = spins.saturating_add(1);
