@@ -1,5 +1,7 @@
 //! kvengine's transports: the I/O that drives the sans-IO `engine` crate.
-//!
-//! Empty for now: ZMQ (vLLM/SGLang), QUIC + rkyv and the HTTP edge arrive with issue 4.
-//! Nothing here pretends to work yet.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod error;
+
+pub use error::{DropReason, Result, TransportError};

@@ -1,0 +1,155 @@
+//! The transport crate's one error type, and the labels dropped input is counted under.
+
+use engine::{EngineError, RejectReason};
+
+/// Why a transport refused or dropped input. Every variant maps to a [`DropReason`] label
+/// for `kvengine_events_rejected_total{reason=...}`.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// A msgpack KV-event batch (vLLM / SGLang) could not be decoded.
+    #[error("malformed msgpack batch: {0}")]
+    MalformedMsgpack(String),
+    /// A native (rkyv) frame failed validation.
+    #[error("malformed native frame: {0}")]
+    MalformedFrame(String),
+    /// A JSON body could not be decoded.
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    /// A body, frame or batch is larger than the configured limit.
+    #[error("{what} of {got} bytes exceeds the limit of {limit} bytes")]
+    Oversized {
+        /// What was too large.
+        what: &'static str,
+        /// Its size.
+        got: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// A stored event's block size differs from the router's.
+    #[error("block size {got} differs from the router's {expected}")]
+    BlockSizeMismatch {
+        /// The router's block size.
+        expected: u32,
+        /// The event's.
+        got: u32,
+    },
+    /// A stored event's token count is not `blocks * block_size`.
+    #[error("stored event has {tokens} token ids for {blocks} blocks of {block_size}")]
+    TokenCountMismatch {
+        /// Token ids carried.
+        tokens: usize,
+        /// Block hashes carried.
+        blocks: usize,
+        /// Block size in force.
+        block_size: u32,
+    },
+    /// The worker is not registered.
+    #[error("unknown worker {0}")]
+    UnknownWorker(u64),
+    /// A connection presented no or the wrong ingest token.
+    #[error("unauthorized: {0}")]
+    Unauthorized(&'static str),
+    /// A peer speaks a protocol version this build does not.
+    #[error("unsupported protocol version {got} (this build speaks {supported})")]
+    UnsupportedVersion {
+        /// The peer's version.
+        got: u32,
+        /// Ours.
+        supported: u32,
+    },
+    /// A request or registration is invalid.
+    #[error("invalid {name}: {reason}")]
+    Invalid {
+        /// What is invalid.
+        name: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The engine refused.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Socket, TLS or file I/O failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with [`TransportError`].
+pub type Result<T> = std::result::Result<T, TransportError>;
+
+/// The label a dropped or refused input is counted under. The engine's own refusals keep
+/// their [`RejectReason`] labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// A msgpack batch that does not decode.
+    MalformedMsgpack,
+    /// A native frame that fails validation.
+    MalformedFrame,
+    /// A JSON body that does not decode.
+    MalformedJson,
+    /// Too large.
+    Oversized,
+    /// Block size differs from the router's.
+    BlockSizeMismatch,
+    /// Token count is not blocks times block size.
+    TokenCountMismatch,
+    /// A block stored in (or removed from) a medium other than GPU memory.
+    NonGpuMedium,
+    /// An event for a worker that is not registered.
+    UnknownWorker,
+    /// Missing or wrong ingest token.
+    Unauthorized,
+    /// Unsupported protocol version.
+    UnsupportedVersion,
+    /// A batch whose sequence number was already applied (replay overlap).
+    DuplicateSeq,
+    /// The engine refused an event (see [`RejectReason`]).
+    Engine(RejectReason),
+    /// Anything else.
+    Other,
+}
+
+impl DropReason {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::MalformedMsgpack => "malformed_msgpack",
+            DropReason::MalformedFrame => "malformed_frame",
+            DropReason::MalformedJson => "malformed_json",
+            DropReason::Oversized => "oversized",
+            DropReason::BlockSizeMismatch => "block_size_mismatch",
+            DropReason::TokenCountMismatch => "token_count_mismatch",
+            DropReason::NonGpuMedium => "non_gpu_medium",
+            DropReason::UnknownWorker => "unknown_worker",
+            DropReason::Unauthorized => "unauthorized",
+            DropReason::UnsupportedVersion => "unsupported_version",
+            DropReason::DuplicateSeq => "duplicate_seq",
+            DropReason::Engine(r) => r.as_str(),
+            DropReason::Other => "other",
+        }
+    }
+}
+
+impl TransportError {
+    /// The label this error is counted under.
+    pub fn reason(&self) -> DropReason {
+        match self {
+            TransportError::MalformedMsgpack(_) => DropReason::MalformedMsgpack,
+            TransportError::MalformedFrame(_) => DropReason::MalformedFrame,
+            TransportError::MalformedJson(_) => DropReason::MalformedJson,
+            TransportError::Oversized { .. } => DropReason::Oversized,
+            TransportError::BlockSizeMismatch { .. } => DropReason::BlockSizeMismatch,
+            TransportError::TokenCountMismatch { .. } => DropReason::TokenCountMismatch,
+            TransportError::UnknownWorker(_) => DropReason::UnknownWorker,
+            TransportError::Unauthorized(_) => DropReason::Unauthorized,
+            TransportError::UnsupportedVersion { .. } => DropReason::UnsupportedVersion,
+            TransportError::Engine(e) => DropReason::Engine(e.reason()),
+            TransportError::Invalid { .. } | TransportError::Io { .. } => DropReason::Other,
+        }
+    }
+}
