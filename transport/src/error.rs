@@ -57,6 +57,12 @@ pub enum TransportError {
         /// Ours.
         supported: u32,
     },
+    /// No active request has this id.
+    #[error("no active request {0:?}")]
+    UnknownRequest(String),
+    /// A request with this id is already active.
+    #[error("request {0:?} is already active")]
+    DuplicateRequest(String),
     /// A request or registration is invalid.
     #[error("invalid {name}: {reason}")]
     Invalid {
@@ -149,7 +155,10 @@ impl TransportError {
             TransportError::Unauthorized(_) => DropReason::Unauthorized,
             TransportError::UnsupportedVersion { .. } => DropReason::UnsupportedVersion,
             TransportError::Engine(e) => DropReason::Engine(e.reason()),
-            TransportError::Invalid { .. } | TransportError::Io { .. } => DropReason::Other,
+            TransportError::Invalid { .. }
+            | TransportError::UnknownRequest(_)
+            | TransportError::DuplicateRequest(_)
+            | TransportError::Io { .. } => DropReason::Other,
         }
     }
 }

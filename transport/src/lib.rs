@@ -3,5 +3,9 @@
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod error;
+pub mod fence;
+pub mod hub;
+pub mod kv_events;
+pub mod metrics;
 
 pub use error::{DropReason, Result, TransportError};

@@ -1,0 +1,619 @@
+//! The state one kvengine process shares between its transports (ZMQ, QUIC, HTTP): the
+//! engine's handles, the scheduler, the worker registry, request ids and the counters.
+//!
+//! # Invariants
+//! 1. Events reach the engine only for registered workers; a new dp rank of a registered
+//!    worker registers itself (vLLM data-parallel ranks publish separately).
+//! 2. One worker's events always travel through the same ingest handle (handle
+//!    `home(worker) % n`), so the engine applies them in the order they were handed over.
+//! 3. A request id is active in the scheduler iff it is in the id map.
+//!
+//! # Concurrency
+//! Shared as `Arc<Hub>` by every tokio task and thread. Engine handles are `Send` but not
+//! `Sync`, so each sits behind its own mutex; queries take whichever query handle is free.
+//! Lock order: registry, then routing, then a handle; never the reverse.
+
+use crate::error::{Result, TransportError};
+use crate::metrics::Metrics;
+use engine::directories::Applied;
+use engine::event::KvEvent;
+use engine::hash::{lora_seed, seq_hashes};
+use engine::runtime::{CoreSummary, IngestHandle, QueryHandle, home_core};
+use engine::sched::{
+    ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
+};
+use engine::sharding::fixed_depth::FixedDepth;
+use engine::{DpRank, EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
+
+/// How a hub is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct HubConfig {
+    /// Scheduler settings; its `block_size` is the router's block size.
+    pub scheduler: SchedulerConfig,
+}
+
+/// A worker as registered (over HTTP, `--zmq-worker`, or a QUIC hello).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its data-parallel ranks (empty: rank 0).
+    pub dp_ranks: Vec<DpRank>,
+    /// Its HTTP base URL (health-checked and, for the OpenAI proxy, forwarded to).
+    pub url: Option<String>,
+    /// Its ZMQ KV-event publisher.
+    pub zmq: Option<String>,
+    /// Its ZMQ replay endpoint.
+    pub replay: Option<String>,
+}
+
+impl Registration {
+    /// A worker with rank 0 and no addresses.
+    pub fn new(worker: WorkerId) -> Self {
+        Self {
+            worker,
+            dp_ranks: Vec::new(),
+            url: None,
+            zmq: None,
+            replay: None,
+        }
+    }
+}
+
+fn key(worker: WorkerId, dp_rank: DpRank) -> WorkerKey {
+    WorkerKey { worker, dp_rank }
+}
+
+/// A registered worker, as `/v1/workers` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerInfo {
+    /// Registration details (ranks as currently known).
+    pub registration: Registration,
+    /// Whether it takes part in routing (false after failed health checks).
+    pub healthy: bool,
+    /// Ranks whose event stream broke and was cleared; cleared again when a batch applies.
+    pub resyncing: Vec<DpRank>,
+    /// The first configuration error seen in its events (a foreign block size).
+    pub config_error: Option<String>,
+    /// KV events handed to the engine for it.
+    pub events: u64,
+    /// Per rank: active load from routed requests and the load it last reported.
+    pub loads: Vec<(DpRank, Option<ActiveLoad>, Option<WorkerLoad>)>,
+}
+
+#[derive(Debug)]
+struct WorkerEntry {
+    registration: Registration,
+    ranks: BTreeSet<DpRank>,
+    healthy: bool,
+    resyncing: BTreeSet<DpRank>,
+    config_error: Option<String>,
+    events: u64,
+}
+
+/// The scheduler and the request-id map, under one lock.
+#[derive(Debug)]
+struct Routing {
+    scheduler: Scheduler,
+    ids: HashMap<String, RequestId>,
+    names: HashMap<RequestId, String>,
+    next_id: u64,
+}
+
+impl Routing {
+    fn forget(&mut self, id: RequestId) {
+        if let Some(name) = self.names.remove(&id) {
+            self.ids.remove(&name);
+        }
+    }
+}
+
+/// A request to route.
+#[derive(Clone, Debug, Default)]
+pub struct RouteCall<'a> {
+    /// The caller's id (must not be active); generated when absent.
+    pub request_id: Option<String>,
+    /// The prompt's token ids.
+    pub tokens: &'a [u32],
+    /// The LoRA adapter, if any (selects the hash seed).
+    pub lora_name: Option<&'a str>,
+    /// Per-call settings.
+    pub overrides: RouteOverrides,
+}
+
+/// A routed request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    /// Its id (the caller's or a generated one).
+    pub request_id: String,
+    /// The scheduler's decision.
+    pub decision: Decision,
+    /// Full blocks in the prompt.
+    pub blocks: usize,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Hub {
+    config: HubConfig,
+    ingest: Box<[Mutex<IngestHandle>]>,
+    query: Box<[Mutex<QueryHandle<FixedDepth>>]>,
+    next_query: AtomicUsize,
+    routing: Mutex<Routing>,
+    registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
+    cached: RwLock<HashMap<WorkerKey, u64>>,
+    metrics: Metrics,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding a hub lock leaves plain data behind; keep serving.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Hub {
+    /// A hub over a started engine's handles (at least one of each).
+    pub fn new(
+        config: HubConfig,
+        ingest: Vec<IngestHandle>,
+        query: Vec<QueryHandle<FixedDepth>>,
+    ) -> Result<Self> {
+        if ingest.is_empty() || query.is_empty() {
+            return Err(TransportError::Invalid {
+                name: "hub",
+                reason: "needs at least one ingest and one query handle".into(),
+            });
+        }
+        let scheduler = Scheduler::new(config.scheduler)?;
+        Ok(Self {
+            config,
+            ingest: ingest.into_iter().map(Mutex::new).collect(),
+            query: query.into_iter().map(Mutex::new).collect(),
+            next_query: AtomicUsize::new(0),
+            routing: Mutex::new(Routing {
+                scheduler,
+                ids: HashMap::new(),
+                names: HashMap::new(),
+                next_id: 0,
+            }),
+            registry: RwLock::new(BTreeMap::new()),
+            cached: RwLock::new(HashMap::new()),
+            metrics: Metrics::default(),
+        })
+    }
+
+    /// The router's block size, in tokens.
+    pub fn block_size(&self) -> u32 {
+        self.config.scheduler.block_size
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HubConfig {
+        &self.config
+    }
+
+    /// The transport counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn registry_read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<WorkerId, WorkerEntry>> {
+        self.registry
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn registry_write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<WorkerId, WorkerEntry>> {
+        self.registry
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn ingest_handle(&self, worker: WorkerId) -> MutexGuard<'_, IngestHandle> {
+        let i = home_core(worker, self.ingest.len()).idx();
+        // `home_core` returns an index below its second argument.
+        let m = self.ingest.get(i).or_else(|| self.ingest.first());
+        match m {
+            Some(m) => lock(m),
+            None => unreachable_handles(),
+        }
+    }
+
+    fn with_query<T>(&self, f: impl FnOnce(&mut QueryHandle<FixedDepth>) -> T) -> T {
+        let n = self.query.len();
+        let start = self.next_query.fetch_add(1, Relaxed);
+        for i in 0..n {
+            if let Some(m) = self.query.get((start + i) % n)
+                && let Ok(mut h) = m.try_lock()
+            {
+                return f(&mut h);
+            }
+        }
+        match self.query.get(start % n) {
+            Some(m) => f(&mut lock(m)),
+            None => unreachable_handles(),
+        }
+    }
+
+    // ----- workers -----
+
+    /// Registers a worker, or adds ranks and addresses to a registered one. Its ranks join
+    /// routing. Returns whether it was new.
+    pub fn register(&self, reg: Registration) -> Result<bool> {
+        let mut ranks: BTreeSet<DpRank> = reg.dp_ranks.iter().copied().collect();
+        if ranks.is_empty() {
+            ranks.insert(DpRank(0));
+        }
+        let mut registry = self.registry_write();
+        let new = !registry.contains_key(&reg.worker);
+        let entry = registry.entry(reg.worker).or_insert_with(|| WorkerEntry {
+            registration: Registration::new(reg.worker),
+            ranks: BTreeSet::new(),
+            healthy: true,
+            resyncing: BTreeSet::new(),
+            config_error: None,
+            events: 0,
+        });
+        let mut routing = lock(&self.routing);
+        for &r in &ranks {
+            if entry.healthy {
+                routing.scheduler.add_worker(key(reg.worker, r))?;
+            }
+            entry.ranks.insert(r);
+        }
+        let e = &mut entry.registration;
+        e.url = reg.url.or(e.url.take());
+        e.zmq = reg.zmq.or(e.zmq.take());
+        e.replay = reg.replay.or(e.replay.take());
+        e.dp_ranks = entry.ranks.iter().copied().collect();
+        Ok(new)
+    }
+
+    /// Whether `worker` is registered.
+    pub fn is_registered(&self, worker: WorkerId) -> bool {
+        self.registry_read().contains_key(&worker)
+    }
+
+    /// Checks that `key`'s worker is registered, registering a new rank of it.
+    pub fn admit(&self, key: WorkerKey) -> Result<()> {
+        {
+            let registry = self.registry_read();
+            match registry.get(&key.worker) {
+                None => return Err(TransportError::UnknownWorker(key.worker.0)),
+                Some(e) if e.ranks.contains(&key.dp_rank) => return Ok(()),
+                Some(_) => {}
+            }
+        }
+        self.register(Registration {
+            dp_ranks: vec![key.dp_rank],
+            ..Registration::new(key.worker)
+        })
+        .map(|_| ())
+    }
+
+    /// Removes a worker: its blocks leave the index and its active requests are freed.
+    /// Returns the block copies dropped, or `None` if it was not registered.
+    pub fn remove_worker(&self, worker: WorkerId) -> Result<Option<usize>> {
+        let mut registry = self.registry_write();
+        if registry.remove(&worker).is_none() {
+            return Ok(None);
+        }
+        {
+            let mut routing = lock(&self.routing);
+            routing.scheduler.remove_worker(worker);
+            let gone: Vec<RequestId> = routing
+                .names
+                .keys()
+                .copied()
+                .filter(|&id| !routing.scheduler.is_active(id))
+                .collect();
+            for id in gone {
+                routing.forget(id);
+            }
+        }
+        let dropped = self.ingest_handle(worker).remove_worker(worker)?;
+        self.cached
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|k, _| k.worker != worker);
+        Ok(Some(dropped))
+    }
+
+    /// Takes a worker out of routing (failed health checks) or puts it back. Taking it out
+    /// frees its active requests; its blocks stay indexed. Returns whether anything changed.
+    pub fn set_healthy(&self, worker: WorkerId, healthy: bool) -> Result<bool> {
+        let mut registry = self.registry_write();
+        let Some(entry) = registry.get_mut(&worker) else {
+            return Err(TransportError::UnknownWorker(worker.0));
+        };
+        if entry.healthy == healthy {
+            return Ok(false);
+        }
+        entry.healthy = healthy;
+        let mut routing = lock(&self.routing);
+        if healthy {
+            for &r in &entry.ranks {
+                routing.scheduler.add_worker(key(worker, r))?;
+            }
+        } else {
+            routing.scheduler.remove_worker(worker);
+        }
+        Ok(true)
+    }
+
+    /// Records a configuration error in `worker`'s events; returns true the first time (so
+    /// the caller logs once per worker).
+    pub fn note_config_error(&self, worker: WorkerId, message: String) -> bool {
+        let mut registry = self.registry_write();
+        match registry.get_mut(&worker) {
+            Some(e) if e.config_error.is_none() => {
+                e.config_error = Some(message);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Every registered worker, by id.
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        let registry = self.registry_read();
+        let routing = lock(&self.routing);
+        registry
+            .values()
+            .map(|e| WorkerInfo {
+                registration: e.registration.clone(),
+                healthy: e.healthy,
+                resyncing: e.resyncing.iter().copied().collect(),
+                config_error: e.config_error.clone(),
+                events: e.events,
+                loads: e
+                    .ranks
+                    .iter()
+                    .map(|&r| {
+                        let k = key(e.registration.worker, r);
+                        (
+                            r,
+                            routing.scheduler.active_load(k),
+                            routing.scheduler.reported_load(k),
+                        )
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    // ----- events -----
+
+    fn count_events(&self, key: WorkerKey, events: &[KvEvent]) {
+        let (mut stored, mut removed) = (0u64, 0u64);
+        for e in events {
+            match e {
+                KvEvent::Stored { blocks, .. } => stored += blocks.len() as u64,
+                KvEvent::Removed { blocks } => removed += blocks.len() as u64,
+                KvEvent::Cleared => {}
+            }
+        }
+        let m = &self.metrics;
+        m.events_forwarded.fetch_add(events.len() as u64, Relaxed);
+        m.blocks_stored.fetch_add(stored, Relaxed);
+        m.blocks_removed.fetch_add(removed, Relaxed);
+        let mut registry = self.registry_write();
+        if let Some(e) = registry.get_mut(&key.worker) {
+            e.events += events.len() as u64;
+            e.resyncing.remove(&key.dp_rank);
+        }
+    }
+
+    /// Hands `events` of `key` to the engine without waiting for them to apply (the engine
+    /// counts its refusals). Fails for unregistered workers.
+    pub fn ingest(&self, key: WorkerKey, events: Vec<KvEvent>) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.admit(key)?;
+        self.count_events(key, &events);
+        let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
+        self.ingest_handle(key.worker).send(&batch)?;
+        Ok(())
+    }
+
+    /// Applies `events` of `key` one by one and waits for each result (the HTTP events
+    /// endpoint reports them). Fails only for unregistered workers or a stopped engine.
+    pub fn apply(
+        &self,
+        key: WorkerKey,
+        events: &[KvEvent],
+    ) -> Result<Vec<std::result::Result<Applied, EngineError>>> {
+        self.admit(key)?;
+        self.count_events(key, events);
+        let mut handle = self.ingest_handle(key.worker);
+        let mut out = Vec::with_capacity(events.len());
+        for e in events {
+            match handle.apply(key, e) {
+                Err(EngineError::RuntimeStopped) => return Err(EngineError::RuntimeStopped.into()),
+                r => out.push(r),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Drops every block of `key` (a publisher restarted).
+    pub fn clear(&self, key: WorkerKey) -> Result<usize> {
+        self.admit(key)?;
+        Ok(self.ingest_handle(key.worker).clear(key)?)
+    }
+
+    /// Clears `key` because its stream could not be repaired and marks it resyncing until
+    /// its next batch applies.
+    pub fn resync(&self, key: WorkerKey) -> Result<usize> {
+        let n = self.clear(key)?;
+        self.metrics.resyncs.fetch_add(1, Relaxed);
+        if let Some(e) = self.registry_write().get_mut(&key.worker) {
+            e.resyncing.insert(key.dp_rank);
+        }
+        Ok(n)
+    }
+
+    /// Waits until everything handed to the engine so far is applied.
+    pub fn sync(&self) -> Result<()> {
+        for h in self.ingest.iter() {
+            lock(h).sync()?;
+        }
+        Ok(())
+    }
+
+    /// Every core's figures (index size, refusals, queries).
+    pub fn core_stats(&self) -> Result<Vec<CoreSummary>> {
+        Ok(self.with_query(|q| q.core_stats())?)
+    }
+
+    /// Refreshes the per-key cached-block totals the scheduler breaks ties with (called
+    /// periodically, off the routing path).
+    pub fn refresh_cached_blocks(&self) -> Result<()> {
+        let keys: Vec<WorkerKey> = {
+            let registry = self.registry_read();
+            registry
+                .values()
+                .flat_map(|e| {
+                    let w = e.registration.worker;
+                    e.ranks.iter().map(move |&r| key(w, r))
+                })
+                .collect()
+        };
+        let mut fresh = HashMap::with_capacity(keys.len());
+        for key in keys {
+            let n = self.ingest_handle(key.worker).cached_blocks(key)?;
+            fresh.insert(key, n);
+        }
+        *self
+            .cached
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        Ok(())
+    }
+
+    /// The cached-block total of `key` as of the last refresh.
+    pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
+        self.cached
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&key)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    // ----- routing -----
+
+    /// The seq hashes of `tokens`' full blocks.
+    pub fn hash_prompt(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<SeqHash> {
+        seq_hashes(tokens, self.block_size() as usize, lora_seed(lora_name))
+    }
+
+    /// Which workers hold how much of the prompt. No state changes.
+    pub fn overlap(&self, tokens: &[u32], lora_name: Option<&str>) -> Result<(usize, Matches)> {
+        let seqs = self.hash_prompt(tokens, lora_name);
+        let matches = self.with_query(|q| q.find_matches(&seqs))?;
+        Ok((seqs.len(), matches))
+    }
+
+    /// Routes a request and records it as active on the chosen worker.
+    pub fn route(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
+        let seqs = self.hash_prompt(call.tokens, call.lora_name);
+        let matches = self.with_query(|q| q.find_matches(&seqs))?;
+        let cached = self
+            .cached
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut routing = lock(&self.routing);
+        for id in routing.scheduler.expire(now) {
+            routing.forget(id);
+        }
+        let name = match &call.request_id {
+            Some(n) if routing.ids.contains_key(n) => {
+                return Err(TransportError::DuplicateRequest(n.clone()));
+            }
+            Some(n) => n.clone(),
+            None => format!("kvr-{}", routing.next_id),
+        };
+        let id = RequestId(routing.next_id);
+        let request = RouteRequest {
+            id,
+            blocks: &seqs,
+            input_tokens: call.tokens.len() as u64,
+            overrides: call.overrides,
+        };
+        let decision = routing.scheduler.route(now, &request, &matches, |k| {
+            cached.get(&k).copied().unwrap_or(0)
+        })?;
+        routing.next_id += 1;
+        routing.ids.insert(name.clone(), id);
+        routing.names.insert(id, name.clone());
+        drop(routing);
+        self.metrics.decided(decision.mode);
+        self.metrics
+            .chosen_overlap
+            .observe(f64::from(decision.overlap_blocks));
+        self.metrics
+            .best_overlap
+            .observe(f64::from(decision.best_available_overlap_blocks));
+        Ok(Routed {
+            request_id: name,
+            decision,
+            blocks: seqs.len(),
+        })
+    }
+
+    fn request(&self, routing: &Routing, name: &str) -> Result<RequestId> {
+        routing
+            .ids
+            .get(name)
+            .copied()
+            .ok_or_else(|| TransportError::UnknownRequest(name.to_owned()))
+    }
+
+    /// Marks a routed request prefilled (its first token streamed).
+    pub fn prefilled(&self, request_id: &str) -> Result<()> {
+        let mut routing = lock(&self.routing);
+        let id = self.request(&routing, request_id)?;
+        routing.scheduler.prefilled(id)?;
+        Ok(())
+    }
+
+    /// Frees a routed request (finished or cancelled).
+    pub fn finish(&self, request_id: &str) -> Result<()> {
+        let mut routing = lock(&self.routing);
+        let id = self.request(&routing, request_id)?;
+        routing.forget(id);
+        routing.scheduler.free(id)?;
+        Ok(())
+    }
+
+    /// Records the load a worker rank reported.
+    pub fn update_load(&self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
+        load.validate()?;
+        if !self.is_registered(key.worker) {
+            return Err(TransportError::UnknownWorker(key.worker.0));
+        }
+        self.admit(key)?;
+        let mut routing = lock(&self.routing);
+        match routing.scheduler.update_load(key, load) {
+            // An unhealthy worker is out of the scheduler; its report is not an error.
+            Err(EngineError::UnknownWorker { .. }) => Ok(()),
+            r => Ok(r?),
+        }
+    }
+
+    /// Requests active over all workers.
+    pub fn active_requests(&self) -> usize {
+        lock(&self.routing).scheduler.active_requests()
+    }
+}
+
+#[cold]
+fn unreachable_handles() -> ! {
+    // `Hub::new` refuses empty handle lists and they never shrink.
+    panic!("hub has no engine handles")
+}

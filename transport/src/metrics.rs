@@ -1,0 +1,242 @@
+//! Counters the transports bump as input arrives. Lock-free (relaxed atomics: each is an
+//! independent count, read only for reporting); rendered as Prometheus text by
+//! [`crate::http`] together with the figures the engine reports at scrape time.
+
+use crate::error::DropReason;
+use engine::RejectReason;
+use engine::sched::RouteMode;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Upper bounds (seconds) of the ingest-lag histogram buckets.
+pub const LAG_BUCKETS: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+/// Upper bounds (blocks) of the overlap histogram buckets.
+pub const OVERLAP_BUCKETS: [f64; 12] = [
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+
+/// Transport-level drop reasons, in counter order (engine refusals are read from the engine).
+pub const TRANSPORT_DROPS: [DropReason; 12] = [
+    DropReason::MalformedMsgpack,
+    DropReason::MalformedFrame,
+    DropReason::MalformedJson,
+    DropReason::Oversized,
+    DropReason::BlockSizeMismatch,
+    DropReason::TokenCountMismatch,
+    DropReason::NonGpuMedium,
+    DropReason::UnknownWorker,
+    DropReason::Unauthorized,
+    DropReason::UnsupportedVersion,
+    DropReason::DuplicateSeq,
+    DropReason::Other,
+];
+
+/// A fixed-bucket histogram: cumulative counts are computed when rendered.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (not cumulative), plus one overflow bucket.
+    counts: Box<[AtomicU64]>,
+    /// Sum of observations, as f64 bits (updated under a lock-free CAS loop).
+    sum_bits: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with the given upper bounds (ascending).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, v: f64) {
+        let i = self.bounds.partition_point(|&b| b < v);
+        if let Some(c) = self.counts.get(i) {
+            c.fetch_add(1, Relaxed);
+        }
+        let _ = self.sum_bits.fetch_update(Relaxed, Relaxed, |bits| {
+            Some((f64::from_bits(bits) + v).to_bits())
+        });
+    }
+
+    /// `(upper bound, cumulative count)` per bucket, then the total count and the sum.
+    pub fn snapshot(&self) -> (Vec<(f64, u64)>, u64, f64) {
+        let mut cumulative = 0;
+        let mut buckets = Vec::with_capacity(self.bounds.len());
+        for (b, c) in self.bounds.iter().zip(self.counts.iter()) {
+            cumulative += c.load(Relaxed);
+            buckets.push((*b, cumulative));
+        }
+        let total = cumulative + self.counts.last().map_or(0, |c| c.load(Relaxed));
+        (buckets, total, f64::from_bits(self.sum_bits.load(Relaxed)))
+    }
+}
+
+/// Everything the transports count.
+#[derive(Debug)]
+pub struct Metrics {
+    /// KV events handed to the engine (the engine's own refusals are subtracted when
+    /// reporting `kvengine_events_applied_total`).
+    pub events_forwarded: AtomicU64,
+    /// Blocks in the stored events handed to the engine.
+    pub blocks_stored: AtomicU64,
+    /// Blocks in the removed events handed to the engine.
+    pub blocks_removed: AtomicU64,
+    /// Batches that arrived after a gap and were replayed.
+    pub replayed_batches: AtomicU64,
+    /// Workers cleared because their stream could not be repaired.
+    pub resyncs: AtomicU64,
+    /// Publisher restarts detected (live seq went backwards).
+    pub restarts: AtomicU64,
+    drops: [AtomicU64; TRANSPORT_DROPS.len()],
+    decisions: [AtomicU64; RouteMode::ALL.len()],
+    /// Seconds between a batch's publisher timestamp and its arrival.
+    pub ingest_lag: Histogram,
+    /// Overlap, in blocks, of each routed request with the worker chosen.
+    pub chosen_overlap: Histogram,
+    /// Best overlap, in blocks, any worker had for each routed request.
+    pub best_overlap: Histogram,
+    /// When a drop was last logged, per reason, to rate-limit the log lines.
+    last_logged: Mutex<[Option<std::time::Instant>; TRANSPORT_DROPS.len()]>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            events_forwarded: AtomicU64::new(0),
+            blocks_stored: AtomicU64::new(0),
+            blocks_removed: AtomicU64::new(0),
+            replayed_batches: AtomicU64::new(0),
+            resyncs: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            drops: Default::default(),
+            decisions: Default::default(),
+            ingest_lag: Histogram::new(&LAG_BUCKETS),
+            chosen_overlap: Histogram::new(&OVERLAP_BUCKETS),
+            best_overlap: Histogram::new(&OVERLAP_BUCKETS),
+            last_logged: Mutex::new([None; TRANSPORT_DROPS.len()]),
+        }
+    }
+}
+
+fn drop_index(reason: DropReason) -> usize {
+    match reason {
+        // The engine's refusals are counted by the engine; a transport that sees one
+        // (a synchronous apply) leaves it to the engine's counter.
+        DropReason::Engine(_) => usize::MAX,
+        r => TRANSPORT_DROPS
+            .iter()
+            .position(|&d| d == r)
+            .unwrap_or(TRANSPORT_DROPS.len() - 1),
+    }
+}
+
+impl Metrics {
+    /// Counts `n` inputs dropped for `reason` and logs a warning with `detail`, at most once
+    /// a second per reason (a flood of bad frames must not flood the log).
+    pub fn drop_input(&self, reason: DropReason, n: u64, detail: &dyn std::fmt::Display) {
+        let i = drop_index(reason);
+        let Some(counter) = self.drops.get(i) else {
+            return;
+        };
+        counter.fetch_add(n, Relaxed);
+        let now = std::time::Instant::now();
+        let log = match self.last_logged.lock() {
+            Ok(mut last) => match last.get_mut(i) {
+                Some(slot) if slot.is_none_or(|t| now.duration_since(t).as_secs() >= 1) => {
+                    *slot = Some(now);
+                    true
+                }
+                _ => false,
+            },
+            Err(_) => true,
+        };
+        if log {
+            tracing::warn!(
+                reason = reason.as_str(),
+                count = n,
+                "dropped input: {detail}"
+            );
+        }
+    }
+
+    /// Inputs dropped for `reason` so far (transport reasons only).
+    pub fn dropped(&self, reason: DropReason) -> u64 {
+        self.drops
+            .get(drop_index(reason))
+            .map_or(0, |c| c.load(Relaxed))
+    }
+
+    /// `(reason, count)` for every transport-level reason.
+    pub fn drops(&self) -> impl Iterator<Item = (DropReason, u64)> + '_ {
+        TRANSPORT_DROPS
+            .iter()
+            .zip(self.drops.iter())
+            .map(|(&r, c)| (r, c.load(Relaxed)))
+    }
+
+    /// Counts one routing decision made in `mode`.
+    pub fn decided(&self, mode: RouteMode) {
+        if let Some(i) = RouteMode::ALL.iter().position(|&m| m == mode)
+            && let Some(c) = self.decisions.get(i)
+        {
+            c.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// `(mode, decisions)` for every mode.
+    pub fn decisions(&self) -> impl Iterator<Item = (RouteMode, u64)> + '_ {
+        RouteMode::ALL
+            .iter()
+            .zip(self.decisions.iter())
+            .map(|(&m, c)| (m, c.load(Relaxed)))
+    }
+
+    /// Events applied: forwarded minus the engine's refusals (`engine_rejects`).
+    pub fn events_applied(&self, engine_rejects: u64) -> u64 {
+        self.events_forwarded
+            .load(Relaxed)
+            .saturating_sub(engine_rejects)
+    }
+}
+
+/// Labels of the engine's refusal counters, for rendering beside [`TRANSPORT_DROPS`].
+pub fn engine_reasons() -> impl Iterator<Item = RejectReason> {
+    RejectReason::ALL.into_iter()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::new(&OVERLAP_BUCKETS);
+        for v in [0.0, 1.0, 3.0, 3.0, 5000.0] {
+            h.observe(v);
+        }
+        let (buckets, total, sum) = h.snapshot();
+        assert_eq!(total, 5);
+        assert_eq!(sum, 5007.0);
+        assert_eq!(buckets[0], (0.0, 1));
+        assert_eq!(buckets[1], (1.0, 2));
+        assert_eq!(buckets[2], (2.0, 2));
+        assert_eq!(buckets[3], (4.0, 4));
+        assert_eq!(buckets.last().copied(), Some((1024.0, 4)));
+    }
+
+    #[test]
+    fn drops_count_by_reason_and_engine_reasons_are_left_to_the_engine() {
+        let m = Metrics::default();
+        m.drop_input(DropReason::MalformedMsgpack, 2, &"x");
+        m.drop_input(DropReason::MalformedMsgpack, 1, &"x");
+        m.drop_input(DropReason::Engine(RejectReason::UnknownParent), 5, &"x");
+        assert_eq!(m.dropped(DropReason::MalformedMsgpack), 3);
+        assert_eq!(m.drops().map(|(_, n)| n).sum::<u64>(), 3);
+    }
+}
