@@ -295,7 +295,7 @@ impl Hub {
     }
 
     /// Removes a worker: its blocks leave the index and its active requests are freed.
-    /// Returns the block copies dropped, or `None` if it was not registered.
+    /// Returns how many of its ranks held blocks, or `None` if it was not registered.
     pub fn remove_worker(&self, worker: WorkerId) -> Result<Option<usize>> {
         let mut registry = self.registry_write();
         if registry.remove(&worker).is_none() {
@@ -616,4 +616,19 @@ impl Hub {
 fn unreachable_handles() -> ! {
     // `Hub::new` refuses empty handle lists and they never shrink.
     panic!("hub has no engine handles")
+}
+
+/// A hub over a freshly started engine: `cores` shard threads (blocks shallower than
+/// `replicate_depth` everywhere), `ingest_handles` and `query_handles` handles. Join the
+/// returned runtime after dropping the hub.
+pub fn start_engine(
+    config: HubConfig,
+    cores: usize,
+    replicate_depth: u32,
+    engine: engine::runtime::RuntimeConfig,
+) -> Result<(Hub, engine::runtime::Runtime)> {
+    let policy = FixedDepth::new(cores, replicate_depth)?;
+    let started = engine::runtime::start(policy, engine)?;
+    let hub = Hub::new(config, started.ingest, started.query)?;
+    Ok((hub, started.runtime))
 }

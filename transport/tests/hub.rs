@@ -1,0 +1,119 @@
+//! The hub over a real two-core engine: registration, ingest order, routing, request ids.
+
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::{lora_seed, tokens_hash};
+use engine::runtime::RuntimeConfig;
+use engine::sched::SchedulerConfig;
+use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
+use std::time::Instant;
+use transport::TransportError;
+use transport::hub::{HubConfig, Registration, RouteCall, start_engine};
+
+fn key(w: u64, r: u32) -> WorkerKey {
+    WorkerKey {
+        worker: WorkerId(w),
+        dp_rank: DpRank(r),
+    }
+}
+
+fn stored(tokens: &[u32], first_hash: u64) -> KvEvent {
+    KvEvent::Stored {
+        parent: None,
+        blocks: tokens
+            .chunks(16)
+            .enumerate()
+            .map(|(i, c)| StoredBlock {
+                engine_hash: EngineHash(first_hash + i as u64),
+                tokens_hash: tokens_hash(c, lora_seed(None)),
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn events_route_and_requests_flow_through_the_hub() {
+    let config = HubConfig {
+        scheduler: SchedulerConfig::default(),
+    };
+    let engine = RuntimeConfig {
+        pin_cores: false,
+        ingest_handles: 2,
+        query_handles: 2,
+        ..RuntimeConfig::default()
+    };
+    let (hub, runtime) = start_engine(config, 2, 4, engine).unwrap();
+    let prompt: Vec<u32> = (0..160).collect();
+
+    // Unknown workers are refused.
+    let err = hub.ingest(key(7, 0), vec![stored(&prompt, 1)]).unwrap_err();
+    assert!(matches!(err, TransportError::UnknownWorker(7)));
+
+    assert!(hub.register(Registration::new(WorkerId(7))).unwrap());
+    assert!(hub.register(Registration::new(WorkerId(8))).unwrap());
+    assert!(!hub.register(Registration::new(WorkerId(8))).unwrap());
+    hub.ingest(key(7, 0), vec![stored(&prompt, 100)]).unwrap();
+    // A new rank of a known worker registers itself.
+    hub.ingest(key(8, 3), vec![stored(&prompt[..64], 200)])
+        .unwrap();
+    hub.sync().unwrap();
+
+    let (blocks, m) = hub.overlap(&prompt, None).unwrap();
+    assert_eq!(blocks, 10);
+    assert_eq!(m.overlaps, vec![(key(7, 0), 10), (key(8, 3), 4)]);
+    let ranks: Vec<_> = hub
+        .workers()
+        .iter()
+        .map(|w| w.registration.dp_ranks.clone())
+        .collect();
+    assert_eq!(ranks, vec![vec![DpRank(0)], vec![DpRank(0), DpRank(3)]]);
+
+    let call = RouteCall {
+        request_id: Some("a".into()),
+        tokens: &prompt,
+        ..RouteCall::default()
+    };
+    let routed = hub.route(&call, Instant::now()).unwrap();
+    assert_eq!(routed.decision.worker, key(7, 0));
+    assert_eq!(routed.decision.overlap_blocks, 10);
+    assert!(matches!(
+        hub.route(&call, Instant::now()),
+        Err(TransportError::DuplicateRequest(_))
+    ));
+    assert_eq!(hub.active_requests(), 1);
+    hub.prefilled("a").unwrap();
+    hub.finish("a").unwrap();
+    assert!(matches!(
+        hub.finish("a"),
+        Err(TransportError::UnknownRequest(_))
+    ));
+    assert_eq!(hub.active_requests(), 0);
+
+    // Generated ids are unique.
+    let call = RouteCall {
+        tokens: &prompt,
+        ..RouteCall::default()
+    };
+    let a = hub.route(&call, Instant::now()).unwrap().request_id;
+    let b = hub.route(&call, Instant::now()).unwrap().request_id;
+    assert_ne!(a, b);
+
+    // Removing a worker drops its blocks and its requests.
+    let dropped = hub.remove_worker(WorkerId(7)).unwrap();
+    assert_eq!(dropped, Some(1), "one rank held blocks");
+    assert_eq!(hub.remove_worker(WorkerId(7)).unwrap(), None);
+    let (_, m) = hub.overlap(&prompt, None).unwrap();
+    assert_eq!(m.overlaps, vec![(key(8, 3), 4)]);
+    assert_eq!(hub.active_requests(), 0, "both requests were on worker 7");
+
+    // Resync clears the rank and marks it until its next batch.
+    hub.resync(key(8, 3)).unwrap();
+    hub.sync().unwrap();
+    assert_eq!(hub.workers()[0].resyncing, vec![DpRank(3)]);
+    assert!(hub.overlap(&prompt, None).unwrap().1.overlaps.is_empty());
+    hub.ingest(key(8, 3), vec![stored(&prompt[..32], 300)])
+        .unwrap();
+    assert!(hub.workers()[0].resyncing.is_empty());
+
+    drop(hub);
+    runtime.join().unwrap();
+}
