@@ -78,4 +78,9 @@ pub struct CoreSummary {
     pub rejects: RejectCounts,
     /// The core it is pinned to, if any.
     pub pinned_core: Option<usize>,
+    /// Messages waiting in its incoming rings (from clients and peer cores) when it
+    /// reported.
+    pub ring_backlog: usize,
+    /// Messages for peer cores waiting because their rings were full.
+    pub pending_peer_msgs: usize,
 }

@@ -419,6 +419,9 @@ impl<P: ShardPolicy> Core<P> {
             directory_bytes,
             rejects: self.ingest.rejects().clone(),
             pinned_core: self.pinned_core,
+            ring_backlog: self.clients_in.iter().map(|r| r.len()).sum::<usize>()
+                + self.peers_in.iter().map(|r| r.len()).sum::<usize>(),
+            pending_peer_msgs: st.pending.iter().map(VecDeque::len).sum(),
         }
     }
 }
