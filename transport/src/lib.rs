@@ -4,7 +4,9 @@
 
 pub mod error;
 pub mod fence;
+pub mod http;
 pub mod hub;
+pub mod json_events;
 pub mod kv_events;
 pub mod metrics;
 

@@ -1,0 +1,199 @@
+//! The HTTP edge's error responses: `{"error": {"code": "<snake_case>", "message": "..."}}`.
+//!
+//! Status codes: 400 for any bad input (syntax, schema or value), 404 for an unknown worker,
+//! request or path, 405 for a wrong method, 409 for a duplicate request id, 413 for a body
+//! over the limit, 503 when no worker can take a request or the engine stopped. A 500 would
+//! be a bug.
+
+use crate::error::TransportError;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use engine::EngineError;
+use serde::Serialize;
+
+/// One refused event of a `POST /v1/events` batch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RejectedEvent {
+    /// The event's position in the batch.
+    pub index: usize,
+    /// The `kvengine_events_rejected_total` label it was counted under.
+    pub reason: &'static str,
+    /// What was wrong.
+    pub message: String,
+}
+
+/// An error response.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// A stable snake_case code.
+    pub code: &'static str,
+    /// Human-readable detail.
+    pub message: String,
+    /// Per-event refusals (`nothing_applied` only).
+    pub rejected_reasons: Vec<RejectedEvent>,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Body<'a>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    code: &'a str,
+    message: &'a str,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    rejected_reasons: &'a [RejectedEvent],
+}
+
+impl ApiError {
+    /// An error with `status`, `code` and `message`.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            rejected_reasons: Vec::new(),
+        }
+    }
+
+    /// 400 `malformed_json`.
+    pub fn malformed(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "malformed_json", message)
+    }
+
+    /// 400 `invalid_argument`.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_argument", message)
+    }
+
+    /// 404 `not_found` (no such route).
+    pub fn not_found() -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+    }
+
+    /// 405 `method_not_allowed`.
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "this endpoint does not take that method",
+        )
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        let message = e.to_string();
+        match e {
+            EngineError::NoWorkers => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "no_workers", message)
+            }
+            EngineError::RuntimeStopped => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", message)
+            }
+            EngineError::UnknownWorker { .. } => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_worker", message)
+            }
+            EngineError::UnknownRequest(_) => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_request", message)
+            }
+            EngineError::DuplicateRequest(_) => {
+                Self::new(StatusCode::CONFLICT, "duplicate_request", message)
+            }
+            EngineError::TooManyWorkers => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_workers", message)
+            }
+            EngineError::InvalidArgument { .. } | EngineError::BlockSizeMismatch { .. } => {
+                Self::invalid(message)
+            }
+            EngineError::UnknownParent { .. }
+            | EngineError::UnknownBlock { .. }
+            | EngineError::EngineHashConflict { .. } => {
+                Self::new(StatusCode::BAD_REQUEST, "rejected", message)
+            }
+        }
+    }
+}
+
+impl From<TransportError> for ApiError {
+    fn from(e: TransportError) -> Self {
+        let message = e.to_string();
+        match e {
+            TransportError::Engine(e) => e.into(),
+            TransportError::MalformedJson(m) => Self::malformed(m),
+            TransportError::UnknownWorker(_) => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_worker", message)
+            }
+            TransportError::UnknownRequest(_) => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_request", message)
+            }
+            TransportError::DuplicateRequest(_) => {
+                Self::new(StatusCode::CONFLICT, "duplicate_request", message)
+            }
+            TransportError::Oversized { .. } => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
+            }
+            TransportError::TokenCountMismatch { .. } => {
+                Self::new(StatusCode::BAD_REQUEST, "token_count_mismatch", message)
+            }
+            TransportError::BlockSizeMismatch { .. } | TransportError::Invalid { .. } => {
+                Self::invalid(message)
+            }
+            TransportError::Unauthorized(_) => {
+                Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+            }
+            TransportError::MalformedMsgpack(_)
+            | TransportError::MalformedFrame(_)
+            | TransportError::UnsupportedVersion { .. } => {
+                Self::new(StatusCode::BAD_REQUEST, "bad_input", message)
+            }
+            TransportError::Io { .. } => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::to_vec(&Envelope {
+            error: Body {
+                code: self.code,
+                message: &self.message,
+                rejected_reasons: &self.rejected_reasons,
+            },
+        })
+        .unwrap_or_else(|_| {
+            br#"{"error":{"code":"internal","message":"unserializable error"}}"#.to_vec()
+        });
+        let mut r = (self.status, body).into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        r
+    }
+}
+
+/// A JSON success response with `status`.
+pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => {
+            let mut r = (status, body).into_response();
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            r
+        }
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("could not serialize the response: {e}"),
+        )
+        .into_response(),
+    }
+}

@@ -1,0 +1,285 @@
+//! `GET /metrics`: the hub's counters and the engine's figures as Prometheus text
+//! (OpenMetrics), rendered with `prometheus-client` from a registry built at scrape time.
+
+use super::AppState;
+use super::errors::ApiError;
+use crate::hub::Hub;
+use crate::metrics::Histogram as HubHistogram;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use engine::runtime::CoreSummary;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// The `Content-Type` of the exposition.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A histogram already aggregated elsewhere (the hub's lock-free one), for encoding.
+#[derive(Debug)]
+struct Snapshot {
+    sum: f64,
+    count: u64,
+    /// `(upper bound, count in this bucket)`, `+Inf` last (non-cumulative, as the encoder
+    /// accumulates).
+    buckets: Vec<(f64, u64)>,
+}
+
+impl Snapshot {
+    fn of(h: &HubHistogram) -> Self {
+        let (cumulative, count, sum) = h.snapshot();
+        let mut buckets = Vec::with_capacity(cumulative.len() + 1);
+        let mut prev = 0;
+        for (bound, c) in cumulative {
+            buckets.push((bound, c.saturating_sub(prev)));
+            prev = c;
+        }
+        buckets.push((f64::INFINITY, count.saturating_sub(prev)));
+        Self {
+            sum,
+            count,
+            buckets,
+        }
+    }
+}
+
+impl TypedMetric for Snapshot {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Snapshot {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+type Labels1 = [(&'static str, String); 1];
+type Labels2 = [(&'static str, String); 2];
+
+fn counter(v: u64) -> Counter {
+    let c = Counter::default();
+    c.inc_by(v);
+    c
+}
+
+fn gauge(v: u64) -> Gauge {
+    let g = Gauge::default();
+    g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    g
+}
+
+/// Renders every metric (see `docs/api.md` for the list).
+pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Error> {
+    let m = hub.metrics();
+    let mut reg = Registry::default();
+
+    let engine_rejects: u64 = cores.iter().map(|c| c.rejects.total()).sum();
+    reg.register(
+        "kvengine_events_applied",
+        "KV events applied to the index (handed to the engine minus its refusals)",
+        counter(m.events_applied(engine_rejects)),
+    );
+
+    let mut reasons: BTreeMap<&'static str, u64> = BTreeMap::new();
+    for (r, n) in m.drops() {
+        *reasons.entry(r.as_str()).or_default() += n;
+    }
+    for r in crate::metrics::engine_reasons() {
+        let n: u64 = cores.iter().map(|c| c.rejects.get(r)).sum();
+        *reasons.entry(r.as_str()).or_default() += n;
+    }
+    let rejected = Family::<Labels1, Counter>::default();
+    for (r, n) in reasons {
+        rejected
+            .get_or_create(&[("reason", r.to_owned())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_events_rejected",
+        "KV events (or inputs) refused, by reason",
+        rejected,
+    );
+
+    let blocks = Family::<Labels1, Counter>::default();
+    blocks
+        .get_or_create(&[("kind", "stored".to_owned())])
+        .inc_by(m.blocks_stored.load(Relaxed));
+    blocks
+        .get_or_create(&[("kind", "removed".to_owned())])
+        .inc_by(m.blocks_removed.load(Relaxed));
+    reg.register(
+        "kvengine_block_events",
+        "Blocks carried by the stored and removed events handed to the engine",
+        blocks,
+    );
+
+    let entries = Family::<Labels1, Gauge>::default();
+    let backlog = Family::<Labels1, Gauge>::default();
+    for c in cores {
+        entries
+            .get_or_create(&[("shard", c.shard.to_string())])
+            .set(i64::try_from(c.index.entries).unwrap_or(i64::MAX));
+        backlog
+            .get_or_create(&[("shard", c.shard.to_string())])
+            .set(i64::try_from(c.ring_backlog).unwrap_or(i64::MAX));
+    }
+    reg.register(
+        "kvengine_index_entries",
+        "(seq_hash, worker rank) pairs held by each shard's index",
+        entries,
+    );
+    reg.register(
+        "kvengine_ring_backlog",
+        "Messages waiting in each core's incoming rings when it reported",
+        backlog,
+    );
+    reg.register(
+        "kvengine_directory_entries",
+        "Engine hashes in the workers' directories",
+        gauge(cores.iter().map(|c| c.directory_entries as u64).sum()),
+    );
+    reg.register(
+        "kvengine_queries",
+        "Prefix queries the shards answered",
+        counter(cores.iter().map(|c| c.queries).sum()),
+    );
+
+    let decisions = Family::<Labels1, Counter>::default();
+    for (mode, n) in m.decisions() {
+        decisions
+            .get_or_create(&[("mode", mode.as_str().to_owned())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_decisions",
+        "Routing decisions, by mode",
+        decisions,
+    );
+
+    reg.register(
+        "kvengine_route_overlap_blocks",
+        "Overlap, in blocks, of each routed request with the worker chosen",
+        Snapshot::of(&m.chosen_overlap),
+    );
+    reg.register(
+        "kvengine_route_best_overlap_blocks",
+        "Best overlap, in blocks, any worker had for each routed request",
+        Snapshot::of(&m.best_overlap),
+    );
+    reg.register(
+        "kvengine_ingest_lag_seconds",
+        "Seconds between a batch's publisher timestamp and its arrival",
+        Snapshot::of(&m.ingest_lag),
+    );
+    reg.register(
+        "kvengine_replayed_batches",
+        "Event batches replayed after a gap",
+        counter(m.replayed_batches.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_resyncs",
+        "Worker ranks cleared because their event stream could not be repaired",
+        counter(m.resyncs.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_publisher_restarts",
+        "Event publisher restarts detected",
+        counter(m.restarts.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_active_requests",
+        "Routed requests not finished yet",
+        gauge(hub.active_requests() as u64),
+    );
+
+    let active_blocks = Family::<Labels2, Gauge>::default();
+    let prefill = Family::<Labels2, Gauge>::default();
+    let active_requests = Family::<Labels2, Gauge>::default();
+    let waiting = Family::<Labels2, Gauge>::default();
+    let kv_usage = Family::<Labels2, Gauge<f64, AtomicU64>>::default();
+    let healthy = Family::<Labels2, Gauge>::default();
+    for w in hub.workers() {
+        let id = w.registration.worker.0.to_string();
+        for (rank, active, reported) in w.loads {
+            let labels = [("worker_id", id.clone()), ("dp_rank", rank.0.to_string())];
+            let a = active.unwrap_or_default();
+            let set = |f: &Family<Labels2, Gauge>, v: u64| {
+                f.get_or_create(&labels)
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            };
+            set(&active_blocks, a.active_blocks);
+            set(&prefill, a.active_prefill_tokens);
+            set(&active_requests, a.active_requests);
+            set(&healthy, u64::from(w.healthy));
+            if let Some(r) = reported {
+                set(&waiting, r.num_requests_waiting);
+                kv_usage.get_or_create(&labels).set(r.kv_usage);
+            }
+        }
+    }
+    reg.register(
+        "kvengine_worker_active_blocks",
+        "Distinct blocks of the active requests on each worker rank",
+        active_blocks,
+    );
+    reg.register(
+        "kvengine_worker_active_prefill_tokens",
+        "Tokens still to prefill on each worker rank",
+        prefill,
+    );
+    reg.register(
+        "kvengine_worker_active_requests",
+        "Active requests on each worker rank",
+        active_requests,
+    );
+    reg.register(
+        "kvengine_worker_requests_waiting",
+        "Requests queued on each worker rank, as it last reported",
+        waiting,
+    );
+    reg.register(
+        "kvengine_worker_kv_usage",
+        "KV cache usage (0..1) of each worker rank, as it last reported",
+        kv_usage,
+    );
+    reg.register(
+        "kvengine_worker_healthy",
+        "1 if the worker rank takes part in routing, 0 after failed health checks",
+        healthy,
+    );
+
+    let mut out = String::with_capacity(8 << 10);
+    prometheus_client::encoding::text::encode(&mut out, &reg)?;
+    Ok(out)
+}
+
+pub(super) async fn metrics(State(st): State<AppState>) -> Response {
+    let cores = match st.hub.core_stats() {
+        Ok(c) => c,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    match render(&st.hub, &cores) {
+        Ok(text) => {
+            let mut r = (StatusCode::OK, text).into_response();
+            r.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
+            r
+        }
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "could not encode the metrics",
+        )
+        .into_response(),
+    }
+}

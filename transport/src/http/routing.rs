@@ -1,0 +1,192 @@
+//! `POST /v1/overlap`, `POST /v1/route`, `POST /v1/requests/{id}/prefilled`,
+//! `DELETE /v1/requests/{id}`.
+
+use super::errors::{ApiError, json};
+use super::prompt::{PromptFields, parse_prompt};
+use super::{AppState, RawBody, malformed};
+use crate::hub::{Hub, RouteCall};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use engine::WorkerId;
+use engine::sched::{RouteMode, RouteOverrides};
+use serde::Serialize;
+use std::cell::RefCell;
+use std::time::Instant;
+
+/// Buffers above this many token ids are not kept between requests.
+const KEEP_TOKENS: usize = 1 << 20;
+
+thread_local! {
+    /// Each runtime thread decodes prompts into one reused buffer.
+    static TOKENS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with the thread's token buffer (a fresh one if it is somehow in use).
+fn with_tokens<T>(f: impl FnOnce(&mut Vec<u32>) -> T) -> T {
+    TOKENS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            let out = f(&mut buf);
+            if buf.capacity() > KEEP_TOKENS {
+                *buf = Vec::new();
+            }
+            out
+        }
+        Err(_) => f(&mut Vec::new()),
+    })
+}
+
+fn parse(hub: &Hub, body: &[u8], tokens: &mut Vec<u32>) -> Result<PromptFields, ApiError> {
+    parse_prompt(body, tokens).map_err(|e| malformed(hub, e))
+}
+
+#[derive(Serialize)]
+struct OverlapScore {
+    worker_id: u64,
+    dp_rank: u32,
+    overlap_blocks: u32,
+}
+
+#[derive(Serialize)]
+struct OverlapResponse {
+    block_size: u32,
+    blocks: usize,
+    scores: Vec<OverlapScore>,
+}
+
+pub(super) async fn overlap(State(st): State<AppState>, body: RawBody) -> Response {
+    let hub = &st.hub;
+    let result = with_tokens(|tokens| {
+        let fields = parse(hub, &body.0, tokens)?;
+        let (blocks, matches) = hub.overlap(tokens, fields.lora_name.as_deref())?;
+        Ok::<_, ApiError>(OverlapResponse {
+            block_size: hub.block_size(),
+            blocks,
+            scores: matches
+                .overlaps
+                .iter()
+                .filter(|(_, o)| *o > 0)
+                .map(|(k, o)| OverlapScore {
+                    worker_id: k.worker.0,
+                    dp_rank: k.dp_rank.0,
+                    overlap_blocks: *o,
+                })
+                .collect(),
+        })
+    });
+    match result {
+        Ok(r) => json(StatusCode::OK, &r),
+        Err(e) => axum::response::IntoResponse::into_response(e),
+    }
+}
+
+#[derive(Serialize)]
+struct Candidate {
+    worker_id: u64,
+    dp_rank: u32,
+    overlap_blocks: u32,
+    prefill_blocks: f64,
+    decode_blocks: u64,
+    logit: f64,
+}
+
+#[derive(Serialize)]
+struct RouteResponse {
+    request_id: String,
+    worker_id: u64,
+    dp_rank: u32,
+    mode: &'static str,
+    blocks: usize,
+    overlap_blocks: u32,
+    best_available_overlap_blocks: u32,
+    busy_skipped: usize,
+    candidates: Vec<Candidate>,
+}
+
+fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
+    let mode = match f.mode.as_deref() {
+        None => None,
+        Some(m) => Some(m.parse::<RouteMode>().map_err(|_| {
+            ApiError::invalid(format!(
+                "unknown mode {m:?}: expected kv, round-robin, random or direct"
+            ))
+        })?),
+    };
+    Ok(RouteOverrides {
+        mode,
+        worker: f.worker_id.map(WorkerId),
+        overlap_weight: f.overlap_weight,
+        temperature: f.temperature,
+    })
+}
+
+pub(super) async fn route(State(st): State<AppState>, body: RawBody) -> Response {
+    let hub = &st.hub;
+    let now = Instant::now();
+    let result = with_tokens(|tokens| {
+        let fields = parse(hub, &body.0, tokens)?;
+        let overrides = overrides(&fields)?;
+        let call = RouteCall {
+            request_id: fields.request_id,
+            tokens,
+            lora_name: fields.lora_name.as_deref(),
+            overrides,
+        };
+        let routed = hub.route(&call, now)?;
+        let d = routed.decision;
+        Ok::<_, ApiError>(RouteResponse {
+            request_id: routed.request_id,
+            worker_id: d.worker.worker.0,
+            dp_rank: d.worker.dp_rank.0,
+            mode: d.mode.as_str(),
+            blocks: routed.blocks,
+            overlap_blocks: d.overlap_blocks,
+            best_available_overlap_blocks: d.best_available_overlap_blocks,
+            busy_skipped: d.busy_skipped,
+            candidates: d
+                .candidates
+                .iter()
+                .map(|c| Candidate {
+                    worker_id: c.key.worker.0,
+                    dp_rank: c.key.dp_rank.0,
+                    overlap_blocks: c.overlap_blocks,
+                    prefill_blocks: c.prefill_blocks,
+                    decode_blocks: c.decode_blocks,
+                    logit: c.logit,
+                })
+                .collect(),
+        })
+    });
+    match result {
+        Ok(r) => json(StatusCode::OK, &r),
+        Err(e) => axum::response::IntoResponse::into_response(e),
+    }
+}
+
+/// A path parameter, or a JSON 400.
+pub(super) fn path_param(p: Result<Path<String>, PathRejection>) -> Result<String, ApiError> {
+    p.map(|Path(s)| s)
+        .map_err(|e| ApiError::invalid(format!("bad path parameter: {}", e.body_text())))
+}
+
+#[derive(Serialize)]
+struct Empty {}
+
+pub(super) async fn prefilled(
+    State(st): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = path_param(id)?;
+    st.hub.prefilled(&id)?;
+    Ok(json(StatusCode::OK, &Empty {}))
+}
+
+pub(super) async fn finish(
+    State(st): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = path_param(id)?;
+    st.hub.finish(&id)?;
+    Ok(json(StatusCode::OK, &Empty {}))
+}

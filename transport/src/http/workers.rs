@@ -1,0 +1,230 @@
+//! `GET /v1/workers`, `POST /v1/workers`, `DELETE /v1/workers/{id}`, `POST /v1/load`.
+
+use super::errors::{ApiError, json};
+use super::routing::path_param;
+use super::{AppState, RawBody, decode};
+use crate::hub::{Registration, WorkerInfo};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::Response;
+use engine::sched::WorkerLoad;
+use engine::{DpRank, WorkerId, WorkerKey};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize)]
+pub(super) struct LoadJson {
+    dp_rank: u32,
+    active_blocks: u64,
+    active_prefill_tokens: u64,
+    active_requests: u64,
+    num_requests_waiting: Option<u64>,
+    kv_usage: Option<f64>,
+}
+
+#[derive(Serialize)]
+pub(super) struct WorkerJson {
+    worker_id: u64,
+    dp_ranks: Vec<u32>,
+    url: Option<String>,
+    zmq: Option<String>,
+    replay: Option<String>,
+    healthy: bool,
+    resyncing: Vec<u32>,
+    config_error: Option<String>,
+    events: u64,
+    loads: Vec<LoadJson>,
+}
+
+impl From<WorkerInfo> for WorkerJson {
+    fn from(w: WorkerInfo) -> Self {
+        let r = w.registration;
+        Self {
+            worker_id: r.worker.0,
+            dp_ranks: r.dp_ranks.iter().map(|d| d.0).collect(),
+            url: r.url,
+            zmq: r.zmq,
+            replay: r.replay,
+            healthy: w.healthy,
+            resyncing: w.resyncing.iter().map(|d| d.0).collect(),
+            config_error: w.config_error,
+            events: w.events,
+            loads: w
+                .loads
+                .into_iter()
+                .map(|(rank, active, reported)| {
+                    let active = active.unwrap_or_default();
+                    LoadJson {
+                        dp_rank: rank.0,
+                        active_blocks: active.active_blocks,
+                        active_prefill_tokens: active.active_prefill_tokens,
+                        active_requests: active.active_requests,
+                        num_requests_waiting: reported.map(|l| l.num_requests_waiting),
+                        kv_usage: reported.map(|l| l.kv_usage),
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct WorkersResponse {
+    workers: Vec<WorkerJson>,
+}
+
+pub(super) async fn list(State(st): State<AppState>) -> Response {
+    let workers = st.hub.workers().into_iter().map(WorkerJson::from).collect();
+    json(StatusCode::OK, &WorkersResponse { workers })
+}
+
+#[derive(Deserialize)]
+struct RegisterBody {
+    worker_id: u64,
+    #[serde(default)]
+    url: Option<String>,
+    #[serde(default)]
+    zmq: Option<String>,
+    #[serde(default)]
+    replay: Option<String>,
+    #[serde(default)]
+    dp_ranks: Option<Vec<u32>>,
+}
+
+/// Accepts `http://host[:port][/path]` (what the health checker can reach).
+fn check_url(url: &str) -> Result<(), ApiError> {
+    let bad = |why: &str| Err(ApiError::invalid(format!("invalid url {url:?}: {why}")));
+    let Ok(uri) = url.parse::<axum::http::Uri>() else {
+        return bad("not a URI");
+    };
+    if uri.scheme_str() != Some("http") {
+        return bad("only http:// URLs are supported");
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return bad("no host");
+    }
+    if uri.query().is_some() {
+        return bad("no query string allowed");
+    }
+    Ok(())
+}
+
+fn check_endpoint(name: &str, value: &str) -> Result<(), ApiError> {
+    if value.is_empty() || value.chars().any(char::is_whitespace) {
+        return Err(ApiError::invalid(format!(
+            "invalid {name} endpoint {value:?}"
+        )));
+    }
+    Ok(())
+}
+
+pub(super) async fn register(
+    State(st): State<AppState>,
+    body: RawBody,
+) -> Result<Response, ApiError> {
+    let hub = &st.hub;
+    let b: RegisterBody = decode(hub, &body.0)?;
+    if let Some(u) = &b.url {
+        check_url(u)?;
+    }
+    if let Some(z) = &b.zmq {
+        check_endpoint("zmq", z)?;
+    }
+    if let Some(r) = &b.replay {
+        check_endpoint("replay", r)?;
+    }
+    let worker = WorkerId(b.worker_id);
+    let new = hub.register(Registration {
+        worker,
+        dp_ranks: b
+            .dp_ranks
+            .unwrap_or_default()
+            .into_iter()
+            .map(DpRank)
+            .collect(),
+        url: b.url.map(|u| u.trim_end_matches('/').to_owned()),
+        zmq: b.zmq,
+        replay: b.replay,
+    })?;
+    let Some(info) = hub
+        .workers()
+        .into_iter()
+        .find(|w| w.registration.worker == worker)
+    else {
+        // Removed by a concurrent DELETE.
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_worker",
+            format!("worker {worker} was removed while registering"),
+        ));
+    };
+    if let Some(hook) = &st.cfg.on_register {
+        hook(&info.registration);
+    }
+    tracing::info!(worker = worker.0, new, "worker registered over HTTP");
+    let status = if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(json(status, &WorkerJson::from(info)))
+}
+
+#[derive(Serialize)]
+struct Removed {
+    removed: bool,
+}
+
+pub(super) async fn remove(
+    State(st): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    let id = path_param(id)?;
+    let worker = id
+        .parse::<u64>()
+        .map(WorkerId)
+        .map_err(|_| ApiError::invalid(format!("worker id {id:?} is not a u64")))?;
+    match st.hub.remove_worker(worker)? {
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_worker",
+            format!("unknown worker {worker}"),
+        )),
+        Some(_) => {
+            st.forget_fences(worker);
+            if let Some(hook) = &st.cfg.on_remove {
+                hook(worker);
+            }
+            tracing::info!(worker = worker.0, "worker removed over HTTP");
+            Ok(json(StatusCode::OK, &Removed { removed: true }))
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct LoadBody {
+    worker_id: u64,
+    #[serde(default)]
+    dp_rank: Option<u32>,
+    num_requests_waiting: u64,
+    kv_usage: f64,
+}
+
+#[derive(Serialize)]
+struct Empty {}
+
+pub(super) async fn load(State(st): State<AppState>, body: RawBody) -> Result<Response, ApiError> {
+    let b: LoadBody = decode(&st.hub, &body.0)?;
+    let key = WorkerKey {
+        worker: WorkerId(b.worker_id),
+        dp_rank: DpRank(b.dp_rank.unwrap_or(0)),
+    };
+    st.hub.update_load(
+        key,
+        WorkerLoad {
+            num_requests_waiting: b.num_requests_waiting,
+            kv_usage: b.kv_usage,
+        },
+    )?;
+    Ok(json(StatusCode::OK, &Empty {}))
+}
