@@ -31,6 +31,7 @@
 pub mod args;
 pub mod driver;
 pub mod harness;
+pub mod ingest_quic;
 pub mod report;
 pub mod workload;
 

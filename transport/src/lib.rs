@@ -9,5 +9,6 @@ pub mod hub;
 pub mod json_events;
 pub mod kv_events;
 pub mod metrics;
+pub mod native;
 
 pub use error::{DropReason, Result, TransportError};

@@ -1,0 +1,24 @@
+//! kvengine's native ingest protocol: QUIC (quinn) carrying rkyv archives, the server that
+//! feeds the [`crate::hub::Hub`] and the publisher client workers link against.
+//!
+//! The wire contract is in `docs/protocol.md`, "Native protocol (QUIC + rkyv)".
+//!
+//! * [`schema`] holds the messages, [`PROTOCOL_VERSION`] and the ALPN id.
+//! * [`frame`] does length-prefixed framing, validation and conversion (pure; fuzzed).
+//! * [`server`] runs the ingest server, [`serve_quic`].
+//! * [`client`] is the publisher, [`Publisher`].
+//! * [`tls`] handles certificates, fingerprints and trust.
+
+pub mod client;
+pub mod frame;
+pub mod schema;
+pub mod server;
+pub mod tls;
+
+pub use client::{Done, Publisher, PublisherConfig};
+pub use frame::MAX_FRAME_BYTES;
+pub use schema::{
+    ClientFrame, EventBatch, NativeBlock, NativeEvent, PROTOCOL_VERSION, ServerFrame,
+};
+pub use server::{QuicServer, QuicServerConfig, serve_quic};
+pub use tls::{TlsSource, Trust};

@@ -1,0 +1,507 @@
+//! The native ingest server: QUIC connections from publishers, one bidirectional stream
+//! each, frames validated in place and handed to the [`Hub`].
+//!
+//! # Invariants
+//! 1. Nothing from a connection reaches the hub before its hello is accepted (version,
+//!    token, block size).
+//! 2. Per connection and dp rank, batches pass a [`Fence`]: a gap clears the rank and
+//!    marks it resyncing (QUIC has no replay), a lower number (publisher restart) clears it;
+//!    then the batch applies. A reconnect starts with fresh fences.
+//! 3. A frame that fails validation is counted and skipped; the length prefix delimits it,
+//!    so the stream stays usable. Only a declared length over the limit (the stream can no
+//!    longer be trusted to be delimited sensibly) or a broken hello closes the connection.
+//! 4. `Done` is sent only after every received batch was handed to the hub.
+//! 5. One connection's failure never affects another's (each runs in its own task).
+
+use super::frame::{
+    self, FrameBuf, LEN_BYTES, MAX_FRAME_BYTES, MAX_HELLO_BYTES, access_client_frame,
+};
+use super::schema::{ArchivedClientFrame, ArchivedEventBatch, PROTOCOL_VERSION, ServerFrame};
+use super::tls::{self, TlsSource};
+use crate::error::{DropReason, Result, TransportError};
+use crate::fence::{Fence, Verdict};
+use crate::hub::{Hub, Registration};
+use engine::{DpRank, WorkerId, WorkerKey};
+use quinn::{Connection, ReadExactError, RecvStream, SendStream, VarInt};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+/// Application error code: normal close (the publisher after `Done`).
+pub const CLOSE_DONE: u32 = 0;
+/// Application error code: the hello was refused (reason text as in `Refused`).
+pub const CLOSE_REFUSED: u32 = 1;
+/// Application error code: a frame declared more than the maximum ("frame too large").
+pub const CLOSE_FRAME_TOO_LARGE: u32 = 2;
+/// Application error code: the stream broke the protocol (ended inside a frame).
+pub const CLOSE_PROTOCOL: u32 = 3;
+/// Application error code: the server is shutting down.
+pub const CLOSE_SHUTDOWN: u32 = 4;
+
+/// How long the server waits for a publisher to close after `Done` or `Refused`.
+const LINGER: Duration = Duration::from_secs(3);
+
+/// How the native server is set up.
+#[derive(Clone, Debug)]
+pub struct QuicServerConfig {
+    /// UDP address to listen on (port 0: any).
+    pub listen: SocketAddr,
+    /// The ingest token every hello must present.
+    pub token: String,
+    /// The server certificate.
+    pub tls: TlsSource,
+    /// Largest frame body accepted ([`MAX_FRAME_BYTES`] by default).
+    pub max_frame_bytes: usize,
+}
+
+impl QuicServerConfig {
+    /// A configuration with the default frame limit.
+    pub fn new(listen: SocketAddr, token: impl Into<String>, tls: TlsSource) -> Self {
+        Self {
+            listen,
+            token: token.into(),
+            tls,
+            max_frame_bytes: MAX_FRAME_BYTES,
+        }
+    }
+}
+
+/// A running native server. Dropping it does not stop it; [`QuicServer::close`] does.
+#[derive(Debug)]
+pub struct QuicServer {
+    endpoint: quinn::Endpoint,
+    local_addr: SocketAddr,
+    fingerprint: String,
+}
+
+impl QuicServer {
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Lowercase hex SHA-256 of the server's certificate (what publishers pin).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Stops accepting and closes every connection (code [`CLOSE_SHUTDOWN`]).
+    pub fn close(&self) {
+        self.endpoint
+            .close(VarInt::from_u32(CLOSE_SHUTDOWN), b"server shutting down");
+    }
+
+    /// Waits until every connection has finished closing (after [`QuicServer::close`]).
+    pub async fn wait_idle(&self) {
+        self.endpoint.wait_idle().await;
+    }
+}
+
+/// What every connection task shares.
+#[derive(Debug)]
+struct Shared {
+    hub: Arc<Hub>,
+    token: String,
+    max_frame: usize,
+}
+
+fn io(
+    context: impl Into<String>,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> TransportError {
+    TransportError::Io {
+        context: context.into(),
+        source: std::io::Error::other(e),
+    }
+}
+
+/// Binds the endpoint and spawns the accept loop on the current tokio runtime.
+pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServer> {
+    if cfg.max_frame_bytes == 0 || u32::try_from(cfg.max_frame_bytes).is_err() {
+        return Err(TransportError::Invalid {
+            name: "max_frame_bytes",
+            reason: format!("{} is not in 1..=u32::MAX", cfg.max_frame_bytes),
+        });
+    }
+    let (chain, key) = tls::load(&cfg.tls)?;
+    let fingerprint = chain
+        .first()
+        .map(|c| tls::fingerprint(c.as_ref()))
+        .unwrap_or_default();
+    let server_config = tls::server_config(chain, key)?;
+    let endpoint =
+        quinn::Endpoint::server(server_config, cfg.listen).map_err(|e| TransportError::Io {
+            context: format!("binding QUIC on {}", cfg.listen),
+            source: e,
+        })?;
+    let local_addr = endpoint.local_addr().map_err(|e| TransportError::Io {
+        context: "QUIC local address".into(),
+        source: e,
+    })?;
+    let shared = Arc::new(Shared {
+        hub,
+        token: cfg.token,
+        max_frame: cfg.max_frame_bytes,
+    });
+    tokio::spawn(accept_loop(endpoint.clone(), shared));
+    tracing::info!(%local_addr, %fingerprint, "native QUIC ingest listening");
+    Ok(QuicServer {
+        endpoint,
+        local_addr,
+        fingerprint,
+    })
+}
+
+async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            match incoming.await {
+                Ok(conn) => {
+                    if let Err(e) = serve_connection(&conn, &shared).await {
+                        tracing::debug!(%remote, "native connection ended: {e}");
+                    }
+                }
+                Err(e) => tracing::debug!(%remote, "QUIC handshake failed: {e}"),
+            }
+        });
+    }
+}
+
+/// Why a frame could not be read.
+enum ReadFail {
+    /// The declared length is over the limit.
+    TooLarge(usize),
+    /// The stream finished inside a frame.
+    Truncated,
+    /// The stream or connection failed.
+    Lost(TransportError),
+}
+
+/// Reads one frame body into `buf`; `Ok(false)` when the stream finished cleanly at a frame
+/// boundary.
+async fn read_frame(
+    recv: &mut RecvStream,
+    buf: &mut FrameBuf,
+    max: usize,
+) -> std::result::Result<bool, ReadFail> {
+    let mut len = [0u8; LEN_BYTES];
+    match recv.read_exact(&mut len).await {
+        Ok(()) => {}
+        Err(ReadExactError::FinishedEarly(0)) => return Ok(false),
+        Err(ReadExactError::FinishedEarly(_)) => return Err(ReadFail::Truncated),
+        Err(ReadExactError::ReadError(e)) => return Err(ReadFail::Lost(io("reading", e))),
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > max {
+        return Err(ReadFail::TooLarge(n));
+    }
+    buf.clear();
+    buf.reserve(n);
+    while buf.len() < n {
+        match recv.read_chunk(n - buf.len(), true).await {
+            Ok(Some(chunk)) => buf.extend_from_slice(&chunk.bytes),
+            Ok(None) => return Err(ReadFail::Truncated),
+            Err(e) => return Err(ReadFail::Lost(io("reading", e))),
+        }
+    }
+    Ok(true)
+}
+
+async fn write_frame(send: &mut SendStream, out: &mut FrameBuf, frame: &ServerFrame) -> Result<()> {
+    frame::encode_server_frame(frame, out)?;
+    let prefix = frame::length_prefix(out.len(), MAX_FRAME_BYTES)?;
+    send.write_all(&prefix)
+        .await
+        .map_err(|e| io("writing", e))?;
+    send.write_all(out).await.map_err(|e| io("writing", e))?;
+    Ok(())
+}
+
+/// Runs `f`, which may block briefly on engine backpressure, without stalling the runtime's
+/// other tasks (on a multi-thread runtime).
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// Closes `conn` after a refusal: sends `Refused`, lets the publisher read it, closes.
+async fn refuse(
+    conn: &Connection,
+    send: &mut SendStream,
+    out: &mut FrameBuf,
+    reason: String,
+) -> Result<()> {
+    let sent = write_frame(
+        send,
+        out,
+        &ServerFrame::Refused {
+            reason: reason.clone(),
+        },
+    )
+    .await;
+    let _ = send.finish();
+    if sent.is_ok() {
+        let _ = tokio::time::timeout(LINGER, conn.closed()).await;
+    }
+    conn.close(VarInt::from_u32(CLOSE_REFUSED), reason.as_bytes());
+    Err(TransportError::Invalid {
+        name: "hello",
+        reason,
+    })
+}
+
+fn close_too_large(conn: &Connection, hub: &Hub, n: usize, limit: usize) {
+    hub.metrics().drop_input(
+        DropReason::Oversized,
+        1,
+        &format_args!(
+            "frame of {n} bytes over the limit of {limit} from {}",
+            conn.remote_address()
+        ),
+    );
+    conn.close(VarInt::from_u32(CLOSE_FRAME_TOO_LARGE), b"frame too large");
+}
+
+/// The accepted hello.
+struct Hello {
+    worker: WorkerId,
+}
+
+async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
+    let hub = &*shared.hub;
+    let (mut send, mut recv) = conn
+        .accept_bi()
+        .await
+        .map_err(|e| io("accepting a stream", e))?;
+    let mut buf = FrameBuf::with_capacity(64 << 10);
+    let mut out = FrameBuf::new();
+
+    // ----- hello -----
+    let hello_limit = MAX_HELLO_BYTES.min(shared.max_frame);
+    match read_frame(&mut recv, &mut buf, hello_limit).await {
+        Ok(true) => {}
+        Ok(false) => return Ok(()),
+        Err(ReadFail::TooLarge(n)) => {
+            close_too_large(conn, hub, n, hello_limit);
+            return Ok(());
+        }
+        Err(ReadFail::Truncated) => {
+            conn.close(
+                VarInt::from_u32(CLOSE_PROTOCOL),
+                b"stream ended inside a frame",
+            );
+            return Ok(());
+        }
+        Err(ReadFail::Lost(e)) => return Err(e),
+    }
+    let hello = match check_hello(&buf, shared) {
+        Ok(h) => h,
+        Err((reason, message)) => {
+            hub.metrics().drop_input(
+                reason,
+                1,
+                &format_args!("hello from {} refused: {message}", conn.remote_address()),
+            );
+            return refuse(conn, &mut send, &mut out, message).await;
+        }
+    };
+    write_frame(
+        &mut send,
+        &mut out,
+        &ServerFrame::HelloAck {
+            version: PROTOCOL_VERSION,
+            block_size: hub.block_size(),
+        },
+    )
+    .await?;
+    tracing::info!(worker = hello.worker.0, remote = %conn.remote_address(), "native publisher connected");
+
+    // ----- batches -----
+    let mut state = Stream {
+        worker: hello.worker,
+        fences: HashMap::new(),
+        batches: 0,
+        events: 0,
+    };
+    loop {
+        match read_frame(&mut recv, &mut buf, shared.max_frame).await {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(ReadFail::TooLarge(n)) => {
+                close_too_large(conn, hub, n, shared.max_frame);
+                return Ok(());
+            }
+            Err(ReadFail::Truncated) => {
+                hub.metrics().drop_input(
+                    DropReason::MalformedFrame,
+                    1,
+                    &format_args!("worker {}: stream ended inside a frame", hello.worker),
+                );
+                break;
+            }
+            Err(ReadFail::Lost(e)) => return Err(e),
+        }
+        match access_client_frame(&buf) {
+            Ok(ArchivedClientFrame::Batch(batch)) => state.apply(hub, batch),
+            Ok(ArchivedClientFrame::Hello { .. }) => hub.metrics().drop_input(
+                DropReason::MalformedFrame,
+                1,
+                &format_args!("worker {}: a second hello", hello.worker),
+            ),
+            Err(e) => hub.metrics().drop_input(
+                DropReason::MalformedFrame,
+                1,
+                &format_args!("worker {}: {e}", hello.worker),
+            ),
+        }
+    }
+
+    // ----- done -----
+    write_frame(
+        &mut send,
+        &mut out,
+        &ServerFrame::Done {
+            batches: state.batches,
+            events: state.events,
+        },
+    )
+    .await?;
+    let _ = send.finish();
+    let _ = tokio::time::timeout(LINGER, conn.closed()).await;
+    Ok(())
+}
+
+/// Checks the hello in `buf` and registers its worker; on refusal returns the drop reason
+/// and the `Refused` text.
+fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropReason, String)> {
+    let hub = &*shared.hub;
+    let frame = access_client_frame(buf)
+        .map_err(|e| (DropReason::MalformedFrame, format!("malformed hello: {e}")))?;
+    let ArchivedClientFrame::Hello {
+        version,
+        worker_id,
+        dp_ranks,
+        block_size,
+        token,
+    } = frame
+    else {
+        return Err((
+            DropReason::MalformedFrame,
+            "malformed hello: the first frame must be a hello".into(),
+        ));
+    };
+    let version = version.to_native();
+    if version != PROTOCOL_VERSION {
+        return Err((
+            DropReason::UnsupportedVersion,
+            format!("unsupported version {version}: this server speaks {PROTOCOL_VERSION}"),
+        ));
+    }
+    if !tls::token_eq(token.as_str(), &shared.token) {
+        return Err((DropReason::Unauthorized, "unauthorized".into()));
+    }
+    let worker = WorkerId(worker_id.to_native());
+    let registration = Registration {
+        dp_ranks: dp_ranks.iter().map(|r| DpRank(r.to_native())).collect(),
+        ..Registration::new(worker)
+    };
+    let block_size = block_size.to_native();
+    if block_size != hub.block_size() {
+        let message = format!(
+            "block size mismatch: the publisher hashes blocks of {block_size} tokens, this \
+             router uses {}",
+            hub.block_size()
+        );
+        // Registered (out of routing, when new) so `/v1/workers` shows the error.
+        let registered = blocking(|| -> Result<()> {
+            if hub.register(registration)? {
+                hub.set_healthy(worker, false)?;
+            }
+            Ok(())
+        });
+        if registered.is_ok() && hub.note_config_error(worker, message.clone()) {
+            tracing::warn!(worker = worker.0, "{message}");
+        }
+        return Err((DropReason::BlockSizeMismatch, message));
+    }
+    blocking(|| hub.register(registration))
+        .map_err(|e| (DropReason::Other, format!("registration failed: {e}")))?;
+    Ok(Hello { worker })
+}
+
+/// One accepted stream's position.
+struct Stream {
+    worker: WorkerId,
+    fences: HashMap<u32, Fence>,
+    batches: u64,
+    events: u64,
+}
+
+impl Stream {
+    fn apply(&mut self, hub: &Hub, batch: &ArchivedEventBatch) {
+        let metrics = hub.metrics();
+        let worker = batch.worker_id.to_native();
+        if worker != self.worker.0 {
+            metrics.drop_input(
+                DropReason::UnknownWorker,
+                1,
+                &format_args!(
+                    "batch for worker {worker} on worker {}'s connection",
+                    self.worker
+                ),
+            );
+            return;
+        }
+        let dp_rank = batch.dp_rank.to_native();
+        let seq = batch.seq.to_native();
+        let key = WorkerKey {
+            worker: self.worker,
+            dp_rank: DpRank(dp_rank),
+        };
+        let mut events = Vec::new();
+        frame::batch_events(batch, hub.block_size(), &mut events, |e| {
+            metrics.drop_input(e.reason(), 1, &format_args!("worker {key}: {e}"))
+        });
+        let fence = self.fences.entry(dp_rank).or_default();
+        let verdict = fence.check_live(seq);
+        fence.accept(seq);
+        self.batches += 1;
+        let n = events.len() as u64;
+        let result = blocking(|| -> Result<()> {
+            match verdict {
+                Verdict::InOrder => {}
+                Verdict::Gap { from } => {
+                    tracing::warn!(worker = %key, from, seq, "batches missing: rank cleared and resyncing");
+                    hub.resync(key)?;
+                }
+                Verdict::Restarted => {
+                    tracing::info!(worker = %key, seq, "publisher restarted: rank cleared");
+                    hub.clear(key)?;
+                    metrics.restarts.fetch_add(1, Relaxed);
+                }
+                Verdict::Duplicate => {
+                    metrics.drop_input(
+                        DropReason::DuplicateSeq,
+                        1,
+                        &format_args!("worker {key}: batch {seq} again"),
+                    );
+                    return Ok(());
+                }
+            }
+            hub.ingest(key, events)
+        });
+        match result {
+            Ok(()) if verdict != Verdict::Duplicate => self.events += n,
+            Ok(()) => {}
+            Err(e) => metrics.drop_input(e.reason(), n.max(1), &format_args!("worker {key}: {e}")),
+        }
+    }
+}
