@@ -9,6 +9,9 @@
 //!    except through [`Verdict::Restarted`], which the caller answers by clearing the worker.
 //! 2. A batch that could not be decoded is still accepted (it consumes its number), so it is
 //!    never reported as a gap.
+//! 3. After a replay, the live copies of the replayed batches (queued on the live socket
+//!    while the replay ran) are duplicates, not a restart, until a live batch past the
+//!    replayed range arrives.
 
 /// What to do with an arriving batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +35,8 @@ pub enum Verdict {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Fence {
     next: Option<u64>,
+    /// The range `from..horizon` last filled by a replay.
+    replayed: Option<(u64, u64)>,
 }
 
 impl Fence {
@@ -51,7 +56,10 @@ impl Fence {
             None => Verdict::InOrder,
             Some(n) if seq == n => Verdict::InOrder,
             Some(n) if seq > n => Verdict::Gap { from: n },
-            Some(_) => Verdict::Restarted,
+            Some(_) => match self.replayed {
+                Some((from, horizon)) if (from..horizon).contains(&seq) => Verdict::Duplicate,
+                _ => Verdict::Restarted,
+            },
         }
     }
 
@@ -68,9 +76,25 @@ impl Fence {
         self.next = Some(seq.saturating_add(1));
     }
 
+    /// Records that a live batch `seq` was handled; a live batch past the replayed range
+    /// ends the window in which older numbers count as duplicates.
+    pub fn accept_live(&mut self, seq: u64) {
+        if self.replayed.is_some_and(|(_, horizon)| seq >= horizon) {
+            self.replayed = None;
+        }
+        self.accept(seq);
+    }
+
+    /// Records that a replay filled `from..` up to the current position.
+    pub fn note_replayed(&mut self, from: u64) {
+        if let Some(horizon) = self.next {
+            self.replayed = Some((from, horizon));
+        }
+    }
+
     /// Forgets the position (after a clear for resync: the next batch starts afresh).
     pub fn reset(&mut self) {
-        self.next = None;
+        *self = Self::default();
     }
 }
 
@@ -97,6 +121,28 @@ mod tests {
         assert_eq!(f.check_replayed(8), Verdict::Gap { from: 6 });
         f.reset();
         assert_eq!(f.check_live(0), Verdict::InOrder);
+    }
+
+    #[test]
+    fn live_copies_of_replayed_batches_are_duplicates_until_the_stream_catches_up() {
+        let mut f = Fence::new();
+        f.accept_live(3);
+        // 4..=6 were missed; live 7 arrived; the replay delivered 4..=9.
+        assert_eq!(f.check_live(7), Verdict::Gap { from: 4 });
+        for s in 4..=9 {
+            assert_eq!(f.check_replayed(s), Verdict::InOrder);
+            f.accept(s);
+        }
+        f.note_replayed(4);
+        // Live 7 (in hand), then queued 8 and 9 are copies.
+        for s in 7..=9 {
+            assert_eq!(f.check_live(s), Verdict::Duplicate);
+        }
+        assert_eq!(f.check_live(10), Verdict::InOrder);
+        f.accept_live(10);
+        // After catching up, a lower number is a restart again.
+        assert_eq!(f.check_live(5), Verdict::Restarted);
+        assert_eq!(f.check_live(0), Verdict::Restarted);
     }
 
     #[test]

@@ -10,5 +10,6 @@ pub mod json_events;
 pub mod kv_events;
 pub mod metrics;
 pub mod native;
+pub mod zmq;
 
 pub use error::{DropReason, Result, TransportError};

@@ -1,0 +1,341 @@
+//! A publisher that speaks vLLM's KV-event protocol: PUB socket, per-message sequence
+//! numbers, map-encoded events (vLLM after PR #42892), and a ROUTER replay socket backed by a
+//! bounded buffer of recent batches. Simulated workers, tests and the ingest benchmark use
+//! it; kvengine's subscriber cannot tell it from a real vLLM.
+//!
+//! # Concurrency
+//! The publisher is owned by one task. The replay task shares only the buffer (a mutex held
+//! for a copy of the matching entries).
+
+use super::REPLAY_END;
+use crate::error::{Result, TransportError};
+use crate::kv_events::{WireBatch, WireEvent};
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinHandle;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+fn zmq_err(context: &str, e: zeromq::ZmqError) -> TransportError {
+    TransportError::Io {
+        context: context.to_owned(),
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+/// See the module docs.
+pub struct VllmPublisher {
+    socket: PubSocket,
+    topic: Bytes,
+    next_seq: u64,
+    buffer: Buffer,
+    capacity: usize,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    replay_task: Option<JoinHandle<()>>,
+}
+
+impl VllmPublisher {
+    /// Binds the PUB socket (and the replay socket, if given) and keeps the last `buffer`
+    /// batches for replay. Endpoints may use port 0; [`Self::endpoint`] tells the bound one.
+    pub async fn bind(publish: &str, replay: Option<&str>, buffer: usize) -> Result<Self> {
+        let mut socket = PubSocket::new();
+        let endpoint = socket
+            .bind(publish)
+            .await
+            .map_err(|e| zmq_err("cannot bind the PUB socket", e))?
+            .to_string();
+        let buffer_store: Buffer = Arc::new(Mutex::new(VecDeque::with_capacity(buffer)));
+        let (replay_endpoint, replay_task) = match replay {
+            Some(r) => {
+                let mut router = RouterSocket::new();
+                let bound = router
+                    .bind(r)
+                    .await
+                    .map_err(|e| zmq_err("cannot bind the replay socket", e))?
+                    .to_string();
+                let task = tokio::spawn(serve_replay(router, buffer_store.clone()));
+                (Some(bound), Some(task))
+            }
+            None => (None, None),
+        };
+        Ok(Self {
+            socket,
+            topic: Bytes::from_static(b"kv-events"),
+            next_seq: 0,
+            buffer: buffer_store,
+            capacity: buffer.max(1),
+            endpoint,
+            replay_endpoint,
+            replay_task,
+        })
+    }
+
+    /// The bound PUB endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The bound replay endpoint.
+    pub fn replay_endpoint(&self) -> Option<&str> {
+        self.replay_endpoint.as_deref()
+    }
+
+    /// The seq the next batch gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Numbers the next batch `seq` (a restarted publisher starts again from 0).
+    pub fn set_next_seq(&mut self, seq: u64) {
+        self.next_seq = seq;
+    }
+
+    fn remember(&mut self, payload: Bytes) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let mut buf = self
+            .buffer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if buf.len() >= self.capacity {
+            buf.pop_front();
+        }
+        buf.push_back((seq, payload));
+        seq
+    }
+
+    /// Encodes, numbers, buffers and publishes one batch; returns its seq.
+    pub async fn publish(&mut self, batch: &WireBatch) -> Result<u64> {
+        self.publish_payload(Bytes::from(encode_batch(batch))).await
+    }
+
+    /// Numbers, buffers and publishes an already encoded batch; returns its seq.
+    pub async fn publish_payload(&mut self, payload: Bytes) -> Result<u64> {
+        let seq = self.remember(payload.clone());
+        let frames = vec![
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ];
+        let msg = ZmqMessage::try_from(frames).map_err(|e| TransportError::Io {
+            context: "cannot build the message".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        self.socket
+            .send(msg)
+            .await
+            .map_err(|e| zmq_err("cannot publish", e))?;
+        Ok(seq)
+    }
+
+    /// Numbers and buffers a batch without sending it: the message is "lost" on the live
+    /// stream but replayable (tests of gap repair use this).
+    pub fn withhold(&mut self, batch: &WireBatch) -> u64 {
+        self.remember(Bytes::from(encode_batch(batch)))
+    }
+}
+
+impl std::fmt::Debug for VllmPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VllmPublisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .field("next_seq", &self.next_seq)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for VllmPublisher {
+    fn drop(&mut self) {
+        if let Some(t) = self.replay_task.take() {
+            t.abort();
+        }
+    }
+}
+
+async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
+    loop {
+        let Ok(request) = router.recv().await else {
+            return;
+        };
+        // [identity, "", start seq]; tolerate a missing delimiter.
+        let frames = request.into_vec();
+        let Some(identity) = frames.first().cloned() else {
+            continue;
+        };
+        let Some(start) = frames
+            .last()
+            .and_then(|f| <[u8; 8]>::try_from(f.as_ref()).ok())
+            .map(u64::from_be_bytes)
+        else {
+            continue;
+        };
+        let entries: Vec<(u64, Bytes)> = buffer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(s, _)| *s >= start)
+            .cloned()
+            .collect();
+        let replies = entries
+            .into_iter()
+            .chain(std::iter::once((REPLAY_END, Bytes::new())));
+        for (seq, payload) in replies {
+            let frames = vec![
+                identity.clone(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                payload,
+            ];
+            let Ok(msg) = ZmqMessage::try_from(frames) else {
+                break;
+            };
+            if router.send(msg).await.is_err() {
+                break;
+            }
+        }
+    }
+}
+
+/// Encodes a batch as vLLM does today: `[ts, [event maps], dp_rank]`, each event a map with
+/// a `"type"` key; optional fields are omitted when absent.
+pub fn encode_batch(batch: &WireBatch) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + batch.events.len() * 96);
+    // Writes into a Vec cannot fail; a failed write would only truncate the buffer.
+    let _ = write_batch(&mut out, batch);
+    out
+}
+
+type W = std::result::Result<(), rmp::encode::ValueWriteError>;
+
+fn write_batch(out: &mut Vec<u8>, batch: &WireBatch) -> W {
+    use rmp::encode::*;
+    write_array_len(out, 3)?;
+    match batch.ts {
+        Some(ts) => write_f64(out, ts)?,
+        None => write_nil(out).map_err(rmp::encode::ValueWriteError::InvalidMarkerWrite)?,
+    }
+    write_array_len(out, batch.events.len() as u32)?;
+    for e in &batch.events {
+        write_event(out, e)?;
+    }
+    write_uint(out, u64::from(batch.dp_rank.unwrap_or(0)))?;
+    Ok(())
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> W {
+    use rmp::encode::*;
+    write_array_len(out, hashes.len() as u32)?;
+    for &h in hashes {
+        write_uint(out, h)?;
+    }
+    Ok(())
+}
+
+fn write_event(out: &mut Vec<u8>, e: &WireEvent) -> W {
+    use rmp::encode::*;
+    let nil = |out: &mut Vec<u8>| write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite);
+    match e {
+        WireEvent::Stored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_id,
+            lora_name,
+            medium,
+        } => {
+            let fields = 7 + u32::from(lora_name.is_some());
+            write_map_len(out, fields)?;
+            write_str(out, "type")?;
+            write_str(out, "BlockStored")?;
+            write_str(out, "block_hashes")?;
+            write_hashes(out, block_hashes)?;
+            write_str(out, "parent_block_hash")?;
+            match parent {
+                Some(p) => write_uint(out, *p).map(|_| ())?,
+                None => nil(out)?,
+            }
+            write_str(out, "token_ids")?;
+            write_array_len(out, token_ids.len() as u32)?;
+            for &t in token_ids {
+                write_uint(out, u64::from(t))?;
+            }
+            write_str(out, "block_size")?;
+            write_uint(out, u64::from(block_size.unwrap_or(0)))?;
+            write_str(out, "lora_id")?;
+            match lora_id {
+                Some(id) => write_sint(out, *id).map(|_| ())?,
+                None => nil(out)?,
+            }
+            write_str(out, "medium")?;
+            write_str(out, medium.as_deref().unwrap_or("GPU"))?;
+            if let Some(name) = lora_name {
+                write_str(out, "lora_name")?;
+                write_str(out, name)?;
+            }
+        }
+        WireEvent::Removed {
+            block_hashes,
+            medium,
+        } => {
+            write_map_len(out, 3)?;
+            write_str(out, "type")?;
+            write_str(out, "BlockRemoved")?;
+            write_str(out, "block_hashes")?;
+            write_hashes(out, block_hashes)?;
+            write_str(out, "medium")?;
+            write_str(out, medium.as_deref().unwrap_or("GPU"))?;
+        }
+        WireEvent::Cleared => {
+            write_map_len(out, 1)?;
+            write_str(out, "type")?;
+            write_str(out, "AllBlocksCleared")?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_events::decode_batch;
+
+    #[test]
+    fn encoded_batches_decode_to_themselves() {
+        let batch = WireBatch {
+            ts: Some(1.5),
+            dp_rank: Some(2),
+            events: vec![
+                WireEvent::Stored {
+                    block_hashes: vec![u64::MAX, 1],
+                    parent: Some(9),
+                    token_ids: (0..32).collect(),
+                    block_size: Some(16),
+                    lora_id: Some(-3),
+                    lora_name: Some("adapter".into()),
+                    medium: Some("GPU".into()),
+                },
+                WireEvent::Stored {
+                    block_hashes: vec![5],
+                    parent: None,
+                    token_ids: vec![70_000; 16],
+                    block_size: Some(16),
+                    lora_id: None,
+                    lora_name: None,
+                    medium: Some("GPU".into()),
+                },
+                WireEvent::Removed {
+                    block_hashes: vec![1, u64::MAX],
+                    medium: Some("GPU".into()),
+                },
+                WireEvent::Cleared,
+            ],
+            unknown_events: 0,
+        };
+        assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+    }
+}

@@ -1,0 +1,124 @@
+//! `--zmq-worker ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`: one worker's endpoints.
+
+use crate::error::TransportError;
+use engine::WorkerId;
+use std::fmt;
+use std::str::FromStr;
+
+/// Where one worker publishes its KV events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ZmqSource {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its PUB endpoint (`tcp://host:port`).
+    pub publisher: String,
+    /// Its replay (ROUTER) endpoint, if it has one.
+    pub replay: Option<String>,
+}
+
+fn check_endpoint(s: &str, what: &'static str) -> Result<String, TransportError> {
+    let rest = s
+        .strip_prefix("tcp://")
+        .ok_or_else(|| TransportError::Invalid {
+            name: what,
+            reason: format!("{s:?} is not tcp://HOST:PORT"),
+        })?;
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_owned()),
+        _ => Err(TransportError::Invalid {
+            name: what,
+            reason: format!("{s:?} is not tcp://HOST:PORT"),
+        }),
+    }
+}
+
+impl ZmqSource {
+    /// A source from parts, checking the endpoints' shape.
+    pub fn new(
+        worker: WorkerId,
+        publisher: &str,
+        replay: Option<&str>,
+    ) -> Result<Self, TransportError> {
+        Ok(Self {
+            worker,
+            publisher: check_endpoint(publisher, "zmq endpoint")?,
+            replay: replay
+                .map(|r| check_endpoint(r, "replay endpoint"))
+                .transpose()?,
+        })
+    }
+}
+
+impl FromStr for ZmqSource {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let invalid = |reason: String| TransportError::Invalid {
+            name: "--zmq-worker",
+            reason,
+        };
+        let (id, rest) = s
+            .split_once('=')
+            .ok_or_else(|| invalid(format!("{s:?}: expected ID=tcp://HOST:PORT[,replay=...]")))?;
+        let worker = id
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| invalid(format!("{id:?} is not a worker id (u64)")))?;
+        let mut parts = rest.split(',');
+        let publisher = parts.next().unwrap_or_default();
+        let mut replay = None;
+        for p in parts {
+            match p.split_once('=') {
+                Some(("replay", r)) if replay.is_none() => replay = Some(r),
+                _ => return Err(invalid(format!("unexpected {p:?} (only replay=...)"))),
+            }
+        }
+        Self::new(WorkerId(worker), publisher, replay)
+    }
+}
+
+impl fmt::Display for ZmqSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}", self.worker, self.publisher)?;
+        if let Some(r) = &self.replay {
+            write!(f, ",replay={r}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_flag_forms() {
+        let s: ZmqSource = "7=tcp://10.0.0.5:5557".parse().unwrap();
+        assert_eq!(s.worker, WorkerId(7));
+        assert_eq!(s.publisher, "tcp://10.0.0.5:5557");
+        assert_eq!(s.replay, None);
+        let s: ZmqSource = "8=tcp://gpu-3:5557,replay=tcp://gpu-3:5558"
+            .parse()
+            .unwrap();
+        assert_eq!(s.replay.as_deref(), Some("tcp://gpu-3:5558"));
+        assert_eq!(s.to_string(), "8=tcp://gpu-3:5557,replay=tcp://gpu-3:5558");
+    }
+
+    #[test]
+    fn refuses_malformed_flags() {
+        for bad in [
+            "",
+            "7",
+            "x=tcp://a:1",
+            "7=udp://a:1",
+            "7=tcp://a",
+            "7=tcp://:1",
+            "7=tcp://a:99999",
+            "7=tcp://a:1,replay=http://b:2",
+            "7=tcp://a:1,foo=tcp://b:2",
+            "7=tcp://a:1,replay=tcp://b:2,replay=tcp://b:3",
+        ] {
+            assert!(bad.parse::<ZmqSource>().is_err(), "{bad:?} accepted");
+        }
+    }
+}
