@@ -32,6 +32,7 @@ pub mod args;
 pub mod driver;
 pub mod harness;
 pub mod ingest_quic;
+pub mod ingest_zmq;
 pub mod report;
 pub mod workload;
 
@@ -39,7 +40,7 @@ use anyhow::{Context, Result};
 use std::path::Path;
 
 /// Writes `report` as pretty JSON to `path`.
-pub fn write_json(report: &report::Report, path: &Path) -> Result<()> {
+pub fn write_json(report: &impl serde::Serialize, path: &Path) -> Result<()> {
     let text = serde_json::to_string_pretty(report)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
