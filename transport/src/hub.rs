@@ -15,6 +15,7 @@
 
 use crate::error::{Result, TransportError};
 use crate::metrics::Metrics;
+use engine::approx::{ApproxConfig, ApproxIndex};
 use engine::directories::Applied;
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
@@ -147,6 +148,8 @@ pub struct Hub {
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
     cached: RwLock<HashMap<WorkerKey, u64>>,
     metrics: Metrics,
+    /// Approximate mode (`--no-kv-events`): routing decisions predict the caches.
+    approx: Option<Mutex<ApproxIndex>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -182,7 +185,43 @@ impl Hub {
             registry: RwLock::new(BTreeMap::new()),
             cached: RwLock::new(HashMap::new()),
             metrics: Metrics::default(),
+            approx: None,
         })
+    }
+
+    /// Switches to approximate mode (`--no-kv-events`): workers publish no KV events, so
+    /// each routing decision is taken as a prediction that the chosen worker now caches the
+    /// request's blocks (see [`engine::approx`]). Events are then refused.
+    pub fn without_kv_events(mut self, config: ApproxConfig) -> Result<Self> {
+        self.approx = Some(Mutex::new(ApproxIndex::new(config)?));
+        Ok(self)
+    }
+
+    /// Whether the hub routes on KV events (false in approximate mode).
+    pub fn kv_events(&self) -> bool {
+        self.approx.is_none()
+    }
+
+    fn refuse_events_if_approximate(&self) -> Result<()> {
+        match self.approx {
+            None => Ok(()),
+            Some(_) => Err(TransportError::Invalid {
+                name: "events",
+                reason: "KV events are disabled on this router (--no-kv-events)".into(),
+            }),
+        }
+    }
+
+    /// The request's overlaps from the index, or from the predictions in approximate mode.
+    fn find_matches(&self, seqs: &[SeqHash], now: Instant) -> Result<Matches> {
+        match &self.approx {
+            Some(a) => {
+                let mut a = lock(a);
+                a.expire(now);
+                Ok(a.find_matches(seqs))
+            }
+            None => Ok(self.with_query(|q| q.find_matches(seqs))?),
+        }
     }
 
     /// The router's block size, in tokens.
@@ -314,6 +353,9 @@ impl Hub {
                 routing.forget(id);
             }
         }
+        if let Some(a) = &self.approx {
+            lock(a).remove_worker(worker);
+        }
         let dropped = self.ingest_handle(worker).remove_worker(worker)?;
         self.cached
             .write()
@@ -413,6 +455,7 @@ impl Hub {
         if events.is_empty() {
             return Ok(());
         }
+        self.refuse_events_if_approximate()?;
         self.admit(key)?;
         self.count_events(key, &events);
         let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
@@ -427,6 +470,7 @@ impl Hub {
         key: WorkerKey,
         events: &[KvEvent],
     ) -> Result<Vec<std::result::Result<Applied, EngineError>>> {
+        self.refuse_events_if_approximate()?;
         self.admit(key)?;
         self.count_events(key, events);
         let mut handle = self.ingest_handle(key.worker);
@@ -515,14 +559,14 @@ impl Hub {
     /// Which workers hold how much of the prompt. No state changes.
     pub fn overlap(&self, tokens: &[u32], lora_name: Option<&str>) -> Result<(usize, Matches)> {
         let seqs = self.hash_prompt(tokens, lora_name);
-        let matches = self.with_query(|q| q.find_matches(&seqs))?;
+        let matches = self.find_matches(&seqs, Instant::now())?;
         Ok((seqs.len(), matches))
     }
 
     /// Routes a request and records it as active on the chosen worker.
     pub fn route(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
         let seqs = self.hash_prompt(call.tokens, call.lora_name);
-        let matches = self.with_query(|q| q.find_matches(&seqs))?;
+        let matches = self.find_matches(&seqs, now)?;
         let cached = self
             .cached
             .read()
@@ -552,6 +596,9 @@ impl Hub {
         routing.ids.insert(name.clone(), id);
         routing.names.insert(id, name.clone());
         drop(routing);
+        if let Some(a) = &self.approx {
+            lock(a).insert(now, decision.worker, &seqs);
+        }
         self.metrics.decided(decision.mode);
         self.metrics
             .chosen_overlap

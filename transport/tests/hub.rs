@@ -117,3 +117,43 @@ fn events_route_and_requests_flow_through_the_hub() {
     drop(hub);
     runtime.join().unwrap();
 }
+
+#[test]
+fn without_kv_events_decisions_predict_the_caches_and_events_are_refused() {
+    let config = HubConfig {
+        scheduler: SchedulerConfig::default(),
+    };
+    let engine = RuntimeConfig {
+        pin_cores: false,
+        ..RuntimeConfig::default()
+    };
+    let (hub, runtime) = start_engine(config, 1, 4, engine).unwrap();
+    let hub = hub
+        .without_kv_events(engine::approx::ApproxConfig::default())
+        .unwrap();
+    assert!(!hub.kv_events());
+    for w in 1..=4 {
+        hub.register(Registration::new(WorkerId(w))).unwrap();
+    }
+    let prompt: Vec<u32> = (0..96).collect();
+    let call = RouteCall {
+        tokens: &prompt,
+        ..RouteCall::default()
+    };
+    let first = hub.route(&call, Instant::now()).unwrap();
+    assert_eq!(first.decision.overlap_blocks, 0);
+    let id = first.request_id.clone();
+    hub.finish(&id).unwrap();
+    // The first decision is now a prediction: the same prompt goes back with its overlap.
+    let second = hub.route(&call, Instant::now()).unwrap();
+    assert_eq!(second.decision.worker, first.decision.worker);
+    assert_eq!(second.decision.overlap_blocks, 6);
+    let (_, m) = hub.overlap(&prompt, None).unwrap();
+    assert_eq!(m.overlaps, vec![(first.decision.worker, 6)]);
+    assert!(matches!(
+        hub.ingest(key(1, 0), vec![stored(&prompt, 1)]),
+        Err(TransportError::Invalid { .. })
+    ));
+    drop(hub);
+    runtime.join().unwrap();
+}
