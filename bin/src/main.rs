@@ -1,9 +1,10 @@
 //! The `kvengine` command line: argument parsing and wiring only.
 //!
-//! * `kvengine [--cores N]` (or `kvengine serve`): start the sharded engine and stay up
-//!   until SIGINT/SIGTERM (transports attach in later issues).
+//! * `kvengine [--cores N]` (or `kvengine serve`): the router: engine, ZMQ/QUIC ingest and
+//!   the HTTP edge, up until SIGINT/SIGTERM (see `serve.rs`).
+//! * `kvengine publish`: send KV events over QUIC (see `publish.rs`).
 //! * `kvengine demo`: KV-aware routing on a simulated cluster (see `demo.rs`).
-//! * `kvengine bench indexer`: the indexer benchmark (see `bench.rs`).
+//! * `kvengine bench indexer|ingest`: the benchmarks (see `bench.rs`).
 //!
 //! # Invariants
 //! 1. Every flag can also be set by a `KVENGINE_*` environment variable; the flag wins.
@@ -11,6 +12,7 @@
 
 mod bench;
 mod demo;
+mod publish;
 mod serve;
 
 use std::process::ExitCode;
@@ -39,14 +41,16 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Start the sharded engine and stay up (the default).
+    /// Run the router: engine, ingest transports and HTTP edge (the default).
     Serve(serve::ServeArgs),
     /// Route a workload over simulated GPU workers with each routing mode and compare the
     /// prefix-cache hit rates (no cluster, GPU or data file needed).
     Demo(demo::DemoArgs),
-    /// Benchmarks (`kvengine bench indexer`).
+    /// Benchmarks (`kvengine bench indexer`, `kvengine bench ingest`).
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Send KV events from a JSON-lines file to a router over QUIC.
+    Publish(publish::PublishArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
         Some(Command::Serve(args)) => serve::run(&args),
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Bench(cmd)) => bench::run_bench(&cmd),
+        Some(Command::Publish(args)) => publish::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

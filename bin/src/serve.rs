@@ -1,18 +1,35 @@
-//! `kvengine [serve]`: start the thread-per-core engine and stay up.
+//! `kvengine [serve]`: the router: engine, ingest transports and the HTTP edge in one
+//! process.
 //!
 //! Starts one core thread per core (`--cores`, default: the CPUs this process may use),
-//! pinned where a CPU exists; each owns a shard and ingests the events of the workers homed
-//! on it. Waits for SIGINT or SIGTERM; then closes every handle, lets each core drain what
-//! it was sent, joins them and prints their figures. The transports that feed it (ZMQ,
-//! QUIC, HTTP) attach here in later issues.
+//! pinned where a CPU exists; a small tokio runtime serves the HTTP edge (`--http-port`),
+//! subscribes to every `--zmq-worker`'s vLLM/SGLang KV events (and to workers registered
+//! later over HTTP with a `zmq` endpoint), and, with `--quic`, accepts native publishers.
+//! Waits for SIGINT or SIGTERM; then stops accepting, lets each core drain what it was sent,
+//! joins them and prints their figures.
+//!
+//! Flags follow Dynamo's router where one exists (`--router-mode`, `--kv-cache-block-size`,
+//! `--router-temperature`, `--kv-overlap-score-weight`, `--kv-events/--no-kv-events`,
+//! `--http-port`), so an operator can switch without relearning.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
-use engine::runtime::{RuntimeConfig, start};
-use engine::sharding::fixed_depth::FixedDepth;
-use std::sync::mpsc;
+use engine::WorkerId;
+use engine::approx::ApproxConfig;
+use engine::runtime::RuntimeConfig;
+use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use transport::http::{HttpConfig, health::health_loop, router, serve_http};
+use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::native::{QuicServerConfig, TlsSource, serve_quic};
+use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
-/// Engine settings.
+/// Router settings.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// Core threads, each owning a shard (default: the CPUs available to this process).
@@ -31,26 +48,153 @@ pub struct ServeArgs {
     /// Do not pin shard threads to cores.
     #[arg(long, env = "KVENGINE_NO_PIN")]
     pub no_pin: bool,
+
+    /// Address the HTTP edge listens on.
+    #[arg(long, env = "KVENGINE_HTTP_HOST", default_value = "0.0.0.0")]
+    pub http_host: String,
+    /// Port of the HTTP edge (0: any free port, printed at start).
+    #[arg(long, env = "KVENGINE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+    /// Threads serving HTTP and the ingest transports (default: the CPUs available).
+    #[arg(long, env = "KVENGINE_HTTP_THREADS",
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub http_threads: Option<u16>,
+    /// Request bodies larger than this are refused with 413.
+    #[arg(long, env = "KVENGINE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+
+    /// How requests are routed unless a request says otherwise.
+    #[arg(long, env = "KVENGINE_ROUTER_MODE", default_value = "kv",
+          value_parser = parse_mode)]
+    pub router_mode: RouteMode,
+    /// Tokens per KV block; must equal the workers' page size.
+    #[arg(long, env = "KVENGINE_KV_CACHE_BLOCK_SIZE", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub kv_cache_block_size: u32,
+    /// Softmax temperature over worker costs (0: always the cheapest).
+    #[arg(long, env = "KVENGINE_ROUTER_TEMPERATURE", default_value_t = 0.0)]
+    pub router_temperature: f64,
+    /// Weight of prefill work against decode load in a worker's cost.
+    #[arg(long, env = "KVENGINE_KV_OVERLAP_SCORE_WEIGHT", default_value_t = 1.0)]
+    pub kv_overlap_score_weight: f64,
+    /// Route on the workers' KV events (the default).
+    #[arg(long, env = "KVENGINE_KV_EVENTS", overrides_with = "no_kv_events")]
+    pub kv_events: bool,
+    /// Workers publish no KV events: predict their caches from routing decisions.
+    #[arg(long, overrides_with = "kv_events")]
+    pub no_kv_events: bool,
+    /// A worker whose reported KV usage exceeds this fraction is skipped while others are
+    /// not busy.
+    #[arg(long, env = "KVENGINE_BUSY_THRESHOLD")]
+    pub busy_threshold: Option<f64>,
+    /// A worker with more waiting requests than this is skipped while others are not busy.
+    #[arg(long, env = "KVENGINE_BUSY_MAX_WAITING")]
+    pub busy_max_waiting: Option<u64>,
+    /// Active requests not finished after this many seconds are dropped from the load.
+    #[arg(long, env = "KVENGINE_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
+    pub request_timeout_secs: u64,
+
+    /// Subscribe to a worker's KV events: `ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`
+    /// (repeatable; the env var takes a `;`-separated list).
+    #[arg(long = "zmq-worker", env = "KVENGINE_ZMQ_WORKERS", value_delimiter = ';',
+          value_parser = parse_zmq)]
+    pub zmq_workers: Vec<ZmqSource>,
+    /// Accept native (QUIC + rkyv) publishers on this address; needs --ingest-token.
+    #[arg(long, env = "KVENGINE_QUIC")]
+    pub quic: Option<SocketAddr>,
+    /// The token QUIC publishers must present.
+    #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
+    pub ingest_token: Option<String>,
+    /// TLS certificate (PEM) for QUIC; without it a self-signed one is generated and its
+    /// fingerprint logged.
+    #[arg(long, env = "KVENGINE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) for QUIC.
+    #[arg(long, env = "KVENGINE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Seconds between health checks of workers registered with a `url`.
+    #[arg(long, env = "KVENGINE_HEALTH_INTERVAL_SECS", default_value_t = 2.0)]
+    pub health_interval_secs: f64,
+    /// Consecutive failed checks that take a worker out of routing.
+    #[arg(long, env = "KVENGINE_HEALTH_FAILURES", default_value_t = 3)]
+    pub health_failures: u32,
+}
+
+fn parse_mode(s: &str) -> Result<RouteMode, String> {
+    s.parse().map_err(|e: engine::EngineError| e.to_string())
+}
+
+fn parse_zmq(s: &str) -> Result<ZmqSource, String> {
+    s.parse()
+        .map_err(|e: transport::TransportError| e.to_string())
+}
+
+impl ServeArgs {
+    fn scheduler(&self) -> Result<SchedulerConfig> {
+        let config = SchedulerConfig {
+            block_size: self.kv_cache_block_size,
+            mode: self.router_mode,
+            overlap_weight: self.kv_overlap_score_weight,
+            temperature: self.router_temperature,
+            busy: BusyThresholds {
+                max_waiting: self.busy_max_waiting,
+                max_kv_usage: self.busy_threshold,
+            },
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
+            seed: 0,
+        };
+        config
+            .validate()
+            .context("--router-temperature, --kv-overlap-score-weight or --busy-threshold")?;
+        Ok(config)
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVENGINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
+    init_logging();
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores = args.cores.map_or(available, usize::from);
-    let policy = FixedDepth::new(cores, args.replicate_depth).context("--cores")?;
+    let http_threads = args.http_threads.map_or(available, usize::from);
+    let scheduler = args.scheduler()?;
+    if args.quic.is_some() && args.ingest_token.as_deref().is_none_or(str::is_empty) {
+        bail!(
+            "--quic needs --ingest-token (or KVENGINE_INGEST_TOKEN): publishers must authenticate"
+        );
+    }
+    if args.no_kv_events && !args.zmq_workers.is_empty() {
+        bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
+    }
     let config = RuntimeConfig {
         ring_capacity: args.ring_capacity as usize,
         pin_cores: !args.no_pin,
-        ingest_handles: 1,
-        query_handles: 1,
+        ingest_handles: cores,
+        query_handles: http_threads + 1,
     };
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = tokio::sync::watch::channel(false);
     ctrlc::set_handler(move || {
-        let _ = tx.send(());
+        let _ = tx.send(true);
     })
     .context("cannot install the SIGINT/SIGTERM handler")?;
 
-    let started = start(policy, config).context("cannot start the shards")?;
-    let pinned = started.runtime.pinned();
+    let (hub, runtime) = start_engine(HubConfig { scheduler }, cores, args.replicate_depth, config)
+        .context("cannot start the shards")?;
+    let hub = if args.no_kv_events {
+        hub.without_kv_events(ApproxConfig::default())?
+    } else {
+        hub
+    };
+    let hub = Arc::new(hub);
+    let pinned = runtime.pinned();
     let pinned_count = pinned.iter().flatten().count();
     println!(
         "kvengine: {cores} core thread(s) up ({available} CPU(s) available); \
@@ -68,20 +212,147 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     } else {
         println!("kvengine: every core thread pinned to its own CPU");
     }
-    println!("kvengine: no transport attached yet (ZMQ, QUIC and HTTP come next); Ctrl-C stops");
 
-    // Until a signal. A closed channel (handler gone) also stops.
-    let _ = rx.recv();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(http_threads)
+        .thread_name("kvengine-io")
+        .enable_all()
+        .build()
+        .context("cannot start the I/O runtime")?;
+    let served = rt.block_on(serve(hub.clone(), args, rx));
+    // Dropping the runtime ends every task (subscriptions, connections, health checks).
+    drop(rt);
     println!("kvengine: stopping: draining the cores");
-    drop(started.ingest);
-    drop(started.query);
-    let summaries = started.runtime.join().context("a shard thread failed")?;
+    let hub = Arc::try_unwrap(hub).map_err(|_| anyhow::anyhow!("the hub is still shared"))?;
+    drop(hub);
+    let summaries = runtime.join().context("a shard thread failed")?;
     for s in &summaries {
         println!(
             "kvengine: {} applied {} block ops, answered {} queries, {} entries live",
             s.shard, s.applied, s.queries, s.index.entries
         );
     }
+    served?;
     println!("kvengine: stopped");
     Ok(())
+}
+
+type Subscriptions = Arc<Mutex<HashMap<WorkerId, JoinHandle<()>>>>;
+
+fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, source: ZmqSource) {
+    let worker = source.worker;
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    let mut subs = subs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(old) = subs.insert(worker, task) {
+        old.abort();
+    }
+}
+
+async fn serve(
+    hub: Arc<Hub>,
+    args: &ServeArgs,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<()> {
+    let subs: Subscriptions = Arc::default();
+    for source in &args.zmq_workers {
+        hub.register(Registration {
+            zmq: Some(source.publisher.clone()),
+            replay: source.replay.clone(),
+            ..Registration::new(source.worker)
+        })?;
+        println!("kvengine: subscribing to worker {source}");
+        subscribe(&hub, &subs, source.clone());
+    }
+
+    let quic = match args.quic {
+        Some(listen) => {
+            let tls = match (&args.tls_cert, &args.tls_key) {
+                (Some(cert), Some(key)) => TlsSource::Files {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                },
+                _ => TlsSource::SelfSigned {
+                    names: vec!["localhost".into(), listen.ip().to_string()],
+                },
+            };
+            let token = args.ingest_token.clone().unwrap_or_default();
+            let server = serve_quic(hub.clone(), QuicServerConfig::new(listen, token, tls))
+                .await
+                .context("--quic")?;
+            println!(
+                "kvengine: QUIC ingest on {} (ALPN kvengine/1), certificate sha256 {}",
+                server.local_addr(),
+                server.fingerprint()
+            );
+            Some(server)
+        }
+        None => None,
+    };
+
+    let on_register = {
+        let (hub, subs) = (hub.clone(), subs.clone());
+        Arc::new(move |reg: &Registration| {
+            let Some(zmq) = &reg.zmq else { return };
+            match ZmqSource::new(reg.worker, zmq, reg.replay.as_deref()) {
+                Ok(source) => subscribe(&hub, &subs, source),
+                Err(e) => tracing::warn!(worker = %reg.worker, "not subscribing: {e}"),
+            }
+        })
+    };
+    let on_remove = {
+        let subs = subs.clone();
+        Arc::new(move |worker: WorkerId| {
+            let mut subs = subs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(task) = subs.remove(&worker) {
+                task.abort();
+            }
+        })
+    };
+    let app = router(
+        hub.clone(),
+        HttpConfig {
+            max_body_bytes: args.max_body_bytes,
+            on_register: Some(on_register),
+            on_remove: Some(on_remove),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind((args.http_host.as_str(), args.http_port))
+        .await
+        .with_context(|| {
+            format!(
+                "--http-host/--http-port {}:{}",
+                args.http_host, args.http_port
+            )
+        })?;
+    let addr = listener.local_addr().context("HTTP listener")?;
+    println!("kvengine: HTTP on http://{addr} (/v1/route, /v1/events, /v1/workers, /metrics)");
+    let interval = Duration::from_secs_f64(args.health_interval_secs.max(0.01));
+    let health = tokio::spawn(health_loop(
+        hub.clone(),
+        interval,
+        interval.min(Duration::from_secs(2)),
+        args.health_failures,
+    ));
+    println!("kvengine: routing mode {}; Ctrl-C stops", args.router_mode);
+
+    let shutdown = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let served = serve_http(listener, app, shutdown).await;
+    health.abort();
+    for (_, task) in subs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .drain()
+    {
+        task.abort();
+    }
+    if let Some(q) = quic {
+        q.close();
+    }
+    served.context("HTTP edge")
 }

@@ -44,7 +44,11 @@ fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bo
 
 #[test]
 fn serves_until_sigint_with_cores_flag() {
-    let (out, ok) = serve_until("-INT", &["--cores", "3", "--no-pin"], &[]);
+    let (out, ok) = serve_until(
+        "-INT",
+        &["--cores", "3", "--no-pin", "--http-port", "0"],
+        &[],
+    );
     assert!(ok, "{out}");
     assert!(out.contains("3 core thread(s) up"), "{out}");
     assert_eq!(out.matches("applied 0 block ops").count(), 3, "{out}");
@@ -53,7 +57,12 @@ fn serves_until_sigint_with_cores_flag() {
 
 #[test]
 fn serves_until_sigterm_with_env_vars() {
-    let env = [("KVENGINE_CORES", "2"), ("KVENGINE_REPLICATE_DEPTH", "8")];
+    let env = [
+        ("KVENGINE_CORES", "2"),
+        ("KVENGINE_REPLICATE_DEPTH", "8"),
+        ("KVENGINE_HTTP_PORT", "0"),
+        ("KVENGINE_HTTP_HOST", "127.0.0.1"),
+    ];
     let (out, ok) = serve_until("-TERM", &["serve"], &env);
     assert!(ok, "{out}");
     assert!(out.contains("2 core thread(s) up"), "{out}");

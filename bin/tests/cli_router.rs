@@ -1,0 +1,307 @@
+//! The router process end to end: HTTP edge, `kvengine publish` over QUIC, and refusals of
+//! bad flag combinations.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+struct Router {
+    child: Child,
+    out: String,
+    http: String,
+}
+
+impl Router {
+    fn start(args: &[&str]) -> Router {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args([
+                "--cores",
+                "2",
+                "--no-pin",
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+            ])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut out = String::new();
+        loop {
+            let mut line = String::new();
+            assert!(
+                reader.read_line(&mut line).unwrap() > 0,
+                "exited early: {out}"
+            );
+            out.push_str(&line);
+            if line.contains("Ctrl-C stops") {
+                break;
+            }
+        }
+        // Keep draining stdout so the router never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = reader.read_to_string(&mut sink);
+        });
+        let http = out
+            .lines()
+            .find_map(|l| l.split("HTTP on http://").nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap()
+            .to_owned();
+        Router { child, out, http }
+    }
+
+    /// One HTTP/1.1 request; returns (status, body).
+    fn call(&self, method: &str, path: &str, body: &str) -> (u16, String) {
+        let mut s = TcpStream::connect(&self.http).unwrap();
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let status = resp[9..12].parse().unwrap();
+        let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+        (status, body)
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+fn tokens(n: u32) -> String {
+    let v: Vec<String> = (0..n).map(|t| t.to_string()).collect();
+    format!("[{}]", v.join(","))
+}
+
+#[test]
+fn http_edge_registers_ingests_and_routes() {
+    let r = Router::start(&[]);
+    assert_eq!(r.call("GET", "/healthz", "").0, 200);
+    let (status, _) = r.call("POST", "/v1/workers", r#"{"worker_id": 3}"#);
+    assert_eq!(status, 201);
+    let (status, _) = r.call("POST", "/v1/workers", r#"{"worker_id": 4}"#);
+    assert_eq!(status, 201);
+    let blocks: Vec<String> = (0..4)
+        .map(|b| {
+            let t: Vec<String> = (b * 16..(b + 1) * 16).map(|t| t.to_string()).collect();
+            format!(
+                r#"{{"block_hash": {}, "token_ids": [{}]}}"#,
+                100 + b,
+                t.join(",")
+            )
+        })
+        .collect();
+    let events = format!(
+        r#"{{"worker_id": 4, "events": [{{"type": "stored", "parent_hash": null, "blocks": [{}]}}]}}"#,
+        blocks.join(",")
+    );
+    let (status, body) = r.call("POST", "/v1/events", &events);
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"applied":1,"rejected":0}"#)
+    );
+    let (status, body) = r.call(
+        "POST",
+        "/v1/route",
+        &format!(r#"{{"token_ids": {}}}"#, tokens(80)),
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["worker_id"], 4);
+    assert_eq!(v["overlap_blocks"], 4);
+    let id = v["request_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        r.call("DELETE", &format!("/v1/requests/{id}"), "").0 / 100,
+        2
+    );
+    let (status, body) = r.call("POST", "/v1/route", "{not json");
+    assert_eq!(status, 400, "{body}");
+    let (_, metrics) = r.call("GET", "/metrics", "");
+    assert!(
+        metrics.contains("kvengine_events_applied_total 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains(r#"kvengine_events_rejected_total{reason="malformed_json"} 1"#));
+    assert!(r.out.contains("routing mode kv"));
+}
+
+#[test]
+fn publish_sends_events_over_quic() {
+    let r = Router::start(&["--quic", "127.0.0.1:0", "--ingest-token", "s3cret"]);
+    let line = r
+        .out
+        .lines()
+        .find(|l| l.contains("QUIC ingest on"))
+        .unwrap()
+        .to_owned();
+    let addr = line
+        .split("QUIC ingest on ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    let fingerprint = line.rsplit(' ').next().unwrap();
+    let dir = std::env::temp_dir().join(format!("kvengine-publish-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("events.jsonl");
+    let block = |h: u32, from: u32| {
+        let t: Vec<String> = (from..from + 16).map(|t| t.to_string()).collect();
+        format!(r#"{{"block_hash": {h}, "token_ids": [{}]}}"#, t.join(","))
+    };
+    std::fs::write(
+        &file,
+        format!(
+            "{}\n{}\n",
+            format_args!(
+                r#"{{"worker_id": 9, "events": [{{"type": "stored", "parent_hash": null, "blocks": [{}, {}]}}]}}"#,
+                block(1, 0),
+                block(2, 16)
+            ),
+            format_args!(
+                r#"{{"worker_id": 9, "dp_rank": 1, "events": [{{"type": "stored", "parent_hash": null, "blocks": [{}]}}]}}"#,
+                block(7, 0)
+            )
+        ),
+    )
+    .unwrap();
+    let publish = |token: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args(["publish", "--quic", addr, "--events"])
+            .arg(&file)
+            .args(["--ingest-token", token, "--fingerprint", fingerprint])
+            .output()
+            .unwrap()
+    };
+    let bad = publish("wrong");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unauthorized"));
+    let ok = publish("s3cret");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("2 events accepted"));
+    let (status, body) = r.call(
+        "POST",
+        "/v1/overlap",
+        &format!(r#"{{"token_ids": {}}}"#, tokens(40)),
+    );
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["blocks"], 2);
+    assert_eq!(
+        v["scores"],
+        serde_json::json!([
+            {"worker_id": 9, "dp_rank": 0, "overlap_blocks": 2},
+            {"worker_id": 9, "dp_rank": 1, "overlap_blocks": 1}
+        ])
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn bad_flag_combinations_are_refused() {
+    for (args, needle) in [
+        (vec!["--quic", "127.0.0.1:0"], "--ingest-token"),
+        (
+            vec!["--no-kv-events", "--zmq-worker", "1=tcp://127.0.0.1:5557"],
+            "--no-kv-events",
+        ),
+        (vec!["--zmq-worker", "1=udp://x:1"], "tcp://HOST:PORT"),
+        (vec!["--router-mode", "fastest"], "kv, round-robin"),
+        (vec!["--router-temperature=-1"], "temperature"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args(["--http-port", "0"])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn zmq_worker_flag_subscribes_to_a_vllm_publisher() {
+    use transport::kv_events::{WireBatch, WireEvent};
+    use transport::zmq::VllmPublisher;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut publisher = rt
+        .block_on(VllmPublisher::bind(
+            "tcp://127.0.0.1:0",
+            Some("tcp://127.0.0.1:0"),
+            16,
+        ))
+        .unwrap();
+    let flag = format!(
+        "5={},replay={}",
+        publisher.endpoint(),
+        publisher.replay_endpoint().unwrap()
+    );
+    let r = Router::start(&["--zmq-worker", &flag]);
+    assert!(r.out.contains("subscribing to worker 5="), "{}", r.out);
+    let batch = |events| WireBatch {
+        ts: None,
+        dp_rank: Some(0),
+        events,
+        unknown_events: 0,
+    };
+    // PUB/SUB loses what is sent before the subscription is up: probe until it is.
+    let events_seen = |r: &Router| {
+        let (_, body) = r.call("GET", "/v1/workers", "");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["workers"][0]["events"].as_u64().unwrap()
+    };
+    let start = std::time::Instant::now();
+    while events_seen(&r) == 0 {
+        assert!(start.elapsed().as_secs() < 20, "never subscribed");
+        rt.block_on(publisher.publish(&batch(vec![WireEvent::Cleared])))
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let store = WireEvent::Stored {
+        block_hashes: vec![11, 12, 13],
+        parent: None,
+        token_ids: (0..48).collect(),
+        block_size: Some(16),
+        lora_id: None,
+        lora_name: None,
+        medium: Some("GPU".into()),
+    };
+    rt.block_on(publisher.publish(&batch(vec![store]))).unwrap();
+    let query = format!(r#"{{"token_ids": {}}}"#, tokens(64));
+    let start = std::time::Instant::now();
+    loop {
+        let (_, body) = r.call("POST", "/v1/overlap", &query);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if v["scores"] == serde_json::json!([{"worker_id": 5, "dp_rank": 0, "overlap_blocks": 3}]) {
+            break;
+        }
+        assert!(
+            start.elapsed().as_secs() < 20,
+            "store never indexed: {body}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
