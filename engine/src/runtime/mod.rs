@@ -116,6 +116,11 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     } else {
         client::SPINS_BEFORE_PARK_SHARED_CPU
     };
+    let yield_rounds = if cpus_available > cores {
+        shard_loop::YIELD_ROUNDS_SPARE_CPU
+    } else {
+        shard_loop::YIELD_ROUNDS_SHARED_CPU
+    };
     let mut links: Vec<Link> = client_wakers
         .iter()
         .map(|own| Link {
@@ -187,6 +192,7 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
             wakers: wakers.clone(),
             client_wakers: client_wakers.clone(),
             pinned_core: cpu.map(|c| c.id),
+            yield_rounds,
         };
         let handle = std::thread::Builder::new()
             .name(format!("kvengine-core-{k}"))

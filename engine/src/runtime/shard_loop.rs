@@ -43,7 +43,12 @@ const INGEST_BURST: usize = 2;
 const PEER_BURST: usize = 16;
 /// Idle rounds spent spinning, then yielding, before parking.
 const SPIN_ROUNDS: u32 = 64;
-const YIELD_ROUNDS: u32 = 1_064;
+pub(crate) const YIELD_ROUNDS_SPARE_CPU: u32 = 1_064;
+/// When the cores take every CPU, whatever else runs (the HTTP edge, decoders, clients)
+/// competes with them, and each `sched_yield` is a syscall that takes the run-queue lock:
+/// measured on the 2-CPU machine under `/v1/route` load, 1,000 yields per idle stretch cost
+/// ~20% of the CPU time. Park soon instead; clients wake a parked core.
+pub(crate) const YIELD_ROUNDS_SHARED_CPU: u32 = SPIN_ROUNDS + 16;
 /// Longest park. Wake-ups are not missed (the protocol is loom-checked, and closing a ring
 /// wakes its reader), so this only bounds an idle core's wake-up rate: 16 idle cores cost
 /// well under 1% of a CPU.
@@ -85,6 +90,9 @@ pub(crate) struct Core<P> {
     /// the reply is pushed.
     pub client_wakers: Arc<[Arc<Waker>]>,
     pub pinned_core: Option<usize>,
+    /// Idle rounds before parking ([`YIELD_ROUNDS_SPARE_CPU`] or
+    /// [`YIELD_ROUNDS_SHARED_CPU`]).
+    pub yield_rounds: u32,
 }
 
 /// Per-run state of a core.
@@ -183,7 +191,7 @@ impl<P: ShardPolicy> Core<P> {
             idle = idle.saturating_add(1);
             if idle < SPIN_ROUNDS {
                 std::hint::spin_loop();
-            } else if idle < YIELD_ROUNDS || !nothing_pending {
+            } else if idle < self.yield_rounds || !nothing_pending {
                 std::thread::yield_now();
             } else {
                 my_waker.prepare_sleep();
