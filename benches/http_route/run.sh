@@ -1,32 +1,37 @@
 #!/usr/bin/env bash
-# End-to-end load test of POST /v1/route: starts transport/examples/http_edge (2-core
-# engine, 8 workers, preloaded prefixes, 2 tokio worker threads) and drives it with wrk.
+# End-to-end load test of POST /v1/route on the real router: starts `kvengine` (the release
+# binary), registers 8 workers and preloads their caches over HTTP (preload.py), then
+# drives /v1/route with wrk (route.lua: 8,000-token prompts, ~50 KB bodies).
 #
-#   benches/http_route/run.sh            # PORT=8088 DURATION=10s CONNS=32 THREADS=1
+#   benches/http_route/run.sh     # PORT=8088 DURATION=10s CONNS=16 THREADS=1 CORES=2
 #
-# Prints wrk's report (requests/s, latency percentiles) and the server's RSS before and
-# after the run.
+# Requests are never freed by the load generator; --request-timeout-secs 2 expires them
+# so the active set stays bounded. Prints wrk's report and the router's RSS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PORT=${PORT:-8088}
 DURATION=${DURATION:-10s}
-CONNS=${CONNS:-32}
+CONNS=${CONNS:-16}
 THREADS=${THREADS:-1}
-TIMEOUT_SECS=${TIMEOUT_SECS:-2}
+CORES=${CORES:-2}
+HTTP_THREADS=${HTTP_THREADS:-2}
+EXTRA=${EXTRA:-}
 
-cargo build --release -q -p kvengine-transport --example http_edge
-target/release/examples/http_edge "$PORT" "$TIMEOUT_SECS" &
+cargo build --release -q -p kvengine
+target/release/kvengine --cores "$CORES" --http-threads "$HTTP_THREADS" --http-host 127.0.0.1 \
+  --http-port "$PORT" --request-timeout-secs 2 $EXTRA >/dev/null 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
   curl -sf "http://127.0.0.1:$PORT/healthz" >/dev/null && break
   sleep 0.1
 done
+python3 benches/http_route/preload.py "http://127.0.0.1:$PORT"
 rss() { awk '/VmRSS/ {print $2 " kB"}' "/proc/$PID/status"; }
-echo "server RSS before: $(rss)"
+echo "router RSS before: $(rss)"
 # Warm-up (thread-local buffers, connection pools, allocator).
 wrk -t"$THREADS" -c"$CONNS" -d2s -s benches/http_route/route.lua "http://127.0.0.1:$PORT/v1/route" >/dev/null
 wrk -t"$THREADS" -c"$CONNS" -d"$DURATION" -s benches/http_route/route.lua --latency \
   "http://127.0.0.1:$PORT/v1/route"
-echo "server RSS after: $(rss)"
-curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvengine_(active_requests|decisions_total)'
+echo "router RSS after: $(rss)"
+curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvengine_(active_requests|decisions_total\{mode="kv"\})'
