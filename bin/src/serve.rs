@@ -237,17 +237,21 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
-type Subscriptions = Arc<Mutex<HashMap<WorkerId, JoinHandle<()>>>>;
+/// One subscription per (worker, publisher endpoint): a data-parallel worker has one
+/// publisher per rank, all under the same worker id.
+type Subscriptions = Arc<Mutex<HashMap<(WorkerId, String), JoinHandle<()>>>>;
 
 fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, source: ZmqSource) {
-    let worker = source.worker;
-    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
     let mut subs = subs
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(old) = subs.insert(worker, task) {
-        old.abort();
+    let id = (source.worker, source.publisher.clone());
+    if subs.get(&id).is_some_and(|t| !t.is_finished()) {
+        // Already subscribed (a repeated registration): keep the stream and its fence.
+        return;
     }
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    subs.insert(id, task);
 }
 
 async fn serve(
@@ -307,9 +311,12 @@ async fn serve(
             let mut subs = subs
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(task) = subs.remove(&worker) {
-                task.abort();
-            }
+            subs.retain(|(w, _), task| {
+                if *w == worker {
+                    task.abort();
+                }
+                *w != worker
+            });
         })
     };
     let app = router(

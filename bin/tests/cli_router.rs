@@ -239,7 +239,7 @@ fn bad_flag_combinations_are_refused() {
 }
 
 #[test]
-fn zmq_worker_flag_subscribes_to_a_vllm_publisher() {
+fn zmq_worker_flags_subscribe_to_every_rank_publisher() {
     use transport::kv_events::{WireBatch, WireEvent};
     use transport::zmq::VllmPublisher;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -247,61 +247,63 @@ fn zmq_worker_flag_subscribes_to_a_vllm_publisher() {
         .enable_all()
         .build()
         .unwrap();
-    let mut publisher = rt
-        .block_on(VllmPublisher::bind(
-            "tcp://127.0.0.1:0",
-            Some("tcp://127.0.0.1:0"),
-            16,
-        ))
-        .unwrap();
-    let flag = format!(
-        "5={},replay={}",
-        publisher.endpoint(),
-        publisher.replay_endpoint().unwrap()
+    // A data-parallel worker: one publisher per rank, both under worker id 5.
+    let mut publishers: Vec<VllmPublisher> = (0..2)
+        .map(|_| {
+            rt.block_on(VllmPublisher::bind(
+                "tcp://127.0.0.1:0",
+                Some("tcp://127.0.0.1:0"),
+                16,
+            ))
+            .unwrap()
+        })
+        .collect();
+    let flags: Vec<String> = publishers
+        .iter()
+        .map(|p| format!("5={},replay={}", p.endpoint(), p.replay_endpoint().unwrap()))
+        .collect();
+    let r = Router::start(&["--zmq-worker", &flags[0], "--zmq-worker", &flags[1]]);
+    assert_eq!(
+        r.out.matches("subscribing to worker 5=").count(),
+        2,
+        "{}",
+        r.out
     );
-    let r = Router::start(&["--zmq-worker", &flag]);
-    assert!(r.out.contains("subscribing to worker 5="), "{}", r.out);
-    let batch = |events| WireBatch {
+    let store = |rank: u32, blocks: u64| WireBatch {
         ts: None,
-        dp_rank: Some(0),
-        events,
+        dp_rank: Some(rank),
+        events: vec![WireEvent::Stored {
+            block_hashes: (0..blocks).map(|b| 10 + b).collect(),
+            parent: None,
+            token_ids: (0..16 * blocks as u32).collect(),
+            block_size: Some(16),
+            lora_id: None,
+            lora_name: None,
+            medium: Some("GPU".into()),
+        }],
         unknown_events: 0,
     };
-    // PUB/SUB loses what is sent before the subscription is up: probe until it is.
-    let events_seen = |r: &Router| {
-        let (_, body) = r.call("GET", "/v1/workers", "");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        v["workers"][0]["events"].as_u64().unwrap()
-    };
-    let start = std::time::Instant::now();
-    while events_seen(&r) == 0 {
-        assert!(start.elapsed().as_secs() < 20, "never subscribed");
-        rt.block_on(publisher.publish(&batch(vec![WireEvent::Cleared])))
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let store = WireEvent::Stored {
-        block_hashes: vec![11, 12, 13],
-        parent: None,
-        token_ids: (0..48).collect(),
-        block_size: Some(16),
-        lora_id: None,
-        lora_name: None,
-        medium: Some("GPU".into()),
-    };
-    rt.block_on(publisher.publish(&batch(vec![store]))).unwrap();
+    // PUB/SUB loses what is sent before a subscription is up: a repeated store only adds a
+    // copy, so send until both ranks show.
     let query = format!(r#"{{"token_ids": {}}}"#, tokens(64));
+    let want = serde_json::json!([
+        {"worker_id": 5, "dp_rank": 0, "overlap_blocks": 3},
+        {"worker_id": 5, "dp_rank": 1, "overlap_blocks": 2}
+    ]);
     let start = std::time::Instant::now();
     loop {
+        for (rank, (p, blocks)) in publishers.iter_mut().zip([3, 2]).enumerate() {
+            rt.block_on(p.publish(&store(rank as u32, blocks))).unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
         let (_, body) = r.call("POST", "/v1/overlap", &query);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        if v["scores"] == serde_json::json!([{"worker_id": 5, "dp_rank": 0, "overlap_blocks": 3}]) {
+        if v["scores"] == want {
             break;
         }
         assert!(
             start.elapsed().as_secs() < 20,
-            "store never indexed: {body}"
+            "stores never indexed: {body}"
         );
-        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
