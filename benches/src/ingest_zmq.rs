@@ -15,88 +15,57 @@
 //! resynced, so the figure is for the clean path.
 //!
 //! ```text
-//! cargo run --release -p kvengine-benches --example ingest_zmq -- --workers 4 --batches 2000
+//! kvengine bench ingest --transport zmq --batches 3000
 //! ```
 
-use crate::ingest_quic::IngestReport;
-use anyhow::{Context, Result};
+use crate::ingest::{IngestConfig, IngestReport, stop};
+use crate::workload::mix64;
+use anyhow::Result;
 use engine::WorkerId;
-use engine::runtime::RuntimeConfig;
-use engine::sched::SchedulerConfig;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
-use transport::hub::{HubConfig, Registration, start_engine};
+use transport::hub::Registration;
 use transport::kv_events::{WireBatch, WireEvent};
 use transport::zmq::{SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
-/// What to run.
+/// What to run: the shared workload plus the publishers' pacing.
 #[derive(Clone, Debug)]
 pub struct ZmqBenchConfig {
-    /// Engine cores (shard threads).
-    pub cores: usize,
-    /// Pin the engine's core threads.
-    pub pin_cores: bool,
-    /// Blocks shallower than this are replicated in every shard.
-    pub replicate_depth: u32,
-    /// Tokio worker threads (subscribers and publishers share the runtime).
-    pub tokio_threads: usize,
-    /// Publishers, one worker id each.
-    pub workers: usize,
-    /// Batches per publisher.
-    pub batches: usize,
-    /// New sequences stored per batch (and as many removed).
-    pub stores_per_batch: usize,
-    /// Blocks per stored sequence.
-    pub blocks_per_event: usize,
-    /// A batch removes what the batch this many before it stored.
-    pub window: usize,
-    /// Batches a publisher may be ahead of the subscribers (all publishers together).
+    /// Workload and machine setup.
+    pub load: IngestConfig,
+    /// Batches the publishers may be ahead of the subscribers (all publishers together).
     pub max_in_flight: u64,
 }
 
 impl Default for ZmqBenchConfig {
     fn default() -> Self {
         Self {
-            cores: 2,
-            pin_cores: false,
-            replicate_depth: 32,
-            tokio_threads: 2,
-            workers: 4,
-            batches: 1000,
-            stores_per_batch: 16,
-            blocks_per_event: 16,
-            window: 8,
+            load: IngestConfig::default(),
             max_in_flight: 64,
         }
     }
 }
 
+/// Tokens per block: the router's default, which the stores declare.
 const BLOCK_SIZE: usize = 16;
 
-#[inline]
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-fn batch(cfg: &ZmqBenchConfig, worker: u64, i: usize) -> WireBatch {
+fn batch(cfg: &IngestConfig, worker: u64, i: usize) -> WireBatch {
     let b = cfg.blocks_per_event;
     let hashes = |s: u64| -> Vec<u64> {
-        (0..b as u64)
-            .map(|j| mix((worker << 48) ^ (s << 8) ^ j))
+        (0..b)
+            .map(|j| IngestConfig::engine_hash(worker, s, j))
             .collect()
     };
+    let (stored, removed) = cfg.sequences(i);
     let mut events = Vec::with_capacity(2 * cfg.stores_per_batch);
-    for k in 0..cfg.stores_per_batch {
-        let s = (i * cfg.stores_per_batch + k) as u64;
-        let seed = mix(worker ^ (s << 20));
+    for s in stored {
+        let seed = mix64(worker ^ (s << 20));
         events.push(WireEvent::Stored {
             block_hashes: hashes(s),
             parent: None,
             token_ids: (0..(b * BLOCK_SIZE) as u64)
-                .map(|t| (mix(seed ^ t) % 150_000) as u32)
+                .map(|t| (mix64(seed ^ t) % 150_000) as u32)
                 .collect(),
             block_size: Some(BLOCK_SIZE as u32),
             lora_id: None,
@@ -104,14 +73,11 @@ fn batch(cfg: &ZmqBenchConfig, worker: u64, i: usize) -> WireBatch {
             medium: Some("GPU".into()),
         });
     }
-    if i >= cfg.window {
-        for k in 0..cfg.stores_per_batch {
-            let s = ((i - cfg.window) * cfg.stores_per_batch + k) as u64;
-            events.push(WireEvent::Removed {
-                block_hashes: hashes(s),
-                medium: Some("GPU".into()),
-            });
-        }
+    for s in removed.into_iter().flatten() {
+        events.push(WireEvent::Removed {
+            block_hashes: hashes(s),
+            medium: Some("GPU".into()),
+        });
     }
     WireBatch {
         ts: None,
@@ -122,35 +88,9 @@ fn batch(cfg: &ZmqBenchConfig, worker: u64, i: usize) -> WireBatch {
 }
 
 /// Runs the benchmark (see the module docs).
-pub fn run(cfg: &ZmqBenchConfig) -> Result<IngestReport> {
-    anyhow::ensure!(
-        cfg.workers > 0 && cfg.batches > 0 && cfg.stores_per_batch > 0 && cfg.blocks_per_event > 0,
-        "workers, batches, stores and blocks must be > 0"
-    );
-    let scheduler = SchedulerConfig {
-        block_size: BLOCK_SIZE as u32,
-        ..SchedulerConfig::default()
-    };
-    let engine_cfg = RuntimeConfig {
-        pin_cores: cfg.pin_cores,
-        ingest_handles: cfg.cores.max(1),
-        query_handles: 1,
-        ..RuntimeConfig::default()
-    };
-    let (hub, runtime) = start_engine(
-        HubConfig { scheduler },
-        cfg.cores,
-        cfg.replicate_depth,
-        engine_cfg,
-    )
-    .context("starting the engine")?;
-    let hub = Arc::new(hub);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(cfg.tokio_threads.max(1))
-        .enable_all()
-        .build()
-        .context("tokio runtime")?;
-
+pub fn run(bench: &ZmqBenchConfig) -> Result<IngestReport> {
+    let cfg = &bench.load;
+    let (hub, runtime, rt) = cfg.start()?;
     let report = rt.block_on(async {
         let mut publishers = Vec::with_capacity(cfg.workers);
         let mut tasks = Vec::with_capacity(cfg.workers);
@@ -204,6 +144,7 @@ pub fn run(cfg: &ZmqBenchConfig) -> Result<IngestReport> {
         let mut jobs = Vec::with_capacity(cfg.workers);
         for (w, mut p) in publishers.into_iter().enumerate() {
             let cfg = cfg.clone();
+            let max_in_flight = bench.max_in_flight;
             let hub = hub.clone();
             let sent = sent_batches.clone();
             let done = done_batches.clone();
@@ -220,7 +161,7 @@ pub fn run(cfg: &ZmqBenchConfig) -> Result<IngestReport> {
                         let handed = hub.metrics().events_forwarded.load(Relaxed) - base;
                         let avg = (2 * cfg.stores_per_batch) as u64;
                         done.store(handed / avg.max(1), Relaxed);
-                        if sent.load(Relaxed) < done.load(Relaxed) + cfg.max_in_flight {
+                        if sent.load(Relaxed) < done.load(Relaxed) + max_in_flight {
                             break;
                         }
                         tokio::time::sleep(Duration::from_micros(50)).await;
@@ -257,31 +198,15 @@ pub fn run(cfg: &ZmqBenchConfig) -> Result<IngestReport> {
         );
         let dropped: u64 = m.drops().map(|(_, n)| n).sum();
         anyhow::ensure!(dropped == 0, "{dropped} inputs were dropped");
-        let stats = hub.core_stats()?;
-        let rejects: u64 = stats.iter().map(|s| s.rejects.total()).sum();
-        anyhow::ensure!(rejects == 0, "the engine refused {rejects} events");
         for t in tasks {
             t.abort();
             let _ = t.await;
         }
         drop(keep);
-        Ok::<_, anyhow::Error>(IngestReport {
-            transport: "zmq".into(),
-            cores: cfg.cores,
-            workers: cfg.workers,
-            batches: (cfg.workers * cfg.batches) as u64,
-            events,
-            block_events,
-            seconds,
-            block_events_per_s: crate::report::rate(block_events, seconds),
-            index_entries_after: stats.iter().map(|s| s.directory_entries as u64).sum(),
-        })
+        cfg.report("zmq", &hub, events, block_events, seconds)
     })?;
     drop(rt);
-    if let Ok(hub) = Arc::try_unwrap(hub) {
-        drop(hub);
-        runtime.join().context("joining the engine")?;
-    }
+    stop(hub, runtime)?;
     Ok(report)
 }
 
@@ -292,12 +217,15 @@ mod tests {
     #[test]
     fn a_small_run_moves_every_block_and_stays_bounded() {
         let cfg = ZmqBenchConfig {
-            cores: 1,
-            workers: 2,
-            batches: 20,
-            stores_per_batch: 2,
-            blocks_per_event: 4,
-            window: 4,
+            load: IngestConfig {
+                cores: 1,
+                workers: 2,
+                batches: 20,
+                stores_per_batch: 2,
+                blocks_per_event: 4,
+                window: 4,
+                ..IngestConfig::default()
+            },
             ..ZmqBenchConfig::default()
         };
         let r = run(&cfg).unwrap();

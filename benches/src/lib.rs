@@ -31,6 +31,7 @@
 pub mod args;
 pub mod driver;
 pub mod harness;
+pub mod ingest;
 pub mod ingest_quic;
 pub mod ingest_zmq;
 pub mod report;

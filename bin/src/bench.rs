@@ -61,28 +61,27 @@ pub struct IngestBench {
 }
 
 fn run_ingest(b: &IngestBench) -> Result<()> {
-    use kvengine_benches::{ingest_quic, ingest_zmq};
+    use kvengine_benches::{ingest, ingest_quic, ingest_zmq};
     let mut reports = Vec::with_capacity(b.repeat);
     for _ in 0..b.repeat.max(1) {
+        let load = ingest::IngestConfig {
+            cores: b.cores,
+            pin_cores: b.pin,
+            workers: b.workers,
+            batches: b.batches,
+            stores_per_batch: b.stores_per_batch,
+            blocks_per_event: b.blocks_per_event.unwrap_or(match b.transport {
+                IngestTransport::Zmq => 16,
+                IngestTransport::Quic => 64,
+            }),
+            ..ingest::IngestConfig::default()
+        };
         let report = match b.transport {
             IngestTransport::Zmq => ingest_zmq::run(&ingest_zmq::ZmqBenchConfig {
-                cores: b.cores,
-                pin_cores: b.pin,
-                workers: b.workers,
-                batches: b.batches,
-                stores_per_batch: b.stores_per_batch,
-                blocks_per_event: b.blocks_per_event.unwrap_or(16),
+                load,
                 ..ingest_zmq::ZmqBenchConfig::default()
             })?,
-            IngestTransport::Quic => ingest_quic::run(&ingest_quic::QuicBenchConfig {
-                cores: b.cores,
-                pin_cores: b.pin,
-                workers: b.workers,
-                batches: b.batches,
-                stores_per_batch: b.stores_per_batch,
-                blocks_per_event: b.blocks_per_event.unwrap_or(64),
-                ..ingest_quic::QuicBenchConfig::default()
-            })?,
+            IngestTransport::Quic => ingest_quic::run(&load)?,
         };
         println!("{}", serde_json::to_string_pretty(&report)?);
         reports.push(report);
