@@ -3,8 +3,12 @@
 //! `cargo bench -p kvengine-transport --bench json_route`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use mimalloc::MiMalloc;
 use std::hint::black_box;
 use transport::http::prompt::{parse_prompt, parse_prompt_serde};
+
+#[global_allocator]
+static GLOBAL: MiMalloc = MiMalloc;
 
 /// A route body with `n` token ids below `vocab`, ids separated by `sep`.
 fn body(n: usize, vocab: u32, sep: &str) -> Vec<u8> {
