@@ -1,6 +1,8 @@
 //! The HTTP edge end to end: every endpoint over a real socket, against a real two-core
 //! engine (block size 16).
 
+mod common;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
@@ -11,11 +13,8 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
-use transport::http::{HttpConfig, health::health_loop, router, serve_http};
-use transport::hub::{Hub, HubConfig, start_engine};
-
-use engine::runtime::RuntimeConfig;
-use engine::sched::SchedulerConfig;
+use transport::http::{HttpConfig, health::health_loop};
+use transport::hub::Hub;
 
 struct Server {
     base: String,
@@ -33,35 +32,14 @@ impl Drop for Server {
 }
 
 async fn start(cfg: HttpConfig) -> Server {
-    let engine = RuntimeConfig {
-        pin_cores: false,
-        ingest_handles: 2,
-        query_handles: 2,
-        ..RuntimeConfig::default()
-    };
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let (hub, runtime) = start_engine(config, 2, 2, engine).unwrap();
-    // The engine threads stop when the hub's handles are dropped; tests do not wait.
+    let (hub, runtime) = common::hub(2);
     std::mem::forget(runtime);
-    let hub = Arc::new(hub);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = router(hub.clone(), cfg);
-    tokio::spawn(async move {
-        serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await
-        .unwrap();
-    });
+    let (base, stop) = common::http_server(hub.clone(), cfg).await;
     Server {
-        base: format!("http://{addr}"),
+        base,
         hub,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        stop: Some(tx),
+        stop: Some(stop),
     }
 }
 

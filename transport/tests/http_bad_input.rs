@@ -2,6 +2,8 @@
 //! numbers, oversized bodies and seeded random bytes. Every answer must be a 2xx or a JSON
 //! error with a 4xx (or 503) status; the server must keep serving.
 
+mod common;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
@@ -11,11 +13,8 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use transport::DropReason;
-use transport::http::{HttpConfig, router, serve_http};
-use transport::hub::{Hub, HubConfig, start_engine};
-
-use engine::runtime::RuntimeConfig;
-use engine::sched::SchedulerConfig;
+use transport::http::HttpConfig;
+use transport::hub::Hub;
 
 const LIMIT: usize = 64 << 10;
 
@@ -27,38 +26,18 @@ struct Server {
 }
 
 async fn start() -> Server {
-    let engine = RuntimeConfig {
-        pin_cores: false,
-        ingest_handles: 1,
-        query_handles: 2,
-        ..RuntimeConfig::default()
-    };
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let (hub, runtime) = start_engine(config, 2, 2, engine).unwrap();
+    let (hub, runtime) = common::hub(2);
     std::mem::forget(runtime);
-    let hub = Arc::new(hub);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let cfg = HttpConfig {
         max_body_bytes: LIMIT,
         ..HttpConfig::default()
     };
-    let app = router(hub.clone(), cfg);
-    tokio::spawn(async move {
-        serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await
-        .unwrap();
-    });
+    let (base, stop) = common::http_server(hub.clone(), cfg).await;
     Server {
-        base: format!("http://{addr}"),
+        base,
         hub,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        _stop: tx,
+        _stop: stop,
     }
 }
 

@@ -2,10 +2,11 @@
 //! oversized length through a raw QUIC connection. Bad frames are counted and skipped, the
 //! stream stays usable and nothing valid is lost; an oversized frame closes the connection.
 
+mod common;
+
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes, tokens_hash};
-use engine::runtime::{Runtime, RuntimeConfig};
-use engine::sched::SchedulerConfig;
+use engine::runtime::Runtime;
 use engine::{WorkerId, WorkerKey};
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
@@ -13,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport::DropReason;
-use transport::hub::{Hub, HubConfig, start_engine};
+use transport::hub::Hub;
 use transport::native::frame::{
     FrameBuf, MAX_FRAME_BYTES, decode_client_frame, decode_server_frame, encode_batch,
     encode_client_frame,
@@ -34,15 +35,7 @@ struct Env {
 }
 
 async fn env() -> Env {
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = RuntimeConfig {
-        pin_cores: false,
-        ..RuntimeConfig::default()
-    };
-    let (hub, runtime) = start_engine(config, 1, 2, engine).unwrap();
-    let hub = Arc::new(hub);
+    let (hub, runtime) = common::hub(1);
     let tls = TlsSource::SelfSigned {
         names: vec!["localhost".into()],
     };

@@ -1,17 +1,18 @@
 //! The native protocol end to end: real QUIC sockets on loopback, a real engine, the
 //! publisher client; results checked against the single-threaded reference index.
 
+mod common;
+
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{lora_seed, seq_hashes, tokens_hash};
 use engine::kv_index::KvIndex;
-use engine::runtime::{Runtime, RuntimeConfig};
-use engine::sched::SchedulerConfig;
+use engine::runtime::Runtime;
 use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::hub::{Hub, HubConfig, start_engine};
+use transport::hub::Hub;
 use transport::native::frame::{FrameBuf, encode_client_frame};
 use transport::native::{
     ClientFrame, NativeBlock, NativeEvent, PROTOCOL_VERSION, Publisher, PublisherConfig,
@@ -29,15 +30,7 @@ struct Env {
 }
 
 async fn env_with(cores: usize, tls: TlsSource) -> Env {
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = RuntimeConfig {
-        pin_cores: false,
-        ..RuntimeConfig::default()
-    };
-    let (hub, runtime) = start_engine(config, cores, 2, engine).unwrap();
-    let hub = Arc::new(hub);
+    let (hub, runtime) = common::hub(cores);
     let cfg = QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), TOKEN, tls);
     let server = serve_quic(hub.clone(), cfg).await.unwrap();
     Env {

@@ -1,31 +1,20 @@
 //! vLLM-style ZMQ ingest end to end: a real PUB/ROUTER publisher, the subscriber task, the
 //! hub and a two-core engine. Gaps, replays, restarts, bad payloads and foreign block sizes.
 
+mod common;
+
 use bytes::Bytes;
-use engine::runtime::{Runtime, RuntimeConfig};
-use engine::sched::SchedulerConfig;
+use engine::runtime::Runtime;
 use engine::{DpRank, WorkerId, WorkerKey};
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 use transport::DropReason;
-use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::hub::{Hub, Registration};
 use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
 use transport::zmq::{SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
 const BS: usize = 16;
-
-fn engine() -> (Arc<Hub>, Runtime) {
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let rt = RuntimeConfig {
-        pin_cores: false,
-        ..RuntimeConfig::default()
-    };
-    let (hub, runtime) = start_engine(config, 2, 2, rt).unwrap();
-    (Arc::new(hub), runtime)
-}
 
 /// A store of `blocks` blocks for prompt `p`, engine hashes `p * 1000 + i`.
 fn store(p: u32, blocks: usize) -> WireEvent {
@@ -113,7 +102,7 @@ impl Rig {
 }
 
 async fn setup(worker: u64, replay: bool) -> (Rig, VllmPublisher) {
-    let (hub, runtime) = engine();
+    let (hub, runtime) = common::hub(2);
     let replay_ep = replay.then_some("tcp://127.0.0.1:0");
     let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", replay_ep, 64)
         .await
