@@ -141,8 +141,8 @@ pub struct Routed {
 #[derive(Debug)]
 pub struct Hub {
     config: HubConfig,
-    ingest: Box<[Mutex<IngestHandle>]>,
-    query: Box<[Mutex<QueryHandle<FixedDepth>>]>,
+    ingest: Handles<IngestHandle>,
+    query: Handles<QueryHandle<FixedDepth>>,
     next_query: AtomicUsize,
     routing: Mutex<Routing>,
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
@@ -164,17 +164,17 @@ impl Hub {
         ingest: Vec<IngestHandle>,
         query: Vec<QueryHandle<FixedDepth>>,
     ) -> Result<Self> {
-        if ingest.is_empty() || query.is_empty() {
+        let (Some(ingest), Some(query)) = (Handles::new(ingest), Handles::new(query)) else {
             return Err(TransportError::Invalid {
                 name: "hub",
                 reason: "needs at least one ingest and one query handle".into(),
             });
-        }
+        };
         let scheduler = Scheduler::new(config.scheduler)?;
         Ok(Self {
             config,
-            ingest: ingest.into_iter().map(Mutex::new).collect(),
-            query: query.into_iter().map(Mutex::new).collect(),
+            ingest,
+            query,
             next_query: AtomicUsize::new(0),
             routing: Mutex::new(Routing {
                 scheduler,
@@ -252,29 +252,18 @@ impl Hub {
     }
 
     fn ingest_handle(&self, worker: WorkerId) -> MutexGuard<'_, IngestHandle> {
-        let i = home_core(worker, self.ingest.len()).idx();
-        // `home_core` returns an index below its second argument.
-        let m = self.ingest.get(i).or_else(|| self.ingest.first());
-        match m {
-            Some(m) => lock(m),
-            None => unreachable_handles(),
-        }
+        lock(self.ingest.get(home_core(worker, self.ingest.len()).idx()))
     }
 
     fn with_query<T>(&self, f: impl FnOnce(&mut QueryHandle<FixedDepth>) -> T) -> T {
         let n = self.query.len();
         let start = self.next_query.fetch_add(1, Relaxed);
         for i in 0..n {
-            if let Some(m) = self.query.get((start + i) % n)
-                && let Ok(mut h) = m.try_lock()
-            {
+            if let Ok(mut h) = self.query.get(start.wrapping_add(i) % n).try_lock() {
                 return f(&mut h);
             }
         }
-        match self.query.get(start % n) {
-            Some(m) => f(&mut lock(m)),
-            None => unreachable_handles(),
-        }
+        f(&mut lock(self.query.get(start % n)))
     }
 
     // ----- workers -----
@@ -659,10 +648,37 @@ impl Hub {
     }
 }
 
-#[cold]
-fn unreachable_handles() -> ! {
-    // `Hub::new` refuses empty handle lists and they never shrink.
-    panic!("hub has no engine handles")
+/// A non-empty list of engine handles, each behind its own mutex.
+#[derive(Debug)]
+struct Handles<T> {
+    first: Mutex<T>,
+    rest: Box<[Mutex<T>]>,
+}
+
+impl<T> Handles<T> {
+    /// `None` if `handles` is empty.
+    fn new(handles: Vec<T>) -> Option<Self> {
+        let mut it = handles.into_iter().map(Mutex::new);
+        Some(Self {
+            first: it.next()?,
+            rest: it.collect(),
+        })
+    }
+
+    fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    /// Handle `i` (`i < len()`; anything else gets the first).
+    fn get(&self, i: usize) -> &Mutex<T> {
+        i.checked_sub(1)
+            .and_then(|j| self.rest.get(j))
+            .unwrap_or(&self.first)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Mutex<T>> {
+        std::iter::once(&self.first).chain(self.rest.iter())
+    }
 }
 
 /// A hub over a freshly started engine: `cores` shard threads (blocks shallower than
