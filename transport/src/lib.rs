@@ -10,6 +10,7 @@ pub mod json_events;
 pub mod kv_events;
 pub mod metrics;
 pub mod native;
+pub mod openai;
 pub mod zmq;
 
 pub use error::{DropReason, Result, TransportError};

@@ -1,0 +1,7 @@
+//! kvengine's OpenAI-compatible front door (`/v1/chat/completions`, `/v1/completions`).
+//!
+//! To route an OpenAI request by KV-cache overlap, kvengine must know the token ids the
+//! engine will compute for it: [`tokenize`] reproduces vLLM's prompt processing (chat
+//! template rendering and Hugging Face tokenization) from the model's tokenizer files.
+
+pub mod tokenize;
