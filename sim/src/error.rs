@@ -25,6 +25,25 @@ pub enum SimError {
     /// A request id this worker is not serving.
     #[error("request {0} is not active on this worker")]
     UnknownRequest(RequestId),
+    /// A request the simulated engine cannot serve as submitted.
+    #[error("request {id}: {reason}")]
+    InvalidRequest {
+        /// The request.
+        id: RequestId,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A request whose whole sequence (prompt and outputs) needs more pages than the
+    /// engine's KV cache has, so it could never finish.
+    #[error("request {id} needs {needed_blocks} KV blocks, the cache has {kv_blocks}")]
+    RequestTooLarge {
+        /// The request.
+        id: RequestId,
+        /// Pages its prompt and outputs need.
+        needed_blocks: u64,
+        /// Pages in the cache.
+        kv_blocks: u32,
+    },
     /// A trace file could not be read.
     #[error("cannot read trace {path}: {source}")]
     TraceIo {

@@ -9,6 +9,8 @@
 //!
 //! # Components
 //! * [`worker`]: the simulated engine, its block pool and its block hashes.
+//! * [`engine`]: a sans-IO simulated vLLM engine over time: continuous batching, chunked
+//!   prefill, preemption, a timing model and KV events in vLLM's wire shape.
 //! * [`workload`]: request streams ([`workload::chat`], [`workload::mooncake`]).
 //! * [`cluster`]: the closed loop and its per-mode [`cluster::ModeReport`].
 //! * [`error`]: the crate's [`SimError`].
@@ -25,6 +27,7 @@
 #![warn(missing_docs)]
 
 pub mod cluster;
+pub mod engine;
 pub mod error;
 pub mod worker;
 pub mod workload;

@@ -32,7 +32,7 @@
 //! None: a worker is owned by one thread and driven by calls.
 
 pub mod hashing;
-mod pool;
+pub(crate) mod pool;
 
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{lora_seed, tokens_hashes};

@@ -104,6 +104,11 @@ impl BlockPool {
         self.map.get(&hash).copied()
     }
 
+    /// Whether `id` is unreferenced (in the free queue).
+    pub(crate) fn is_idle(&self, id: BlockId) -> bool {
+        self.blocks.get(id.0 as usize).is_some_and(|b| b.refs == 0)
+    }
+
     /// Adds a reference to `id`, taking it out of the free queue if it was idle.
     pub(crate) fn touch(&mut self, id: BlockId) {
         let Some(refs) = self.blocks.get(id.0 as usize).map(|b| b.refs) else {
