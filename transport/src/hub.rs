@@ -388,6 +388,13 @@ impl Hub {
         }
     }
 
+    /// The HTTP base URL `worker` registered, if any.
+    pub fn worker_url(&self, worker: WorkerId) -> Option<String> {
+        self.registry_read()
+            .get(&worker)
+            .and_then(|e| e.registration.url.clone())
+    }
+
     /// Every registered worker, by id.
     pub fn workers(&self) -> Vec<WorkerInfo> {
         let registry = self.registry_read();

@@ -2,6 +2,12 @@
 //!
 //! To route an OpenAI request by KV-cache overlap, kvengine must know the token ids the
 //! engine will compute for it: [`tokenize`] reproduces vLLM's prompt processing (chat
-//! template rendering and Hugging Face tokenization) from the model's tokenizer files.
+//! template rendering and Hugging Face tokenization) from the model's tokenizer files, or
+//! uses a built-in stand-in ([`fallback`]) shared with the simulated workers. [`proxy`]
+//! routes each request and streams the chosen worker's answer back.
 
+pub mod errors;
+pub mod fallback;
+pub mod prompt;
+pub mod proxy;
 pub mod tokenize;

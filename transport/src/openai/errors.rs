@@ -1,0 +1,80 @@
+//! OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`.
+
+use crate::error::TransportError;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+/// An error as OpenAI clients expect it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenAiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// `error.type`.
+    pub kind: &'static str,
+    /// `error.message`.
+    pub message: String,
+    /// `error.param`: the offending request field, if one.
+    pub param: Option<&'static str>,
+}
+
+impl OpenAiError {
+    /// A 400 `invalid_request_error` about `param`.
+    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param,
+        }
+    }
+
+    /// A routing refusal as a response: no (healthy) worker is 503, anything else the
+    /// request's fault (400) or the router's (500).
+    pub fn from_routing(e: TransportError) -> Self {
+        use engine::EngineError;
+        let (status, kind) = match &e {
+            TransportError::Engine(EngineError::NoWorkers) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
+            }
+            TransportError::Engine(EngineError::RuntimeStopped) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
+            }
+            TransportError::Engine(EngineError::UnknownWorker { .. })
+            | TransportError::UnknownWorker(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
+            }
+            TransportError::Engine(EngineError::InvalidArgument { .. })
+            | TransportError::Invalid { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        };
+        Self {
+            status,
+            kind,
+            message: e.to_string(),
+            param: None,
+        }
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": null,
+        }});
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// A response with an OpenAI error body.
+pub fn openai_error(status: StatusCode, kind: &'static str, message: &str) -> Response {
+    OpenAiError {
+        status,
+        kind,
+        message: message.to_owned(),
+        param: None,
+    }
+    .into_response()
+}

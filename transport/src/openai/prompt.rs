@@ -1,0 +1,155 @@
+//! The token ids of an OpenAI request's prompt, as the engine will see them.
+//!
+//! * `/v1/completions`: `prompt` is a string (tokenized with special tokens, as vLLM does),
+//!   a list of token ids, or a one-element list of either. Batches of prompts are refused:
+//!   each prompt is its own routing decision, so send them as separate requests.
+//! * `/v1/chat/completions`: `messages` rendered with the model's chat template and tokenized
+//!   without adding special tokens (vLLM's default), or the built-in stand-in without a
+//!   tokenizer ([`super::fallback`]).
+
+use super::errors::OpenAiError;
+use super::fallback;
+use super::tokenize::{ChatMessage, PromptTokenizer};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Which endpoint a body came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptSource {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Option<Vec<ChatMessage>>,
+}
+
+fn token_list(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+fn text_ids(text: &str, tokenizer: Option<&PromptTokenizer>) -> Result<Vec<u32>, OpenAiError> {
+    match tokenizer {
+        Some(t) => t
+            .encode(text, true)
+            .map_err(|e| OpenAiError::invalid(Some("prompt"), e.to_string())),
+        None => Ok(fallback::text_token_ids(text)),
+    }
+}
+
+/// The prompt's token ids, or the OpenAI error to answer with.
+pub fn prompt_token_ids(
+    body: &[u8],
+    source: PromptSource,
+    tokenizer: Option<&PromptTokenizer>,
+) -> Result<Vec<u32>, OpenAiError> {
+    let malformed =
+        |e: serde_json::Error| OpenAiError::invalid(None, format!("malformed JSON: {e}"));
+    match source {
+        PromptSource::Completion => {
+            let b: CompletionBody = serde_json::from_slice(body).map_err(malformed)?;
+            let bad = || {
+                OpenAiError::invalid(
+                    Some("prompt"),
+                    "prompt must be a string, a list of token ids, or a one-element list of either",
+                )
+            };
+            let ids = match b.prompt {
+                None => return Err(OpenAiError::invalid(Some("prompt"), "prompt is required")),
+                Some(Value::String(s)) => text_ids(&s, tokenizer)?,
+                Some(Value::Array(items)) => match items.as_slice() {
+                    [Value::String(s)] => text_ids(s, tokenizer)?,
+                    [Value::Array(ids)] => token_list(ids).ok_or_else(bad)?,
+                    [Value::String(_) | Value::Array(_), _, ..] => {
+                        return Err(OpenAiError::invalid(
+                            Some("prompt"),
+                            "kvengine routes one prompt per request: send a batch as separate requests",
+                        ));
+                    }
+                    ids => token_list(ids).ok_or_else(bad)?,
+                },
+                Some(_) => return Err(bad()),
+            };
+            if ids.is_empty() {
+                return Err(OpenAiError::invalid(Some("prompt"), "the prompt is empty"));
+            }
+            Ok(ids)
+        }
+        PromptSource::Chat => {
+            let b: ChatBody = serde_json::from_slice(body).map_err(malformed)?;
+            let messages = b
+                .messages
+                .filter(|m| !m.is_empty())
+                .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
+            match tokenizer {
+                Some(t) => t
+                    .chat_token_ids(&messages)
+                    .map_err(|e| OpenAiError::invalid(Some("messages"), e.to_string())),
+                None => Ok(fallback::chat_token_ids(&messages)),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(body: &str) -> Result<Vec<u32>, OpenAiError> {
+        prompt_token_ids(body.as_bytes(), PromptSource::Completion, None)
+    }
+
+    #[test]
+    fn completion_prompts_in_every_accepted_form() {
+        assert_eq!(
+            completion(r#"{"prompt": [1, 2, 3]}"#).unwrap(),
+            vec![1, 2, 3]
+        );
+        assert_eq!(completion(r#"{"prompt": [[4, 5]]}"#).unwrap(), vec![4, 5]);
+        let words = fallback::text_token_ids("hello world");
+        assert_eq!(completion(r#"{"prompt": "hello world"}"#).unwrap(), words);
+        assert_eq!(completion(r#"{"prompt": ["hello world"]}"#).unwrap(), words);
+    }
+
+    #[test]
+    fn bad_completion_prompts_are_invalid_requests() {
+        for body in [
+            r#"{}"#,
+            r#"{"prompt": 5}"#,
+            r#"{"prompt": [-1]}"#,
+            r#"{"prompt": [4294967296]}"#,
+            r#"{"prompt": ["a", "b"]}"#,
+            r#"{"prompt": [[1], [2]]}"#,
+            r#"{"prompt": ""}"#,
+            r#"{"prompt": []}"#,
+            r#"{"prompt": [1, "x"]}"#,
+            r#"not json"#,
+        ] {
+            let e = completion(body).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+        }
+    }
+
+    #[test]
+    fn chat_messages_use_the_tokenizer_or_the_stand_in() {
+        let body = r#"{"messages": [{"role": "user", "content": "hi there"}], "stream": true}"#;
+        let ids = prompt_token_ids(body.as_bytes(), PromptSource::Chat, None).unwrap();
+        assert_eq!(
+            ids,
+            fallback::chat_token_ids(&[ChatMessage::text("user", "hi there")])
+        );
+        for bad in [r#"{}"#, r#"{"messages": []}"#, r#"{"messages": "hi"}"#] {
+            assert!(prompt_token_ids(bad.as_bytes(), PromptSource::Chat, None).is_err());
+        }
+    }
+}

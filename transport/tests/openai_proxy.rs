@@ -1,0 +1,367 @@
+//! The OpenAI proxy over real sockets: stub workers (axum servers that answer like vLLM, fail
+//! before answering, or die mid-stream), a real engine behind the hub, and a plain HTTP
+//! client. Checks routing by overlap, streaming, the retry, error shapes, and that every
+//! routed request is freed (including when the client goes away mid-stream).
+
+mod common;
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::Response;
+use axum::routing::post;
+use bytes::Bytes;
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::{lora_seed, tokens_hash};
+use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport::http::{HttpConfig, router};
+use transport::hub::{Hub, Registration};
+use transport::openai::fallback;
+use transport::openai::proxy::{ProxyConfig, openai_router};
+
+/// How a stub worker behaves.
+#[derive(Clone, Copy, Debug)]
+enum Behaviour {
+    /// Answers: SSE chunks (`n` of them, `gap` apart) when the body asks to stream, else JSON.
+    Good { n: usize, gap: Duration },
+    /// 500 before any byte.
+    Fails,
+    /// Streams two chunks, then the connection drops.
+    DiesMidStream,
+}
+
+struct Stub {
+    url: String,
+    hits: Arc<AtomicUsize>,
+    bodies: Arc<std::sync::Mutex<Vec<Bytes>>>,
+}
+
+async fn stub(b: Behaviour) -> Stub {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let bodies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (h, bs) = (hits.clone(), bodies.clone());
+    let handler = move |body: Bytes| {
+        let (h, bs) = (h.clone(), bs.clone());
+        async move {
+            h.fetch_add(1, SeqCst);
+            bs.lock().unwrap().push(body.clone());
+            let stream: bool = serde_json::from_slice::<Value>(&body)
+                .ok()
+                .and_then(|v| v["stream"].as_bool())
+                .unwrap_or(false);
+            match b {
+                Behaviour::Fails => Response::builder()
+                    .status(500)
+                    .body(Body::from("boom"))
+                    .unwrap(),
+                Behaviour::Good { n, gap } if stream => {
+                    let chunks = async_stream(n, gap, false);
+                    Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::from_stream(chunks))
+                        .unwrap()
+                }
+                Behaviour::DiesMidStream => Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(Body::from_stream(async_stream(
+                        2,
+                        Duration::from_millis(5),
+                        true,
+                    )))
+                    .unwrap(),
+                Behaviour::Good { .. } => Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Body::from(
+                        json!({"object": "text_completion", "choices": [{"text": "ok"}]})
+                            .to_string(),
+                    ))
+                    .unwrap(),
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/v1/completions", post(handler.clone()))
+        .route("/v1/chat/completions", post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Stub { url, hits, bodies }
+}
+
+/// `n` SSE events `gap` apart, then `[DONE]` (or an error after them when `die`).
+fn async_stream(
+    n: usize,
+    gap: Duration,
+    die: bool,
+) -> impl futures_core::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+    tokio::spawn(async move {
+        for i in 0..n {
+            let chunk = format!(
+                "data: {}\n\n",
+                json!({"choices": [{"text": i.to_string()}]})
+            );
+            if tx.send(Ok(Bytes::from(chunk))).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(gap).await;
+        }
+        let last = if die {
+            Err(std::io::Error::other("worker died"))
+        } else {
+            Ok(Bytes::from_static(b"data: [DONE]\n\n"))
+        };
+        let _ = tx.send(last).await;
+    });
+    tokio_stream_from(rx)
+}
+
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+) -> impl futures_core::Stream<Item = Result<Bytes, std::io::Error>> + Send {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+struct Router2 {
+    base: String,
+    hub: Arc<Hub>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn router_with(workers: &[(u64, &Stub)]) -> Router2 {
+    let (hub, runtime) = common::hub(2);
+    std::mem::forget(runtime);
+    for (id, s) in workers {
+        hub.register(Registration {
+            url: Some(s.url.clone()),
+            ..Registration::new(WorkerId(*id))
+        })
+        .unwrap();
+    }
+    let app = router(hub.clone(), HttpConfig::default())
+        .merge(openai_router(hub.clone(), ProxyConfig::default()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = transport::http::serve_http(listener, app, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    Router2 {
+        base,
+        hub,
+        _stop: tx,
+    }
+}
+
+/// A raw HTTP/1.1 POST; returns (status, body text).
+async fn post_raw(base: &str, path: &str, body: &str) -> (u16, String) {
+    let addr = base.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
+    (status, body.to_owned())
+}
+
+/// Stores `tokens`' full blocks on `worker` (rank 0).
+fn cache(hub: &Hub, worker: u64, tokens: &[u32]) {
+    let blocks = tokens
+        .chunks_exact(16)
+        .enumerate()
+        .map(|(i, c)| StoredBlock {
+            engine_hash: EngineHash(worker << 32 | i as u64),
+            tokens_hash: tokens_hash(c, lora_seed(None)),
+        })
+        .collect();
+    let key = WorkerKey {
+        worker: WorkerId(worker),
+        dp_rank: DpRank(0),
+    };
+    hub.ingest(
+        key,
+        vec![KvEvent::Stored {
+            parent: None,
+            blocks,
+        }],
+    )
+    .unwrap();
+    hub.sync().unwrap();
+}
+
+async fn idle(hub: &Hub) {
+    let start = Instant::now();
+    while hub.active_requests() != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "requests leaked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn long_text(words: usize, salt: &str) -> String {
+    (0..words).map(|i| format!("{salt}{i} ")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_go_to_the_worker_holding_their_prefix_and_stream_back() {
+    let good = Behaviour::Good {
+        n: 5,
+        gap: Duration::from_millis(2),
+    };
+    let (a, b) = (stub(good).await, stub(good).await);
+    let r = router_with(&[(1, &a), (2, &b)]).await;
+    let system = long_text(64, "sys");
+    let messages =
+        json!([{"role": "system", "content": system}, {"role": "user", "content": "hello"}]);
+    let parsed: Vec<transport::openai::tokenize::ChatMessage> =
+        serde_json::from_value(messages.clone()).unwrap();
+    let tokens = fallback::chat_token_ids(&parsed);
+    cache(&r.hub, 2, &tokens[..64]);
+
+    let body = json!({"model": "m", "messages": messages, "stream": true}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(b.hits.load(SeqCst), 1, "the worker with the cached prefix");
+    assert_eq!(a.hits.load(SeqCst), 0);
+    for i in 0..5 {
+        assert!(text.contains(&format!(r#""text":"{i}""#)), "{text}");
+    }
+    assert!(text.contains("[DONE]"));
+    // The body reached the worker unchanged.
+    assert_eq!(b.bodies.lock().unwrap()[0], Bytes::from(body));
+    idle(&r.hub).await;
+
+    // Completions with token ids, not streamed.
+    let body = json!({"prompt": tokens, "max_tokens": 4}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(b.hits.load(SeqCst), 2);
+    assert!(text.contains("text_completion"));
+    idle(&r.hub).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_worker_is_retried_once_on_the_next_best() {
+    let broken = stub(Behaviour::Fails).await;
+    let good = stub(Behaviour::Good {
+        n: 1,
+        gap: Duration::ZERO,
+    })
+    .await;
+    let r = router_with(&[(1, &broken), (2, &good)]).await;
+    let prompt: Vec<u32> = (0..64).collect();
+    cache(&r.hub, 1, &prompt);
+    let body = json!({"prompt": prompt}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(broken.hits.load(SeqCst), 1);
+    assert_eq!(good.hits.load(SeqCst), 1);
+    idle(&r.hub).await;
+
+    // Both failing: a clear OpenAI error, nothing leaked.
+    let broken2 = stub(Behaviour::Fails).await;
+    let r = router_with(&[(1, &broken), (2, &broken2)]).await;
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 502, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["type"], "upstream_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("failed"));
+    idle(&r.hub).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
+    let dying = stub(Behaviour::DiesMidStream).await;
+    let r = router_with(&[(1, &dying)]).await;
+    let body = json!({"prompt": "a b c d", "stream": true}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    assert!(text.contains(r#""text":"0""#), "{text}");
+    assert!(text.contains("upstream_error"), "{text}");
+    assert!(!text.contains("[DONE]"));
+    idle(&r.hub).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_frees_its_request() {
+    let slow = stub(Behaviour::Good {
+        n: 200,
+        gap: Duration::from_millis(20),
+    })
+    .await;
+    let r = router_with(&[(1, &slow)]).await;
+    let addr = r.base.trim_start_matches("http://").to_owned();
+    let body = json!({"prompt": "x y z", "stream": true}).to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(n > 0);
+    assert_eq!(r.hub.active_requests(), 1);
+    drop(s);
+    idle(&r.hub).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_get_openai_errors_and_are_not_forwarded() {
+    let w = stub(Behaviour::Good {
+        n: 1,
+        gap: Duration::ZERO,
+    })
+    .await;
+    let r = router_with(&[(1, &w)]).await;
+    for (path, body, param) in [
+        ("/v1/completions", "{", Value::Null),
+        ("/v1/completions", r#"{"prompt": 7}"#, json!("prompt")),
+        ("/v1/completions", r#"{"max_tokens": 3}"#, json!("prompt")),
+        (
+            "/v1/completions",
+            r#"{"prompt": ["a", "b"]}"#,
+            json!("prompt"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": []}"#,
+            json!("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages": [{"content": "no role"}]}"#,
+            Value::Null,
+        ),
+        ("/v1/chat/completions", "[]", Value::Null),
+    ] {
+        let (status, text) = post_raw(&r.base, path, body).await;
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
+        assert_eq!(v["error"]["param"], param, "{body}");
+        assert!(v["error"]["message"].is_string());
+    }
+    assert_eq!(w.hits.load(SeqCst), 0);
+    assert_eq!(r.hub.active_requests(), 0);
+
+    // No worker at all: 503.
+    let r = router_with(&[]).await;
+    let (status, text) = post_raw(&r.base, "/v1/completions", r#"{"prompt": [1, 2]}"#).await;
+    assert_eq!(status, 503, "{text}");
+}
