@@ -27,6 +27,8 @@ use tokio::task::JoinHandle;
 use transport::http::{HttpConfig, health::health_loop, router, serve_http};
 use transport::hub::{Hub, HubConfig, Registration, start_engine};
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
+use transport::openai::proxy::{ProxyConfig, openai_router};
+use transport::openai::tokenize::PromptTokenizer;
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
 /// Router settings.
@@ -118,6 +120,11 @@ pub struct ServeArgs {
     /// Consecutive failed checks that take a worker out of routing.
     #[arg(long, env = "KVENGINE_HEALTH_FAILURES", default_value_t = 3)]
     pub health_failures: u32,
+    /// The model's tokenizer (a directory with `tokenizer.json` and `tokenizer_config.json`,
+    /// or the `tokenizer.json` file): the OpenAI front door tokenizes prompts with it exactly
+    /// as the workers do. Without it, a built-in stand-in shared with `kvengine sim` is used.
+    #[arg(long, env = "KVENGINE_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 fn parse_mode(s: &str) -> Result<RouteMode, String> {
@@ -319,6 +326,12 @@ async fn serve(
             });
         })
     };
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(Arc::new(
+            PromptTokenizer::from_path(path).context("--tokenizer")?,
+        )),
+        None => None,
+    };
     let app = router(
         hub.clone(),
         HttpConfig {
@@ -326,7 +339,15 @@ async fn serve(
             on_register: Some(on_register),
             on_remove: Some(on_remove),
         },
-    );
+    )
+    .merge(openai_router(
+        hub.clone(),
+        ProxyConfig {
+            tokenizer,
+            max_body_bytes: args.max_body_bytes,
+            ..ProxyConfig::default()
+        },
+    ));
     let listener = tokio::net::TcpListener::bind((args.http_host.as_str(), args.http_port))
         .await
         .with_context(|| {
@@ -336,7 +357,10 @@ async fn serve(
             )
         })?;
     let addr = listener.local_addr().context("HTTP listener")?;
-    println!("kvengine: HTTP on http://{addr} (/v1/route, /v1/events, /v1/workers, /metrics)");
+    println!(
+        "kvengine: HTTP on http://{addr} (OpenAI /v1/chat/completions and /v1/completions; \
+         /v1/route, /v1/events, /v1/workers, /metrics)"
+    );
     let interval = Duration::from_secs_f64(args.health_interval_secs.max(0.01));
     let health = tokio::spawn(health_loop(
         hub.clone(),

@@ -226,6 +226,7 @@ fn bad_flag_combinations_are_refused() {
         (vec!["--zmq-worker", "1=udp://x:1"], "tcp://HOST:PORT"),
         (vec!["--router-mode", "fastest"], "kv, round-robin"),
         (vec!["--router-temperature=-1"], "temperature"),
+        (vec!["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
             .args(["--http-port", "0"])
