@@ -180,6 +180,22 @@ async fn post_raw(base: &str, path: &str, body: &str) -> (u16, String) {
     (status, body.to_owned())
 }
 
+/// A raw POST; returns (status, response head).
+async fn post_head(base: &str, path: &str, body: &str) -> (u16, String) {
+    let addr = base.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let head = text.split_once("\r\n\r\n").map(|x| x.0).unwrap_or_default();
+    (text[9..12].parse().unwrap(), head.to_ascii_lowercase())
+}
+
 /// Stores `tokens`' full blocks on `worker` (rank 0).
 fn cache(hub: &Hub, worker: u64, tokens: &[u32]) {
     let blocks = tokens
@@ -271,6 +287,8 @@ async fn a_failing_worker_is_retried_once_on_the_next_best() {
     assert_eq!(status, 200, "{text}");
     assert_eq!(broken.hits.load(SeqCst), 1);
     assert_eq!(good.hits.load(SeqCst), 1);
+    let (_, head) = post_head(&r.base, "/v1/completions", &body).await;
+    assert!(head.contains("x-kvengine-worker-id: 2"), "{head}");
     idle(&r.hub).await;
 
     // Both failing: a clear OpenAI error, nothing leaked.

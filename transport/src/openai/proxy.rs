@@ -3,7 +3,9 @@
 //!
 //! A request is tokenized as the engine will tokenize it ([`super::prompt`]), routed by the
 //! hub (it becomes active on the chosen worker), and its body forwarded unchanged to that
-//! worker's URL; the answer streams back chunk by chunk.
+//! worker's URL; the answer streams back chunk by chunk, with headers naming the request
+//! (`x-kvengine-request-id`) and the worker that served it (`x-kvengine-worker-id`,
+//! `x-kvengine-dp-rank`).
 //!
 //! # Invariants
 //! 1. Every routed request is freed exactly once: when its answer ends, fails, or the client
@@ -223,6 +225,7 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
         prefilled: false,
     };
     let first = routed.decision.worker;
+    let mut served_by = first;
     let resp = match send(&p, first, path, &body).await {
         Ok(r) => r,
         Err(first_error) => {
@@ -245,7 +248,8 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
                 Err(e) => return e.into_response(),
             };
             active.id = Some(retry.request_id.clone());
-            match send(&p, retry.decision.worker, path, &body).await {
+            served_by = retry.decision.worker;
+            match send(&p, served_by, path, &body).await {
                 Ok(r) => r,
                 Err(e) => {
                     return openai_error(
@@ -275,6 +279,11 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
     if let Ok(v) = HeaderValue::from_str(active.id.as_deref().unwrap_or_default()) {
         headers.insert("x-kvengine-request-id", v);
     }
+    headers.insert(
+        "x-kvengine-worker-id",
+        HeaderValue::from(served_by.worker.0),
+    );
+    headers.insert("x-kvengine-dp-rank", HeaderValue::from(served_by.dp_rank.0));
     let body = Body::new(Relay {
         inner: incoming,
         active,
