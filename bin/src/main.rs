@@ -4,6 +4,8 @@
 //!   the HTTP edge, up until SIGINT/SIGTERM (see `serve.rs`).
 //! * `kvengine publish`: send KV events over QUIC (see `publish.rs`).
 //! * `kvengine demo`: KV-aware routing on a simulated cluster (see `demo.rs`).
+//! * `kvengine sim`: simulated vLLM workers (OpenAI HTTP + ZMQ KV events) to route to (see
+//!   `sim.rs`).
 //! * `kvengine bench indexer|ingest`: the benchmarks (see `bench.rs`).
 //!
 //! # Invariants
@@ -14,6 +16,7 @@ mod bench;
 mod demo;
 mod publish;
 mod serve;
+mod sim;
 
 use std::process::ExitCode;
 
@@ -51,6 +54,9 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Send KV events from a JSON-lines file to a router over QUIC.
     Publish(publish::PublishArgs),
+    /// Run simulated vLLM workers (OpenAI-compatible HTTP, vLLM KV events over ZMQ) that
+    /// kvengine can route to, no GPU needed.
+    Sim(sim::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +67,7 @@ fn main() -> ExitCode {
         Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Bench(cmd)) => bench::run_bench(&cmd),
         Some(Command::Publish(args)) => publish::run(&args),
+        Some(Command::Sim(args)) => sim::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

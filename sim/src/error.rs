@@ -71,6 +71,17 @@ pub enum SimError {
     /// The routing engine refused a call.
     #[error("engine: {0}")]
     Engine(#[from] EngineError),
+    /// A transport (a simulated worker's ZMQ publisher) failed.
+    #[error("transport: {0}")]
+    Transport(#[from] transport::TransportError),
+    /// A simulated worker's socket failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: &'static str,
+        /// The I/O error.
+        source: std::io::Error,
+    },
 }
 
 /// `Result` with [`SimError`].

@@ -13,13 +13,17 @@
 //!   prefill, preemption, a timing model and KV events in vLLM's wire shape.
 //! * [`workload`]: request streams ([`workload::chat`], [`workload::mooncake`]).
 //! * [`cluster`]: the closed loop and its per-mode [`cluster::ModeReport`].
+//! * [`server`]: simulated vLLM workers you can run and talk to: an [`engine::SimEngine`]
+//!   driven in (scaled) real time behind an OpenAI-compatible HTTP server, publishing its KV
+//!   events over ZMQ. The only part that reads a clock and does I/O.
 //! * [`error`]: the crate's [`SimError`].
 //!
 //! # Invariants
 //! 1. Deterministic: with the same configuration and seed, a run makes the same decisions
 //!    and counts the same hits; only measured wall times differ.
 //! 2. No clock drives behaviour: simulated time comes from the workload's arrival times.
-//!    The clock is read only to measure how long routing decisions take.
+//!    The clock is read only to measure how long routing decisions take, and by
+//!    [`server`], whose workers run in (scaled) real time.
 //! 3. No input reaches a panic: configurations and trace files are validated into
 //!    [`SimError`]s.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
@@ -29,6 +33,7 @@
 pub mod cluster;
 pub mod engine;
 pub mod error;
+pub mod server;
 pub mod worker;
 pub mod workload;
 

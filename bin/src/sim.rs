@@ -1,0 +1,287 @@
+//! `kvengine sim`: simulated vLLM workers you can run and talk to, no GPU needed.
+//!
+//! Starts `--workers N` simulated engines in this process (see `sim::server`): worker `i`
+//! answers OpenAI requests on HTTP port `--port + i` and publishes vLLM KV events on ZMQ port
+//! `--zmq-port + 2i` (replay on `+ 2i + 1`); port 0 means any free port. Prints each worker's
+//! URL and the `--zmq-worker` flag that points kvengine at it, then runs until SIGINT or
+//! SIGTERM. Every engine constant is a flag (and a `KVENGINE_SIM_*` variable).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::sim::engine::{EngineConfig, TimingModel};
+use ::sim::server::{SimWorkerConfig, spawn_cluster};
+use anyhow::{Context, Result};
+use clap::Args;
+use transport::openai::tokenize::PromptTokenizer;
+
+/// Simulated worker settings.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Simulated workers to run.
+    #[arg(long, env = "KVENGINE_SIM_WORKERS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub workers: u16,
+    /// Address the workers listen on (HTTP and ZMQ).
+    #[arg(long, env = "KVENGINE_SIM_HOST", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// HTTP port of the first worker; worker i listens on PORT + i (0: any free ports).
+    #[arg(long, env = "KVENGINE_SIM_PORT", default_value_t = 8100)]
+    pub port: u16,
+    /// ZMQ port of the first worker's KV events; worker i publishes on ZMQ_PORT + 2i and
+    /// replays on ZMQ_PORT + 2i + 1 (default: PORT + 1000, or any free ports when PORT is 0).
+    #[arg(long, env = "KVENGINE_SIM_ZMQ_PORT")]
+    pub zmq_port: Option<u16>,
+    /// The worker id of the first worker in the printed `--zmq-worker` flags.
+    #[arg(long, env = "KVENGINE_SIM_FIRST_WORKER_ID", default_value_t = 0)]
+    pub first_worker_id: u64,
+    /// Model name reported by `/v1/models` and in answers.
+    #[arg(long, env = "KVENGINE_SIM_MODEL", default_value = "kvengine-sim")]
+    pub model: String,
+    /// The model's tokenizer (`tokenizer.json` or its directory). Without it prompts are
+    /// tokenized by the built-in stand-in (one token per word); give kvengine the same
+    /// choice so its prefix hits line up with the workers' caches.
+    #[arg(long, env = "KVENGINE_SIM_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Simulated time runs this many times faster than real time.
+    #[arg(long, env = "KVENGINE_SIM_SPEEDUP", default_value_t = 1.0)]
+    pub speedup: f64,
+
+    /// Pages in each worker's KV cache.
+    #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS", default_value_t = 28_000,
+          value_parser = clap::value_parser!(u32).range(1..u32::MAX as i64))]
+    pub kv_blocks: u32,
+    /// Tokens per page (kvengine's --kv-cache-block-size must match).
+    #[arg(long, env = "KVENGINE_SIM_BLOCK_SIZE", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub block_size: u32,
+    /// Most requests running at once.
+    #[arg(long, env = "KVENGINE_SIM_MAX_NUM_SEQS", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_num_seqs: u32,
+    /// Most tokens computed in one step.
+    #[arg(long, env = "KVENGINE_SIM_MAX_NUM_BATCHED_TOKENS", default_value_t = 8192,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_num_batched_tokens: u32,
+    /// Data-parallel rank stamped on the workers' event batches.
+    #[arg(long, env = "KVENGINE_SIM_DP_RANK", default_value_t = 0)]
+    pub dp_rank: u32,
+    /// Event batches each worker keeps for replay.
+    #[arg(long, env = "KVENGINE_SIM_REPLAY_BUFFER", default_value_t = 4096)]
+    pub replay_buffer: usize,
+
+    /// Timing: fixed cost of every step, in microseconds.
+    #[arg(long, env = "KVENGINE_SIM_STEP_OVERHEAD_US", default_value_t = 1000.0,
+          value_parser = micros)]
+    pub step_overhead_us: f64,
+    /// Timing: fixed GPU cost of every forward pass (reading the weights), in microseconds.
+    #[arg(long, env = "KVENGINE_SIM_FORWARD_BASE_US", default_value_t = 5000.0,
+          value_parser = micros)]
+    pub forward_base_us: f64,
+    /// Timing: cost of each prefilled token, in microseconds.
+    #[arg(long, env = "KVENGINE_SIM_PREFILL_PER_TOKEN_US", default_value_t = 40.0,
+          value_parser = micros)]
+    pub prefill_per_token_us: f64,
+    /// Timing: attention cost of a prefilled token per 1024 tokens of context, in
+    /// microseconds.
+    #[arg(long, env = "KVENGINE_SIM_PREFILL_PER_TOKEN_PER_1K_CONTEXT_US",
+          default_value_t = 1.5, value_parser = micros)]
+    pub prefill_per_token_per_1k_context_us: f64,
+    /// Timing: cost of each sequence in a decode batch, in microseconds.
+    #[arg(long, env = "KVENGINE_SIM_DECODE_PER_SEQ_US", default_value_t = 75.0,
+          value_parser = micros)]
+    pub decode_per_seq_us: f64,
+    /// Timing: cost of each context token a decoding sequence attends to, in microseconds.
+    #[arg(long, env = "KVENGINE_SIM_DECODE_PER_CONTEXT_TOKEN_US", default_value_t = 0.05,
+          value_parser = micros)]
+    pub decode_per_context_token_us: f64,
+}
+
+/// A duration in microseconds: finite, at least 0, at most an hour.
+fn micros(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if v.is_finite() && (0.0..=3.6e9).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{s:?} is not a duration in microseconds (0 to 3.6e9)"
+        ))
+    }
+}
+
+/// Microseconds (checked by [`micros`]) to a duration, rounded to the nanosecond.
+fn us(v: f64) -> Duration {
+    Duration::from_nanos((v * 1000.0).round() as u64)
+}
+
+impl SimArgs {
+    fn worker_config(&self) -> Result<SimWorkerConfig> {
+        let timing = TimingModel {
+            step_overhead: us(self.step_overhead_us),
+            forward_base: us(self.forward_base_us),
+            prefill_per_token: us(self.prefill_per_token_us),
+            prefill_per_token_per_1k_context: us(self.prefill_per_token_per_1k_context_us),
+            decode_per_seq: us(self.decode_per_seq_us),
+            decode_per_context_token: us(self.decode_per_context_token_us),
+        };
+        let zmq_port = match (self.zmq_port, self.port) {
+            (Some(z), _) => z,
+            (None, 0) => 0,
+            (None, p) => p
+                .checked_add(1000)
+                .context("--port is too high for the default --zmq-port (PORT + 1000)")?,
+        };
+        let replay_port = if zmq_port == 0 {
+            0
+        } else {
+            zmq_port.checked_add(1).context("--zmq-port is too high")?
+        };
+        let host = match self.host {
+            IpAddr::V6(h) => format!("[{h}]"),
+            IpAddr::V4(h) => h.to_string(),
+        };
+        let cfg = SimWorkerConfig {
+            engine: EngineConfig {
+                kv_blocks: self.kv_blocks,
+                block_size: self.block_size,
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                dp_rank: self.dp_rank,
+                timing,
+            },
+            speedup: self.speedup,
+            model: self.model.clone(),
+            http: SocketAddr::new(self.host, self.port),
+            zmq_pub: format!("tcp://{host}:{zmq_port}"),
+            zmq_replay: format!("tcp://{host}:{replay_port}"),
+            replay_buffer: self.replay_buffer,
+            ..SimWorkerConfig::default()
+        };
+        cfg.validate()
+            .context("--speedup, --model or an engine flag")?;
+        Ok(cfg)
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVENGINE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
+pub fn run(args: &SimArgs) -> Result<()> {
+    init_logging();
+    let base = args.worker_config()?;
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(Arc::new(
+            PromptTokenizer::from_path(path)
+                .with_context(|| format!("--tokenizer {}", path.display()))?,
+        )),
+        None => None,
+    };
+    let (tx, mut rx) = tokio::sync::watch::channel(false);
+    ctrlc::set_handler(move || {
+        let _ = tx.send(true);
+    })
+    .context("cannot install the SIGINT/SIGTERM handler")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("kvengine-sim")
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    rt.block_on(async {
+        let has_tokenizer = tokenizer.is_some();
+        let workers = spawn_cluster(usize::from(args.workers), base, tokenizer)
+            .await
+            .context("cannot start the simulated workers")?;
+        for (i, w) in workers.iter().enumerate() {
+            let id = args.first_worker_id.saturating_add(i as u64);
+            println!(
+                "kvengine sim: worker {id}: {}  --zmq-worker {}",
+                w.url(),
+                w.zmq_worker_flag(id)
+            );
+        }
+        let tokenization = if has_tokenizer {
+            "the model's tokenizer (give kvengine the same --tokenizer)"
+        } else {
+            "the built-in stand-in (run kvengine without --tokenizer)"
+        };
+        println!(
+            "kvengine sim: {} worker(s) of model {:?}, {}x real time, block size {}; prompts \
+             tokenized by {tokenization}",
+            workers.len(),
+            args.model,
+            args.speedup,
+            args.block_size
+        );
+        println!("kvengine sim: Ctrl-C stops");
+        // Ends on the signal (or if the handler is gone).
+        let _ = rx.wait_for(|stop| *stop).await;
+        println!("kvengine sim: stopping");
+        for w in workers {
+            w.shutdown().await;
+        }
+        anyhow::Ok(())
+    })?;
+    println!("kvengine sim: stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn config(args: &[&str]) -> Result<SimWorkerConfig> {
+        let mut argv = vec!["sim"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv)?.sim.worker_config()
+    }
+
+    #[test]
+    fn flags_reach_the_worker_config() {
+        let cfg = config(&[
+            "--port",
+            "7000",
+            "--kv-blocks",
+            "64",
+            "--decode-per-seq-us",
+            "2.5",
+        ])
+        .unwrap();
+        assert_eq!(cfg.http.port(), 7000);
+        assert_eq!(cfg.zmq_pub, "tcp://127.0.0.1:8000");
+        assert_eq!(cfg.zmq_replay, "tcp://127.0.0.1:8001");
+        assert_eq!(cfg.engine.kv_blocks, 64);
+        assert_eq!(cfg.engine.timing.decode_per_seq, Duration::from_nanos(2500));
+        assert_eq!(
+            cfg.engine.timing,
+            TimingModel {
+                decode_per_seq: Duration::from_nanos(2500),
+                ..TimingModel::default()
+            }
+        );
+        let any = config(&["--port", "0"]).unwrap();
+        assert_eq!(any.zmq_pub, "tcp://127.0.0.1:0");
+        assert_eq!(any.zmq_replay, "tcp://127.0.0.1:0");
+        let z = config(&["--port", "0", "--zmq-port", "5000"]).unwrap();
+        assert_eq!(z.zmq_replay, "tcp://127.0.0.1:5001");
+        assert!(config(&["--speedup", "0"]).is_err());
+        assert!(config(&["--block-size", "0"]).is_err());
+        assert!(config(&["--step-overhead-us", "-1"]).is_err());
+        assert!(config(&["--port", "65000"]).is_err());
+    }
+}

@@ -1,0 +1,262 @@
+//! The task that owns one [`SimEngine`] and drives it in real time.
+//!
+//! It receives [`Command`]s over a channel, runs [`SimEngine::step`] whenever there is work,
+//! sleeps each step's duration divided by the speedup, then hands the step's outputs to the
+//! requests' channels and publishes its KV events. Simulated time is elapsed real time times
+//! the speedup: while the engine stays busy, steps follow each other back to back in
+//! simulated time (the driver sleeps until each step's end in real time, or runs on without
+//! sleeping when it is behind, so timer granularity never slows the simulation down); after
+//! an idle spell the next step starts at the current simulated time.
+//!
+//! # Invariants
+//! 1. A request's channel receives, in order, one [`Delivery::First`], then
+//!    [`Delivery::Token`]s, then [`Delivery::Finished`], unless it is aborted.
+//! 2. A request whose receiver is gone (the client went away) is aborted in the engine before
+//!    the next step, or as soon as a delivery to it fails.
+//! 3. After every command and step the [`Snapshot`] is current.
+//! 4. The driver stops when told to or when every command sender is gone; dropping it drops
+//!    every request's channel (their clients see the stream end).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use engine::RequestId;
+use tokio::sync::{mpsc, oneshot, watch};
+use transport::zmq::VllmPublisher;
+
+use crate::engine::{EngineStats, Load, NewRequest, Output, SimEngine};
+use crate::error::Result;
+
+/// What the driver is asked to do.
+#[derive(Debug)]
+pub enum Command {
+    /// Queue a request (its id is assigned by the driver) and send its outputs to `out`;
+    /// `ack` gets the id, or the engine's refusal.
+    Add {
+        /// The prompt's token ids.
+        prompt: Vec<u32>,
+        /// Tokens to generate.
+        max_tokens: u32,
+        /// Where its outputs go.
+        out: mpsc::UnboundedSender<Delivery>,
+        /// The id it got, or why it was refused.
+        ack: oneshot::Sender<Result<RequestId>>,
+    },
+    /// Drop a request (its client went away). Unknown ids are ignored.
+    Abort(RequestId),
+}
+
+/// One output of one request, as its HTTP handler sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// The first generated token: prefill is complete.
+    First {
+        /// The token id.
+        token: u32,
+        /// Tokens of the prompt.
+        prompt_tokens: u32,
+        /// Prompt tokens served from the prefix cache.
+        cached_tokens: u32,
+    },
+    /// A later token.
+    Token(u32),
+    /// The request is complete.
+    Finished {
+        /// Tokens generated.
+        output_tokens: u32,
+    },
+}
+
+/// The engine's state as `/load` shows it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    /// Queues and KV usage.
+    pub load: Load,
+    /// Counters.
+    pub stats: EngineStats,
+    /// Simulated time at the end of the last step.
+    pub sim_time: Duration,
+}
+
+/// The driver's state.
+pub(super) struct Driver {
+    pub(super) engine: SimEngine,
+    pub(super) publisher: VllmPublisher,
+    pub(super) speedup: f64,
+    pub(super) commands: mpsc::Receiver<Command>,
+    pub(super) snapshot: watch::Sender<Snapshot>,
+    pub(super) shutdown: watch::Receiver<bool>,
+    /// Real time at simulated time zero.
+    pub(super) epoch: Instant,
+    pub(super) next_id: u64,
+    pub(super) requests: HashMap<RequestId, mpsc::UnboundedSender<Delivery>>,
+    pub(super) last_end: Duration,
+}
+
+impl Driver {
+    /// Simulated time now.
+    fn sim_now(&self) -> Duration {
+        Duration::try_from_secs_f64(self.epoch.elapsed().as_secs_f64() * self.speedup)
+            .unwrap_or(Duration::MAX)
+    }
+
+    /// The real instant of simulated time `t`, if representable.
+    fn real_instant(&self, t: Duration) -> Option<Instant> {
+        let real = Duration::try_from_secs_f64(t.as_secs_f64() / self.speedup).ok()?;
+        self.epoch.checked_add(real)
+    }
+
+    fn stopping(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
+    /// Runs until shut down or every command sender is gone.
+    pub(super) async fn run(mut self) {
+        let mut busy = false;
+        loop {
+            if self.stopping() {
+                return;
+            }
+            loop {
+                match self.commands.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            self.reap_gone();
+            self.publish_snapshot();
+            if !self.engine.has_work() {
+                busy = false;
+                tokio::select! {
+                    cmd = self.commands.recv() => match cmd {
+                        Some(cmd) => self.handle(cmd),
+                        None => return,
+                    },
+                    _ = self.shutdown.changed() => return,
+                }
+                continue;
+            }
+            // Busy: the next step starts where the last one ended. After an idle spell: now.
+            let now = if busy { self.last_end } else { self.sim_now() };
+            busy = true;
+            let Some(step) = self.engine.step(now) else {
+                continue;
+            };
+            let end = step.end();
+            self.last_end = end;
+            match self.real_instant(end) {
+                Some(deadline) if deadline > Instant::now() => {
+                    tokio::select! {
+                        () = tokio::time::sleep_until(deadline.into()) => {}
+                        _ = self.shutdown.changed() => return,
+                    }
+                }
+                _ => tokio::task::yield_now().await,
+            }
+            for output in step.outputs {
+                self.deliver(output);
+            }
+            while let Some(batch) = self.engine.poll_events() {
+                if let Err(e) = self.publisher.publish(&batch).await {
+                    tracing::warn!(
+                        endpoint = self.publisher.endpoint(),
+                        "cannot publish KV events: {e}"
+                    );
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add {
+                prompt,
+                max_tokens,
+                out,
+                ack,
+            } => {
+                let id = RequestId(self.next_id);
+                let added = self.engine.add_request(NewRequest {
+                    id,
+                    prompt,
+                    max_tokens,
+                    lora_name: None,
+                });
+                let reply = match added {
+                    Ok(()) => {
+                        self.next_id += 1;
+                        self.requests.insert(id, out);
+                        Ok(id)
+                    }
+                    Err(e) => Err(e),
+                };
+                if ack.send(reply).is_err() {
+                    // The handler went away before hearing back.
+                    self.abort(id);
+                }
+            }
+            Command::Abort(id) => self.abort(id),
+        }
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        self.requests.remove(&id);
+        if self.engine.is_active(id) {
+            // Cannot fail: the request is in flight.
+            let _ = self.engine.abort(id);
+        }
+    }
+
+    /// Aborts the requests whose clients went away.
+    fn reap_gone(&mut self) {
+        let gone: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            tracing::debug!(request = id.0, "client went away: aborting");
+            self.abort(id);
+        }
+    }
+
+    fn deliver(&mut self, output: Output) {
+        let id = output.id();
+        let (delivery, last) = match output {
+            Output::FirstToken {
+                token,
+                prompt_tokens,
+                cached_tokens,
+                ..
+            } => (
+                Delivery::First {
+                    token,
+                    prompt_tokens,
+                    cached_tokens,
+                },
+                false,
+            ),
+            Output::Token { token, .. } => (Delivery::Token(token), false),
+            Output::Finished { output_tokens, .. } => (Delivery::Finished { output_tokens }, true),
+        };
+        let sent = self
+            .requests
+            .get(&id)
+            .is_some_and(|tx| tx.send(delivery).is_ok());
+        if last {
+            self.requests.remove(&id);
+        } else if !sent {
+            self.abort(id);
+        }
+    }
+
+    fn publish_snapshot(&self) {
+        self.snapshot.send_replace(Snapshot {
+            load: self.engine.load(),
+            stats: self.engine.stats(),
+            sim_time: self.last_end,
+        });
+    }
+}

@@ -1,0 +1,284 @@
+//! A worker's OpenAI-compatible HTTP server (axum): `/health`, `/v1/models`, `/load`,
+//! `/v1/completions` and `/v1/chat/completions`, answered whole or streamed as server-sent
+//! events, one chunk per token as the driver produces it.
+//!
+//! # Invariants
+//! 1. Every malformed request gets a 4xx OpenAI error; only a worker that is shutting down
+//!    answers 503.
+//! 2. A request whose client goes away (its response future or stream dropped) is aborted in
+//!    the engine: its output channel closes and an abort command is sent.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use engine::RequestId;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::driver::{Command, Delivery, Snapshot};
+use super::openai::{Api, ApiError, Envelope, Usage, parse};
+use super::tokens::{Prompter, token_text};
+use crate::error::SimError;
+
+/// What every handler shares.
+#[derive(Debug)]
+pub(super) struct AppState {
+    pub(super) commands: mpsc::Sender<Command>,
+    pub(super) snapshot: watch::Receiver<Snapshot>,
+    pub(super) model: String,
+    pub(super) prompter: Prompter,
+}
+
+/// The worker's routes.
+pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/load", get(load))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": s.model, "object": "model", "created": 0, "owned_by": "kvengine-sim",
+    }]}))
+}
+
+async fn load(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let snap = *s.snapshot.borrow();
+    let (l, st) = (snap.load, snap.stats);
+    Json(json!({
+        "num_requests_waiting": l.num_requests_waiting,
+        "num_requests_running": l.num_requests_running,
+        "kv_usage": l.kv_usage,
+        "sim_time_secs": snap.sim_time.as_secs_f64(),
+        "requests": st.requests,
+        "finished": st.finished,
+        "aborted": st.aborted,
+        "prompt_tokens": st.prompt_tokens,
+        "cached_tokens": st.cached_tokens,
+        "output_tokens": st.output_tokens,
+        "preemptions": st.preemptions,
+        "cached_blocks": st.cached_blocks,
+        "kv_blocks": st.kv_blocks,
+    }))
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(&s, Api::Completions, &body).await
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    serve(&s, Api::Chat, &body).await
+}
+
+/// The engine's refusal of a request, as a 400.
+fn refusal(e: &SimError) -> ApiError {
+    let mut err = ApiError::invalid(e.to_string(), None);
+    if matches!(e, SimError::RequestTooLarge { .. }) {
+        err.message =
+            format!("{e}: the prompt plus max_tokens does not fit in this worker's KV cache");
+        err.code = Some("context_length_exceeded");
+    }
+    err
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Sends an abort for its request when dropped before the request finished.
+#[derive(Debug)]
+struct AbortGuard {
+    id: RequestId,
+    commands: mpsc::Sender<Command>,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            // Best effort: the driver also notices the closed output channel.
+            let _ = self.commands.try_send(Command::Abort(self.id));
+        }
+    }
+}
+
+async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
+    let parsed = match parse(api, body, &s.prompter) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let (out, rx) = mpsc::unbounded_channel();
+    let (ack, acked) = oneshot::channel();
+    let add = Command::Add {
+        prompt: parsed.prompt,
+        max_tokens: parsed.max_tokens,
+        out,
+        ack,
+    };
+    if s.commands.send(add).await.is_err() {
+        return ApiError::unavailable().into_response();
+    }
+    let id = match acked.await {
+        Ok(Ok(id)) => id,
+        Ok(Err(e)) => return refusal(&e).into_response(),
+        Err(_) => return ApiError::unavailable().into_response(),
+    };
+    let guard = AbortGuard {
+        id,
+        commands: s.commands.clone(),
+        armed: true,
+    };
+    let prefix = match api {
+        Api::Completions => "cmpl",
+        Api::Chat => "chatcmpl",
+    };
+    let env = Envelope {
+        api,
+        id: format!("{prefix}-{}", id.0),
+        created: unix_now(),
+        model: s.model.clone(),
+    };
+    if parsed.stream {
+        stream(env, rx, guard, parsed.include_usage)
+    } else {
+        whole(env, rx, guard).await
+    }
+}
+
+/// Waits for the whole answer.
+async fn whole(
+    env: Envelope,
+    mut rx: mpsc::UnboundedReceiver<Delivery>,
+    mut guard: AbortGuard,
+) -> Response {
+    let mut text = String::new();
+    let mut usage = Usage::default();
+    while let Some(d) = rx.recv().await {
+        match d {
+            Delivery::First {
+                token,
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                usage.prompt_tokens = prompt_tokens;
+                usage.cached_tokens = cached_tokens;
+                text.push_str(&token_text(token));
+            }
+            Delivery::Token(token) => text.push_str(&token_text(token)),
+            Delivery::Finished { output_tokens } => {
+                guard.armed = false;
+                usage.completion_tokens = output_tokens;
+                return Json(env.answer(text, &usage)).into_response();
+            }
+        }
+    }
+    ApiError::unavailable().into_response()
+}
+
+/// The state of one event stream.
+struct Streaming {
+    env: Envelope,
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    guard: AbortGuard,
+    include_usage: bool,
+    usage: Usage,
+    pending: VecDeque<Event>,
+    done: bool,
+}
+
+fn event(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+impl Streaming {
+    /// Queues the chunks of one delivery.
+    fn push(&mut self, d: Delivery) {
+        match d {
+            Delivery::First {
+                token,
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                self.usage.prompt_tokens = prompt_tokens;
+                self.usage.cached_tokens = cached_tokens;
+                if let Some(role) = self.env.role_chunk() {
+                    self.pending.push_back(event(&role));
+                }
+                let chunk = self.env.token_chunk(token_text(token));
+                self.pending.push_back(event(&chunk));
+            }
+            Delivery::Token(token) => {
+                let chunk = self.env.token_chunk(token_text(token));
+                self.pending.push_back(event(&chunk));
+            }
+            Delivery::Finished { output_tokens } => {
+                self.guard.armed = false;
+                self.usage.completion_tokens = output_tokens;
+                self.pending.push_back(event(&self.env.finish_chunk()));
+                if self.include_usage {
+                    let chunk = self.env.usage_chunk(&self.usage);
+                    self.pending.push_back(event(&chunk));
+                }
+                self.pending.push_back(Event::default().data("[DONE]"));
+                self.done = true;
+            }
+        }
+    }
+}
+
+/// Streams the answer as server-sent events, each chunk sent as soon as it is produced.
+fn stream(
+    env: Envelope,
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    guard: AbortGuard,
+    include_usage: bool,
+) -> Response {
+    let state = Streaming {
+        env,
+        rx,
+        guard,
+        include_usage,
+        usage: Usage::default(),
+        pending: VecDeque::new(),
+        done: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(ev) = st.pending.pop_front() {
+                return Some((Ok::<_, Infallible>(ev), st));
+            }
+            if st.done {
+                return None;
+            }
+            match st.rx.recv().await {
+                Some(d) => st.push(d),
+                None => {
+                    // The worker stopped mid-request.
+                    st.done = true;
+                    st.pending.push_back(event(&ApiError::unavailable().body()));
+                }
+            }
+        }
+    });
+    (StatusCode::OK, Sse::new(events)).into_response()
+}

@@ -1,0 +1,375 @@
+//! Simulated vLLM workers you can run and talk to: each one a [`SimEngine`] driven in real
+//! time (or `speedup` times faster) behind an OpenAI-compatible HTTP server, publishing its
+//! KV events over ZMQ exactly as vLLM does.
+//!
+//! One worker ([`spawn_worker`]) is three tasks on the current tokio runtime:
+//! * the driver ([`driver`]): owns the engine, takes requests and aborts over a channel,
+//!   steps the engine while it has work, sleeps each step's duration / `speedup`, delivers
+//!   the outputs to each request's channel and publishes the step's KV events with a
+//!   [`VllmPublisher`] (ZMQ PUB plus the replay ROUTER);
+//! * the HTTP server ([`http`]): `GET /health`, `GET /v1/models`, `GET /load` (the engine's
+//!   `num_requests_waiting`, `num_requests_running`, `kv_usage` and counters),
+//!   `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole or streamed
+//!   (SSE, one chunk per token, flushed as produced);
+//! * the publisher's replay task.
+//!
+//! Prompts are tokenized with the model's tokenizer when one is given, else with a built-in
+//! deterministic fallback ([`tokens`]); a router must tokenize the same way for its prefix
+//! hits to line up with the worker's cache.
+//!
+//! Simulated time is real time since the worker started times `speedup`; the timestamps of
+//! published event batches are simulated seconds.
+//!
+//! # Invariants
+//! 1. Nothing a client sends reaches a panic: malformed requests get OpenAI-style 400s.
+//! 2. A request whose client went away is aborted; with no request in flight the engine's
+//!    `kv_usage` is 0.
+//! 3. Dropping a [`SimWorkerHandle`] stops its worker (without waiting);
+//!    [`SimWorkerHandle::shutdown`] stops it and waits.
+
+pub mod driver;
+pub mod openai;
+pub mod tokens;
+
+mod http;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use transport::openai::tokenize::PromptTokenizer;
+use transport::zmq::VllmPublisher;
+
+use crate::engine::{EngineConfig, SimEngine};
+use crate::error::{Result, SimError};
+use driver::{Driver, Snapshot};
+use tokens::Prompter;
+
+/// Commands queued to a driver before senders wait.
+const COMMAND_QUEUE: usize = 4096;
+/// How long [`SimWorkerHandle::shutdown`] lets open HTTP connections close.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// One simulated worker's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimWorkerConfig {
+    /// The engine: cache shape, scheduler limits, timing model and the data-parallel rank
+    /// stamped on its event batches (`engine.dp_rank`).
+    pub engine: EngineConfig,
+    /// Simulated time runs this many times faster than real time: finite, > 0.
+    pub speedup: f64,
+    /// The model name `/v1/models` reports and answers carry.
+    pub model: String,
+    /// Where the HTTP server listens (port 0: any free port).
+    pub http: SocketAddr,
+    /// Where KV events are published: `tcp://HOST:PORT` (port 0: any free port).
+    pub zmq_pub: String,
+    /// The replay (ROUTER) endpoint: `tcp://HOST:PORT` (port 0: any free port).
+    pub zmq_replay: String,
+    /// Event batches kept for replay.
+    pub replay_buffer: usize,
+    /// Request bodies larger than this are refused with 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for SimWorkerConfig {
+    fn default() -> Self {
+        Self {
+            engine: EngineConfig::default(),
+            speedup: 1.0,
+            model: "kvengine-sim".into(),
+            http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            zmq_pub: "tcp://127.0.0.1:0".into(),
+            zmq_replay: "tcp://127.0.0.1:0".into(),
+            replay_buffer: 4096,
+            max_body_bytes: 64 << 20,
+        }
+    }
+}
+
+impl SimWorkerConfig {
+    /// Rejects a value outside its documented range.
+    pub fn validate(&self) -> Result<()> {
+        self.engine.validate()?;
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            return Err(SimError::InvalidConfig {
+                name: "speedup",
+                reason: "must be a finite number above 0",
+            });
+        }
+        if self.model.is_empty() {
+            return Err(SimError::InvalidConfig {
+                name: "model",
+                reason: "must not be empty",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A running worker. Dropping it stops the worker; see [`SimWorkerHandle::shutdown`].
+#[derive(Debug)]
+pub struct SimWorkerHandle {
+    http: SocketAddr,
+    zmq_pub: String,
+    zmq_replay: String,
+    model: String,
+    snapshot: watch::Receiver<Snapshot>,
+    shutdown: watch::Sender<bool>,
+    driver: Option<JoinHandle<()>>,
+    server: Option<JoinHandle<()>>,
+}
+
+impl SimWorkerHandle {
+    /// The bound HTTP address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http
+    }
+
+    /// The HTTP base URL (`http://HOST:PORT`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.http)
+    }
+
+    /// The bound KV-event PUB endpoint.
+    pub fn zmq_endpoint(&self) -> &str {
+        &self.zmq_pub
+    }
+
+    /// The bound replay endpoint.
+    pub fn replay_endpoint(&self) -> &str {
+        &self.zmq_replay
+    }
+
+    /// The served model's name.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The value of kvengine's `--zmq-worker` flag for this worker under id `worker`:
+    /// `ID=tcp://HOST:PORT,replay=tcp://HOST:PORT`.
+    pub fn zmq_worker_flag(&self, worker: u64) -> String {
+        format!("{worker}={},replay={}", self.zmq_pub, self.zmq_replay)
+    }
+
+    /// The engine's load and counters after its last step or command.
+    pub fn snapshot(&self) -> Snapshot {
+        *self.snapshot.borrow()
+    }
+
+    /// Stops the worker: the driver stops (open streams end), the HTTP server stops
+    /// accepting and closes its connections (waiting at most a few seconds for them), the
+    /// sockets are released.
+    pub async fn shutdown(mut self) {
+        self.shutdown.send_replace(true);
+        if let Some(driver) = self.driver.take() {
+            let _ = driver.await;
+        }
+        if let Some(mut server) = self.server.take()
+            && tokio::time::timeout(SHUTDOWN_GRACE, &mut server)
+                .await
+                .is_err()
+        {
+            server.abort();
+            let _ = server.await;
+        }
+    }
+}
+
+impl Drop for SimWorkerHandle {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+/// Starts one worker on the current tokio runtime: binds its ZMQ and HTTP sockets (port 0
+/// allowed: the handle tells the bound ones) and spawns its tasks. `tokenizer`: the model's
+/// tokenizer (`None`: the built-in fallback, see [`tokens`]).
+pub async fn spawn_worker(
+    cfg: SimWorkerConfig,
+    tokenizer: Option<Arc<PromptTokenizer>>,
+) -> Result<SimWorkerHandle> {
+    cfg.validate()?;
+    let engine = SimEngine::new(cfg.engine.clone())?;
+    let publisher =
+        VllmPublisher::bind(&cfg.zmq_pub, Some(&cfg.zmq_replay), cfg.replay_buffer).await?;
+    let zmq_pub = publisher.endpoint().to_owned();
+    let zmq_replay = publisher
+        .replay_endpoint()
+        .unwrap_or(&cfg.zmq_replay)
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind(cfg.http)
+        .await
+        .map_err(|source| SimError::Io {
+            context: "cannot bind the HTTP listener",
+            source,
+        })?;
+    let http = listener.local_addr().map_err(|source| SimError::Io {
+        context: "cannot read the HTTP listener's address",
+        source,
+    })?;
+
+    let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
+    let (snapshot_tx, snapshot) = watch::channel(Snapshot::default());
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let driver = Driver {
+        engine,
+        publisher,
+        speedup: cfg.speedup,
+        commands,
+        snapshot: snapshot_tx,
+        shutdown: shutdown_rx.clone(),
+        epoch: Instant::now(),
+        next_id: 0,
+        requests: HashMap::new(),
+        last_end: Duration::ZERO,
+    };
+    let driver = tokio::spawn(driver.run());
+
+    let state = Arc::new(http::AppState {
+        commands: commands_tx,
+        snapshot: snapshot.clone(),
+        model: cfg.model.clone(),
+        prompter: tokenizer.map_or(Prompter::Fallback, Prompter::Model),
+    });
+    let app = http::router(state, cfg.max_body_bytes);
+    let mut stop = shutdown_rx;
+    let server = tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                // Also ends when the handle is gone.
+                let _ = stop.wait_for(|s| *s).await;
+            })
+            .await;
+        if let Err(e) = served {
+            tracing::error!("simulated worker HTTP server failed: {e}");
+        }
+    });
+    tracing::info!(%http, zmq = %zmq_pub, replay = %zmq_replay, "simulated worker up");
+    Ok(SimWorkerHandle {
+        http,
+        zmq_pub,
+        zmq_replay,
+        model: cfg.model,
+        snapshot,
+        shutdown,
+        driver: Some(driver),
+        server: Some(server),
+    })
+}
+
+/// `port + by`, or 0 if `port` is 0 (any free port).
+fn offset_port(port: u16, by: usize, name: &'static str) -> Result<u16> {
+    if port == 0 {
+        return Ok(0);
+    }
+    u16::try_from(usize::from(port).saturating_add(by)).map_err(|_| SimError::InvalidConfig {
+        name,
+        reason: "the workers' ports would run past 65535",
+    })
+}
+
+/// `tcp://HOST:PORT` with its port moved by `by` (unless it is 0).
+fn offset_endpoint(endpoint: &str, by: usize, name: &'static str) -> Result<String> {
+    let bad = SimError::InvalidConfig {
+        name,
+        reason: "must be tcp://HOST:PORT",
+    };
+    let Some((head, port)) = endpoint.rsplit_once(':') else {
+        return Err(bad);
+    };
+    let Ok(port) = port.parse::<u16>() else {
+        return Err(bad);
+    };
+    Ok(format!("{head}:{}", offset_port(port, by, name)?))
+}
+
+/// The configuration of worker `i` of a cluster built from `base`: HTTP port `base + i`,
+/// PUB port `base + 2i`, replay port `base + 2i` (ports 0 stay 0: any free port).
+pub fn cluster_member(base: &SimWorkerConfig, i: usize) -> Result<SimWorkerConfig> {
+    let mut cfg = base.clone();
+    cfg.http
+        .set_port(offset_port(base.http.port(), i, "http port")?);
+    let twice = i.saturating_mul(2);
+    cfg.zmq_pub = offset_endpoint(&base.zmq_pub, twice, "zmq_pub")?;
+    cfg.zmq_replay = offset_endpoint(&base.zmq_replay, twice, "zmq_replay")?;
+    Ok(cfg)
+}
+
+/// Starts `n` workers (see [`cluster_member`] for their ports), sharing one tokenizer. On a
+/// failure the workers already started are stopped.
+pub async fn spawn_cluster(
+    n: usize,
+    base: SimWorkerConfig,
+    tokenizer: Option<Arc<PromptTokenizer>>,
+) -> Result<Vec<SimWorkerHandle>> {
+    if n == 0 {
+        return Err(SimError::InvalidConfig {
+            name: "workers",
+            reason: "must be at least 1",
+        });
+    }
+    base.validate()?;
+    let mut workers = Vec::with_capacity(n);
+    for i in 0..n {
+        let started = match cluster_member(&base, i) {
+            Ok(cfg) => spawn_worker(cfg, tokenizer.clone()).await,
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                for w in workers {
+                    w.shutdown().await;
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(workers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_ports_step_by_one_and_two() {
+        let base = SimWorkerConfig {
+            http: "127.0.0.1:8100".parse().unwrap(),
+            zmq_pub: "tcp://127.0.0.1:9100".into(),
+            zmq_replay: "tcp://127.0.0.1:9101".into(),
+            ..SimWorkerConfig::default()
+        };
+        let m = cluster_member(&base, 2).unwrap();
+        assert_eq!(m.http.port(), 8102);
+        assert_eq!(m.zmq_pub, "tcp://127.0.0.1:9104");
+        assert_eq!(m.zmq_replay, "tcp://127.0.0.1:9105");
+        let any = cluster_member(&SimWorkerConfig::default(), 3).unwrap();
+        assert_eq!(any, SimWorkerConfig::default());
+        let high = SimWorkerConfig {
+            http: "127.0.0.1:65535".parse().unwrap(),
+            ..SimWorkerConfig::default()
+        };
+        assert!(cluster_member(&high, 1).is_err());
+        let bad = SimWorkerConfig {
+            zmq_pub: "nonsense".into(),
+            ..SimWorkerConfig::default()
+        };
+        assert!(cluster_member(&bad, 0).is_err());
+    }
+
+    #[test]
+    fn speedup_must_be_positive_and_finite() {
+        for speedup in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let cfg = SimWorkerConfig {
+                speedup,
+                ..SimWorkerConfig::default()
+            };
+            assert!(cfg.validate().is_err());
+        }
+    }
+}

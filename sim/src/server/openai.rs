@@ -1,0 +1,440 @@
+//! The OpenAI request and response shapes a simulated worker speaks: parsing a request body
+//! into a [`Parsed`] request (or an [`ApiError`]), and the JSON of answers and stream chunks.
+//!
+//! # Invariants
+//! 1. Any body parses to a request or an [`ApiError`] with status 400; nothing panics.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+use transport::openai::tokenize::ChatMessage;
+
+use super::tokens::Prompter;
+
+/// `max_tokens` when a request gives none (vLLM's completions default).
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// An OpenAI-style error answer: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What went wrong.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<&'static str>,
+    /// A machine-readable code, if any.
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error` about `param`.
+    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param,
+            code: None,
+        }
+    }
+
+    /// A 503: the worker is shutting down.
+    pub fn unavailable() -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the simulated worker is shutting down".into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The error's JSON body.
+    pub fn body(&self) -> Value {
+        let kind = if self.status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        json!({"error": {
+            "message": self.message,
+            "type": kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Which endpoint a request came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+/// A request, validated and tokenized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Parsed {
+    /// The endpoint.
+    pub api: Api,
+    /// The prompt's token ids (not empty).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate (at least 1).
+    pub max_tokens: u32,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk before `[DONE]` (streaming only).
+    pub include_usage: bool,
+}
+
+fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::invalid("the body must be a JSON object", None)),
+        Err(e) => Err(ApiError::invalid(
+            format!("the body is not valid JSON: {e}"),
+            None,
+        )),
+    }
+}
+
+/// A non-null field.
+fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+    map.get(name).filter(|v| !v.is_null())
+}
+
+fn boolean(map: &Map<String, Value>, name: &'static str) -> Result<bool, ApiError> {
+    match field(map, name) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::invalid(
+            format!("{name} must be a boolean"),
+            Some(name),
+        )),
+    }
+}
+
+fn max_tokens(map: &Map<String, Value>, names: &[&'static str]) -> Result<u32, ApiError> {
+    let Some((name, v)) = names.iter().find_map(|&n| field(map, n).map(|v| (n, v))) else {
+        return Ok(DEFAULT_MAX_TOKENS);
+    };
+    match v.as_u64() {
+        Some(0) => Err(ApiError::invalid(
+            format!("{name} must be at least 1"),
+            Some(name),
+        )),
+        Some(n) => u32::try_from(n).map_err(|_| {
+            ApiError::invalid(format!("{name} must be at most {}", u32::MAX), Some(name))
+        }),
+        None => Err(ApiError::invalid(
+            format!("{name} must be a positive integer"),
+            Some(name),
+        )),
+    }
+}
+
+fn include_usage(map: &Map<String, Value>) -> Result<bool, ApiError> {
+    match field(map, "stream_options") {
+        None => Ok(false),
+        Some(Value::Object(o)) => boolean(o, "include_usage").map_err(|e| ApiError {
+            param: Some("stream_options"),
+            ..e
+        }),
+        Some(_) => Err(ApiError::invalid(
+            "stream_options must be an object",
+            Some("stream_options"),
+        )),
+    }
+}
+
+/// Token ids from a JSON array of integers.
+fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+fn completion_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, ApiError> {
+    let bad = |msg: &str| ApiError::invalid(msg, Some("prompt"));
+    let Some(prompt) = field(map, "prompt") else {
+        return Err(bad("prompt is required"));
+    };
+    // A one-element list stands for its element.
+    let prompt = match prompt {
+        Value::Array(items) => match items.as_slice() {
+            [one] if !one.is_number() => one,
+            _ => prompt,
+        },
+        other => other,
+    };
+    let ids = match prompt {
+        Value::String(text) => prompter.completion(text).map_err(|e| bad(&e))?,
+        Value::Array(items) => token_ids(items).ok_or_else(|| {
+            bad(
+                "prompt must be a string, a list of token ids (0..=4294967295), or a \
+                 one-element list of either",
+            )
+        })?,
+        _ => {
+            return Err(bad(
+                "prompt must be a string, a list of token ids, or a one-element list of either",
+            ));
+        }
+    };
+    if ids.is_empty() {
+        return Err(bad("the prompt is empty"));
+    }
+    Ok(ids)
+}
+
+fn chat_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, ApiError> {
+    let bad = |msg: String| ApiError::invalid(msg, Some("messages"));
+    let Some(messages) = field(map, "messages") else {
+        return Err(bad("messages is required".into()));
+    };
+    let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone())
+        .map_err(|e| bad(format!("messages must be a list of chat messages: {e}")))?;
+    if messages.is_empty() {
+        return Err(bad("messages must not be empty".into()));
+    }
+    let ids = prompter.chat(&messages).map_err(bad)?;
+    if ids.is_empty() {
+        return Err(bad("the rendered prompt is empty".into()));
+    }
+    Ok(ids)
+}
+
+/// Validates and tokenizes a request body for `api`.
+pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, ApiError> {
+    let map = object(body)?;
+    if let Some(n) = field(&map, "n")
+        && n.as_u64() != Some(1)
+    {
+        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+    }
+    let stream = boolean(&map, "stream")?;
+    let include_usage = include_usage(&map)?;
+    let (prompt, max_tokens) = match api {
+        Api::Completions => (
+            completion_prompt(&map, prompter)?,
+            max_tokens(&map, &["max_tokens"])?,
+        ),
+        Api::Chat => (
+            chat_prompt(&map, prompter)?,
+            max_tokens(&map, &["max_completion_tokens", "max_tokens"])?,
+        ),
+    };
+    Ok(Parsed {
+        api,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+/// What every answer and chunk of one request shares.
+#[derive(Clone, Debug)]
+pub struct Envelope {
+    /// The endpoint.
+    pub api: Api,
+    /// `cmpl-N` or `chatcmpl-N`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+}
+
+/// A request's token counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Of those, served from the prefix cache.
+    pub cached_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+}
+
+impl Usage {
+    /// Its JSON (`usage` of OpenAI answers).
+    pub fn json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": u64::from(self.prompt_tokens) + u64::from(self.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+impl Envelope {
+    fn head(&self, object: &str) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), self.id.clone().into());
+        m.insert("object".into(), object.into());
+        m.insert("created".into(), self.created.into());
+        m.insert("model".into(), self.model.clone().into());
+        m
+    }
+
+    /// The whole (non-streamed) answer.
+    pub fn answer(&self, text: String, usage: &Usage) -> Value {
+        let (object, choice) = match self.api {
+            Api::Completions => (
+                "text_completion",
+                json!({"index": 0, "text": text, "logprobs": null,
+                       "finish_reason": "length", "stop_reason": null}),
+            ),
+            Api::Chat => (
+                "chat.completion",
+                json!({"index": 0, "message": {"role": "assistant", "content": text},
+                       "logprobs": null, "finish_reason": "length", "stop_reason": null}),
+            ),
+        };
+        let mut m = self.head(object);
+        m.insert("choices".into(), json!([choice]));
+        m.insert("usage".into(), usage.json());
+        Value::Object(m)
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        match self.api {
+            Api::Completions => "text_completion",
+            Api::Chat => "chat.completion.chunk",
+        }
+    }
+
+    fn chunk(&self, choice: Value) -> Value {
+        let mut m = self.head(self.chunk_object());
+        m.insert("choices".into(), json!([choice]));
+        Value::Object(m)
+    }
+
+    /// The chat stream's first chunk: `delta.role = "assistant"`. `None` for completions.
+    pub fn role_chunk(&self) -> Option<Value> {
+        (self.api == Api::Chat).then(|| {
+            self.chunk(
+                json!({"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": null, "finish_reason": null}),
+            )
+        })
+    }
+
+    /// The chunk of one generated token's text.
+    pub fn token_chunk(&self, text: String) -> Value {
+        match self.api {
+            Api::Completions => self
+                .chunk(json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null})),
+            Api::Chat => self.chunk(json!({"index": 0, "delta": {"content": text},
+                                           "logprobs": null, "finish_reason": null})),
+        }
+    }
+
+    /// The chunk that ends the choice: `finish_reason: "length"`.
+    pub fn finish_chunk(&self) -> Value {
+        match self.api {
+            Api::Completions => self.chunk(json!({"index": 0, "text": "", "logprobs": null,
+                                                  "finish_reason": "length", "stop_reason": null})),
+            Api::Chat => self.chunk(json!({"index": 0, "delta": {}, "logprobs": null,
+                                           "finish_reason": "length", "stop_reason": null})),
+        }
+    }
+
+    /// The `include_usage` chunk: no choices, the usage.
+    pub fn usage_chunk(&self, usage: &Usage) -> Value {
+        let mut m = self.head(self.chunk_object());
+        m.insert("choices".into(), json!([]));
+        m.insert("usage".into(), usage.json());
+        Value::Object(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(api: Api, body: &str) -> Result<Parsed, ApiError> {
+        parse(api, body.as_bytes(), &Prompter::Fallback)
+    }
+
+    #[test]
+    fn prompt_forms() {
+        let ids = |b: &str| p(Api::Completions, b).unwrap().prompt;
+        assert_eq!(ids(r#"{"prompt": [5, 6, 7]}"#), vec![5, 6, 7]);
+        assert_eq!(ids(r#"{"prompt": [[5, 6]]}"#), vec![5, 6]);
+        assert_eq!(ids(r#"{"prompt": ["a b"]}"#), ids(r#"{"prompt": "a b"}"#));
+        assert_eq!(ids(r#"{"prompt": [9]}"#), vec![9]);
+        let r = p(
+            Api::Completions,
+            r#"{"prompt": "x", "stream": true,
+                  "stream_options": {"include_usage": true}}"#,
+        )
+        .unwrap();
+        assert_eq!((r.max_tokens, r.stream, r.include_usage), (16, true, true));
+    }
+
+    #[test]
+    fn max_tokens_forms() {
+        let mt = |b: &str| p(Api::Chat, b).map(|r| r.max_tokens);
+        let msgs = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        assert_eq!(mt(&format!("{{{msgs}, \"max_tokens\": 3}}")).unwrap(), 3);
+        assert_eq!(
+            mt(&format!(
+                "{{{msgs}, \"max_tokens\": 3, \"max_completion_tokens\": 5}}"
+            ))
+            .unwrap(),
+            5
+        );
+        assert_eq!(
+            mt(&format!("{{{msgs}, \"max_tokens\": 0}}"))
+                .unwrap_err()
+                .param,
+            Some("max_tokens")
+        );
+        assert!(mt(&format!("{{{msgs}, \"max_tokens\": -1}}")).is_err());
+        assert!(mt(&format!("{{{msgs}, \"max_tokens\": 1.5}}")).is_err());
+    }
+
+    #[test]
+    fn malformed_bodies_are_400() {
+        for body in [
+            "",
+            "nope",
+            "[]",
+            "{}",
+            r#"{"prompt": ""}"#,
+            r#"{"prompt": []}"#,
+            r#"{"prompt": [1, "a"]}"#,
+            r#"{"prompt": [-1]}"#,
+            r#"{"prompt": [4294967296]}"#,
+            r#"{"prompt": ["a", "b"]}"#,
+            r#"{"prompt": {}}"#,
+            r#"{"prompt": "a", "stream": "yes"}"#,
+            r#"{"prompt": "a", "stream_options": 1}"#,
+            r#"{"prompt": "a", "n": 2}"#,
+        ] {
+            let e = p(Api::Completions, body).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+        for body in [
+            "{}",
+            r#"{"messages": []}"#,
+            r#"{"messages": "hi"}"#,
+            r#"{"messages": [{"content": "no role"}]}"#,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}"#,
+        ] {
+            assert!(p(Api::Chat, body).is_err(), "{body}");
+        }
+    }
+}
