@@ -157,7 +157,13 @@ impl Driver {
             for output in step.outputs {
                 self.deliver(output);
             }
-            while let Some(batch) = self.engine.poll_events() {
+            while let Some(mut batch) = self.engine.poll_events() {
+                // vLLM stamps batches with the wall clock (`time.time()`); routers measure
+                // ingest lag against it.
+                batch.ts = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs_f64());
                 if let Err(e) = self.publisher.publish(&batch).await {
                     tracing::warn!(
                         endpoint = self.publisher.endpoint(),
