@@ -18,6 +18,7 @@ use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::runtime::RuntimeConfig;
 use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
+use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_cluster};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -125,6 +126,17 @@ pub struct ServeArgs {
     /// as the workers do. Without it, a built-in stand-in shared with `kvengine sim` is used.
     #[arg(long, env = "KVENGINE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
+    /// Start this many simulated vLLM workers in this process, registered and subscribed,
+    /// so the OpenAI front door works with no GPU (`curl localhost:8000/v1/chat/completions`).
+    #[arg(long, env = "KVENGINE_SIM_WORKERS", default_value_t = 0,
+          value_parser = clap::value_parser!(u16).range(0..=1024))]
+    pub sim_workers: u16,
+    /// Simulated workers run this many times faster than real time.
+    #[arg(long, env = "KVENGINE_SIM_SPEEDUP", default_value_t = 1.0)]
+    pub sim_speedup: f64,
+    /// KV-cache blocks of each simulated worker.
+    #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]
+    pub sim_kv_blocks: Option<u32>,
 }
 
 fn parse_mode(s: &str) -> Result<RouteMode, String> {
@@ -177,6 +189,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         bail!(
             "--quic needs --ingest-token (or KVENGINE_INGEST_TOKEN): publishers must authenticate"
         );
+    }
+    if args.sim_workers > 0 && !(args.sim_speedup.is_finite() && args.sim_speedup > 0.0) {
+        bail!("--sim-speedup must be a finite number above 0");
     }
     if args.no_kv_events && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
@@ -277,6 +292,14 @@ async fn serve(
         subscribe(&hub, &subs, source.clone());
     }
 
+    let tokenizer = match &args.tokenizer {
+        Some(path) => Some(Arc::new(
+            PromptTokenizer::from_path(path).context("--tokenizer")?,
+        )),
+        None => None,
+    };
+    let sims = start_sim_workers(&hub, &subs, args, tokenizer.clone()).await?;
+
     let quic = match args.quic {
         Some(listen) => {
             let tls = match (&args.tls_cert, &args.tls_key) {
@@ -325,12 +348,6 @@ async fn serve(
                 *w != worker
             });
         })
-    };
-    let tokenizer = match &args.tokenizer {
-        Some(path) => Some(Arc::new(
-            PromptTokenizer::from_path(path).context("--tokenizer")?,
-        )),
-        None => None,
     };
     let app = router(
         hub.clone(),
@@ -385,5 +402,47 @@ async fn serve(
     if let Some(q) = quic {
         q.close();
     }
+    for w in sims {
+        w.shutdown().await;
+    }
     served.context("HTTP edge")
+}
+
+/// `--sim-workers N`: simulated vLLM workers on free loopback ports, worker ids 1..=N, each
+/// registered with its URL and subscribed to (unless KV events are off).
+async fn start_sim_workers(
+    hub: &Arc<Hub>,
+    subs: &Subscriptions,
+    args: &ServeArgs,
+    tokenizer: Option<Arc<PromptTokenizer>>,
+) -> Result<Vec<SimWorkerHandle>> {
+    if args.sim_workers == 0 {
+        return Ok(Vec::new());
+    }
+    let mut base = SimWorkerConfig {
+        speedup: args.sim_speedup,
+        ..SimWorkerConfig::default()
+    };
+    base.engine.block_size = args.kv_cache_block_size;
+    if let Some(blocks) = args.sim_kv_blocks {
+        base.engine.kv_blocks = blocks;
+    }
+    let workers = spawn_cluster(usize::from(args.sim_workers), base, tokenizer)
+        .await
+        .context("--sim-workers")?;
+    for (i, w) in workers.iter().enumerate() {
+        let id = WorkerId(i as u64 + 1);
+        let (zmq, replay) = (w.zmq_endpoint().to_owned(), w.replay_endpoint().to_owned());
+        hub.register(Registration {
+            url: Some(w.url()),
+            zmq: (!args.no_kv_events).then(|| zmq.clone()),
+            replay: (!args.no_kv_events).then(|| replay.clone()),
+            ..Registration::new(id)
+        })?;
+        if !args.no_kv_events {
+            subscribe(hub, subs, ZmqSource::new(id, &zmq, Some(&replay))?);
+        }
+        println!("kvengine: simulated worker {id} at {}", w.url());
+    }
+    Ok(workers)
 }

@@ -68,9 +68,29 @@ impl Router {
         let mut resp = String::new();
         s.read_to_string(&mut resp).unwrap();
         let status = resp[9..12].parse().unwrap();
-        let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-        (status, body)
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+        if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            return (status, dechunk(body));
+        }
+        (status, body.to_owned())
     }
+}
+
+/// The payload of a chunked HTTP/1.1 body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = &rest[n + 2..];
+    }
+    out
 }
 
 impl Drop for Router {
@@ -307,4 +327,43 @@ fn zmq_worker_flags_subscribe_to_every_rank_publisher() {
             "stores never indexed: {body}"
         );
     }
+}
+
+#[test]
+fn sim_workers_answer_openai_requests_through_the_front_door() {
+    let r = Router::start(&["--sim-workers", "2", "--sim-speedup", "100"]);
+    assert_eq!(r.out.matches("simulated worker").count(), 2, "{}", r.out);
+    let system = "you are a careful assistant who explains every step of the answer in detail ";
+    let body = serde_json::json!({
+        "model": "kvengine-sim",
+        "messages": [
+            {"role": "system", "content": system.repeat(3)},
+            {"role": "user", "content": "what is a kv cache"}
+        ],
+        "max_tokens": 4
+    })
+    .to_string();
+    let (status, first) = r.call("POST", "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{first}");
+    let first: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(first["usage"]["completion_tokens"], 4);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The worker's KV events reach the index over ZMQ; the same prompt then goes back to
+    // it and hits its cache.
+    let start = std::time::Instant::now();
+    loop {
+        let (status, text) = r.call("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0) {
+            break;
+        }
+        assert!(start.elapsed().as_secs() < 20, "never a cache hit: {text}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (_, metrics) = r.call("GET", "/metrics", "");
+    assert!(metrics.contains("kvengine_active_requests 0"), "{metrics}");
+    let (status, text) = r.call("POST", "/v1/chat/completions", r#"{"messages": 5}"#);
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("invalid_request_error"), "{text}");
 }
