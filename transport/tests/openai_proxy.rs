@@ -135,6 +135,10 @@ struct Router2 {
 }
 
 async fn router_with(workers: &[(u64, &Stub)]) -> Router2 {
+    router_with_config(workers, ProxyConfig::default()).await
+}
+
+async fn router_with_config(workers: &[(u64, &Stub)], cfg: ProxyConfig) -> Router2 {
     let (hub, runtime) = common::hub(2);
     std::mem::forget(runtime);
     for (id, s) in workers {
@@ -144,8 +148,7 @@ async fn router_with(workers: &[(u64, &Stub)]) -> Router2 {
         })
         .unwrap();
     }
-    let app = router(hub.clone(), HttpConfig::default())
-        .merge(openai_router(hub.clone(), ProxyConfig::default()));
+    let app = router(hub.clone(), HttpConfig::default()).merge(openai_router(hub.clone(), cfg));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -382,4 +385,48 @@ async fn malformed_requests_get_openai_errors_and_are_not_forwarded() {
     let r = router_with(&[]).await;
     let (status, text) = post_raw(&r.base, "/v1/completions", r#"{"prompt": [1, 2]}"#).await;
     assert_eq!(status, 503, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_models_tokenizer_chats_route_on_the_templated_token_ids() {
+    use transport::openai::tokenize::{ChatMessage, PromptTokenizer};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer/llama3");
+    let tokenizer = Arc::new(PromptTokenizer::from_path(&dir).unwrap());
+    let good = Behaviour::Good {
+        n: 1,
+        gap: Duration::ZERO,
+    };
+    let (a, b) = (stub(good).await, stub(good).await);
+    let cfg = ProxyConfig {
+        tokenizer: Some(tokenizer.clone()),
+        ..ProxyConfig::default()
+    };
+    let r = router_with_config(&[(1, &a), (2, &b)], cfg).await;
+    let system = "You are a helpful assistant . ".repeat(8);
+    let messages = vec![
+        ChatMessage::text("system", system.clone()),
+        ChatMessage::text("user", "What is the weather in Paris ?"),
+    ];
+    let tokens = tokenizer.chat_token_ids(&messages).unwrap();
+    assert!(tokens.len() >= 32, "{}", tokens.len());
+    // Worker 2 holds the templated prompt's first two blocks; the stand-in tokenizer's ids
+    // would share nothing with them, and a tie goes to worker 1.
+    cache(&r.hub, 2, &tokens[..32]);
+    let body = json!({"messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the weather in Paris ?"}
+    ]})
+    .to_string();
+    let (status, text) = post_raw(&r.base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!((a.hits.load(SeqCst), b.hits.load(SeqCst)), (0, 1));
+    // A template that cannot render this chat is the client's error.
+    let (status, text) = post_raw(
+        &r.base,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    idle(&r.hub).await;
 }
