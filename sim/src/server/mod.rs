@@ -7,7 +7,7 @@
 //!   steps the engine while it has work, sleeps each step's duration / `speedup`, delivers
 //!   the outputs to each request's channel and publishes the step's KV events with a
 //!   [`VllmPublisher`] (ZMQ PUB plus the replay ROUTER);
-//! * the HTTP server ([`http`]): `GET /health`, `GET /v1/models`, `GET /load` (the engine's
+//! * the HTTP server (`http.rs`): `GET /health`, `GET /v1/models`, `GET /load` (the engine's
 //!   `num_requests_waiting`, `num_requests_running`, `kv_usage` and counters),
 //!   `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole or streamed
 //!   (SSE, one chunk per token, flushed as produced);
@@ -17,8 +17,8 @@
 //! deterministic fallback ([`tokens`]); a router must tokenize the same way for its prefix
 //! hits to line up with the worker's cache.
 //!
-//! Simulated time is real time since the worker started times `speedup`; the timestamps of
-//! published event batches are simulated seconds.
+//! Simulated time is real time since the worker started times `speedup`; published event
+//! batches carry the wall clock, as vLLM's do.
 //!
 //! # Invariants
 //! 1. Nothing a client sends reaches a panic: malformed requests get OpenAI-style 400s.
