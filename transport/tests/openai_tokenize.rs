@@ -341,6 +341,28 @@ fn tool_calls_and_tools_use_tojson() {
 }
 
 #[test]
+fn tool_schemas_keep_the_request_key_order_as_python_does() {
+    // Python's json.loads and json.dumps keep key order, so the engine's prompt lists a tool
+    // as the client wrote it; so must ours, or every block hash of the prompt differs.
+    let t = chatml();
+    let tool: serde_json::Value = serde_json::from_str(
+        r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}"#,
+    )
+    .unwrap();
+    let options = ChatOptions {
+        tools: Some(vec![tool]),
+        ..ChatOptions::default()
+    };
+    let rendered = t.render_chat_with(&[msg("user", "Hi!")], &options).unwrap();
+    assert!(
+        rendered.contains(
+            r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}"#
+        ),
+        "{rendered}"
+    );
+}
+
+#[test]
 fn continue_final_message_leaves_the_turn_open() {
     let t = llama();
     let messages = [msg("user", "Hi!"), msg("assistant", "Hello world")];
