@@ -10,6 +10,8 @@
 //! * [`harness`]: the phases and their measurement ([`harness::run`]).
 //! * [`report`]: the JSON report.
 //! * [`args`]: the command-line flags, for the CLI to flatten.
+//! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
+//!   a workload replayed open loop through the router onto simulated vLLM workers.
 //!
 //! ```no_run
 //! use kvengine_benches::driver::kv_index::KvIndexUnderTest;
@@ -34,6 +36,7 @@ pub mod harness;
 pub mod ingest;
 pub mod ingest_quic;
 pub mod ingest_zmq;
+pub mod replay;
 pub mod report;
 pub mod workload;
 

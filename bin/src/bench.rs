@@ -1,12 +1,17 @@
-//! `kvengine bench indexer` and `kvengine bench ingest`: the indexer benchmark and the
-//! end-to-end ingest benchmarks over ZMQ and QUIC (workloads, phases and reports live in the
+//! `kvengine bench indexer`, `kvengine bench ingest` and `kvengine bench replay`: the
+//! indexer benchmark, the end-to-end ingest benchmarks over ZMQ and QUIC, and routing
+//! quality on simulated workers (workloads, phases and reports live in the
 //! `kvengine-benches` crate; this is wiring).
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use kvengine_benches::args::{Baseline, IndexerArgs};
 use kvengine_benches::harness::run;
+use kvengine_benches::replay::{self, ReplayConfig, RunMode, plot, report, trace};
 use kvengine_benches::workload::Plan;
+use sim::engine::EngineConfig;
+use sim::workload::chat::ChatConfig;
+use std::path::PathBuf;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -17,6 +22,10 @@ pub enum BenchCommand {
     /// KV events end to end over loopback (a Rust publisher -> ZMQ or QUIC -> decode ->
     /// engine); prints a JSON report (and writes it with --json).
     Ingest(IngestBench),
+    /// Routing quality: replay a Mooncake trace (or the built-in chat workload) open loop
+    /// through the router onto simulated vLLM workers, per routing mode; prints a table and
+    /// writes the figures as JSON (--json) and an SVG (--plot).
+    Replay(ReplayBench),
 }
 
 /// Which transport `kvengine bench ingest` drives.
@@ -106,6 +115,7 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
     let b = match cmd {
         BenchCommand::Indexer(b) => b,
         BenchCommand::Ingest(b) => return run_ingest(b),
+        BenchCommand::Replay(b) => return run_replay(b),
     };
     let opts = b.args.run_options()?;
     let plan = Plan::generate(&b.args.spec())?;
@@ -119,6 +129,140 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
     let problems = report.checks.problems();
     if !problems.is_empty() {
         anyhow::bail!("self-checks failed: {}", problems.join("; "));
+    }
+    Ok(())
+}
+
+/// `kvengine bench replay` flags.
+#[derive(Debug, Args)]
+pub struct ReplayBench {
+    /// Mooncake-format JSONL trace (`timestamp` ms, `input_length`, `output_length`,
+    /// `hash_ids` of 512-token blocks); without it, the built-in chat workload.
+    #[arg(long, env = "KVENGINE_BENCH_TRACE")]
+    trace: Option<PathBuf>,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 4, env = "KVENGINE_BENCH_WORKERS",
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    workers: u32,
+    /// Routing mode(s), comma separated: kv, round-robin, random, kv-no-events, or all.
+    #[arg(long, default_value = "all", env = "KVENGINE_BENCH_MODE",
+          value_parser = parse_modes)]
+    mode: ModeList,
+    /// The simulated workers run this many times faster than real time (arrivals are
+    /// compressed by as much; figures are in simulated time).
+    #[arg(long, default_value_t = 10.0, env = "KVENGINE_BENCH_SPEEDUP", value_parser = positive)]
+    speedup: f64,
+    /// Replay only the first K requests (the chat workload generates K; default 400).
+    #[arg(long, env = "KVENGINE_BENCH_MAX_REQUESTS",
+          value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    max_requests: Option<u64>,
+    /// Multiply the workload's request rate by this (above 1: more load).
+    #[arg(long, default_value_t = 1.0, env = "KVENGINE_BENCH_RATE_SCALE", value_parser = positive)]
+    rate_scale: f64,
+    /// KV cache blocks per worker (the default is an 8B model on one H100: 28,000 blocks
+    /// of 16 tokens); smaller caches evict more.
+    #[arg(long, default_value_t = 28_000, env = "KVENGINE_BENCH_KV_BLOCKS",
+          value_parser = clap::value_parser!(u32).range(1..u32::MAX as i64))]
+    kv_blocks: u32,
+    /// Tokens per KV block (workers' and router's).
+    #[arg(long, default_value_t = 16, env = "KVENGINE_BENCH_BLOCK_SIZE",
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    block_size: u32,
+    /// The router's engine cores (1 or 2).
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES",
+          value_parser = clap::value_parser!(u8).range(1..=2))]
+    cores: u8,
+    /// Seed of the chat workload and of the router's scheduler.
+    #[arg(long, default_value_t = 0, env = "KVENGINE_BENCH_SEED")]
+    seed: u64,
+    /// The router's weight of prefill blocks against decode blocks in kv modes (the
+    /// router's --kv-overlap-score-weight).
+    #[arg(long, default_value_t = 1.0, env = "KVENGINE_BENCH_OVERLAP_WEIGHT",
+          value_parser = non_negative)]
+    overlap_weight: f64,
+    /// Write the figures here as JSON (an object for one mode, an array for several).
+    #[arg(long, env = "KVENGINE_BENCH_JSON")]
+    json: Option<PathBuf>,
+    /// Write an SVG comparing the modes here.
+    #[arg(long, env = "KVENGINE_BENCH_PLOT")]
+    plot: Option<PathBuf>,
+}
+
+/// Parsed `--mode`.
+#[derive(Clone, Debug)]
+pub struct ModeList(Vec<RunMode>);
+
+fn parse_modes(s: &str) -> Result<ModeList, String> {
+    RunMode::parse_list(s).map(ModeList)
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a finite number above 0")),
+    }
+}
+
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("{s:?} is not a finite non-negative number")),
+    }
+}
+
+fn run_replay(b: &ReplayBench) -> Result<()> {
+    let max = b
+        .max_requests
+        .map(usize::try_from)
+        .transpose()
+        .context("--max-requests is too large")?;
+    let workload = match &b.trace {
+        Some(path) => trace::load_trace(
+            path,
+            &trace::TraceOptions {
+                max_requests: max,
+                rate_scale: b.rate_scale,
+                block_size: b.block_size,
+            },
+        )
+        .context("--trace")?,
+        None => {
+            let base = replay::demo_chat_config(b.seed, max.unwrap_or(400));
+            trace::chat_workload(
+                ChatConfig {
+                    mean_gap_ms: base.mean_gap_ms / b.rate_scale,
+                    ..base
+                },
+                b.block_size,
+            )?
+        }
+    };
+    let cfg = ReplayConfig {
+        workers: b.workers as usize,
+        speedup: b.speedup,
+        engine: EngineConfig {
+            kv_blocks: b.kv_blocks,
+            block_size: b.block_size,
+            ..EngineConfig::default()
+        },
+        cores: usize::from(b.cores),
+        seed: b.seed,
+        overlap_weight: b.overlap_weight,
+        rate_scale: b.rate_scale,
+        progress: true,
+        ..ReplayConfig::default()
+    };
+    eprintln!("{}", replay::describe(&workload, &cfg));
+    let reports = replay::run(&workload, &b.mode.0, &cfg)?;
+    print!("{}", report::table(&reports));
+    if let Some(path) = &b.json {
+        match reports.as_slice() {
+            [one] => kvengine_benches::write_json(one, path)?,
+            many => kvengine_benches::write_json(&many, path)?,
+        }
+    }
+    if let Some(path) = &b.plot {
+        plot::write_svg(&reports, &workload.name, path)?;
     }
     Ok(())
 }

@@ -1,0 +1,380 @@
+//! Routing quality end to end: `kvengine bench replay` and `kvengine demo`.
+//!
+//! A workload (a Mooncake trace, or the built-in chat generator) is replayed open loop
+//! against the real router (engine, hub, HTTP edge and OpenAI proxy) in front of simulated
+//! vLLM workers ([`sim::server`]) that publish real KV events over ZMQ, all in one process.
+//! Each routing mode gets a fresh cluster; each request's TTFT, inter-token latencies,
+//! end-to-end latency, cached prompt tokens and serving worker are measured by the client,
+//! and summarised per mode ([`report::ModeReport`]).
+//!
+//! * [`trace`]: workloads and their infinite-cache bound.
+//! * [`cluster`]: the in-process router plus workers, started and stopped per mode.
+//! * [`client`]: the open-loop streaming client.
+//! * [`report`]: the per-mode figures (JSON) and the table.
+//! * [`plot`]: an SVG comparing modes.
+//!
+//! # Time
+//! The workers run `speedup` times faster than real time, so arrivals are compressed by
+//! the same factor and every latency is reported in simulated time (wall time times
+//! `speedup`). The router's own work is not simulated: at high speedups its real cost, and
+//! the client's, weigh `speedup` times more in the figures.
+//!
+//! # Invariants
+//! 1. Every request is accounted for: it completes or is counted in `errors`.
+//! 2. Each mode starts from empty caches and an empty index, and everything it started is
+//!    stopped before the next mode starts.
+
+pub mod client;
+pub mod cluster;
+pub mod plot;
+pub mod report;
+pub mod trace;
+
+use anyhow::{Context, Result, bail};
+use engine::sched::RouteMode;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use report::{ModeReport, RunInfo};
+use sim::engine::EngineConfig;
+use sim::workload::chat::ChatConfig;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayRequest {
+    /// Arrival, in simulated milliseconds since the workload started (non-decreasing).
+    pub arrival_ms: f64,
+    /// The prompt's token ids (not empty).
+    pub tokens: Arc<[u32]>,
+    /// Tokens to generate (`max_tokens`, at least 1).
+    pub output_tokens: u32,
+}
+
+/// A workload to replay.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// What it is, for reports.
+    pub name: String,
+    /// The requests, by arrival.
+    pub requests: Vec<ReplayRequest>,
+    /// Its infinite-cache bound at the engines' block size.
+    pub bound: trace::Bound,
+}
+
+impl Workload {
+    /// A workload over `requests`, its bound computed with blocks of `block_size` tokens.
+    pub fn new(name: String, requests: Vec<ReplayRequest>, block_size: u32) -> Self {
+        let bound = trace::hit_rate_bound(&requests, block_size);
+        Self {
+            name,
+            requests,
+            bound,
+        }
+    }
+
+    /// The longest request's KV footprint, in blocks (prompt plus output).
+    pub fn max_blocks(&self, block_size: u32) -> u64 {
+        let bs = u64::from(block_size.max(1));
+        self.requests
+            .iter()
+            .map(|r| (r.tokens.len() as u64 + u64::from(r.output_tokens)).div_ceil(bs))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Simulated seconds from the first arrival to the last.
+    pub fn span_s(&self) -> f64 {
+        self.requests.last().map_or(0.0, |r| r.arrival_ms / 1000.0)
+    }
+}
+
+/// How the router routes in one run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RunMode {
+    /// KV-aware routing on the workers' KV events.
+    Kv,
+    /// Round robin.
+    RoundRobin,
+    /// Uniformly random.
+    Random,
+    /// KV-aware routing without KV events: the router predicts the caches from its own
+    /// decisions (`--no-kv-events`).
+    KvNoEvents,
+}
+
+impl RunMode {
+    /// Every mode, in the order `all` runs them.
+    pub const ALL: [RunMode; 4] = [
+        RunMode::Kv,
+        RunMode::RoundRobin,
+        RunMode::Random,
+        RunMode::KvNoEvents,
+    ];
+
+    /// Its name on the command line and in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunMode::Kv => "kv",
+            RunMode::RoundRobin => "round-robin",
+            RunMode::Random => "random",
+            RunMode::KvNoEvents => "kv-no-events",
+        }
+    }
+
+    /// The scheduler's mode.
+    pub fn route_mode(self) -> RouteMode {
+        match self {
+            RunMode::Kv | RunMode::KvNoEvents => RouteMode::Kv,
+            RunMode::RoundRobin => RouteMode::RoundRobin,
+            RunMode::Random => RouteMode::Random,
+        }
+    }
+
+    /// Whether the router subscribes to the workers' KV events.
+    pub fn kv_events(self) -> bool {
+        self != RunMode::KvNoEvents
+    }
+
+    /// Parses a comma-separated list; `all` stands for every mode.
+    pub fn parse_list(s: &str) -> Result<Vec<RunMode>, String> {
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            if part == "all" {
+                out.extend(RunMode::ALL);
+            } else {
+                out.push(part.parse()?);
+            }
+        }
+        if out.is_empty() {
+            return Err("no mode given".into());
+        }
+        Ok(out)
+    }
+}
+
+impl fmt::Display for RunMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RunMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        RunMode::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown mode {s:?}: expected kv, round-robin, random, kv-no-events or all")
+            })
+    }
+}
+
+/// How a replay runs (the same for every mode).
+#[derive(Clone, Debug)]
+pub struct ReplayConfig {
+    /// Simulated workers.
+    pub workers: usize,
+    /// Simulated time runs this many times faster than real time.
+    pub speedup: f64,
+    /// Each worker's engine (KV cache size, block size, limits, timing). Its `block_size`
+    /// is also the router's.
+    pub engine: EngineConfig,
+    /// Engine (shard) cores of the router: 1 or 2.
+    pub cores: usize,
+    /// Tokio worker threads (router, workers and client share them).
+    pub tokio_threads: usize,
+    /// Seed of the router's scheduler (random mode, tie-breaking).
+    pub seed: u64,
+    /// The scheduler's weight of prefill blocks against decode blocks (kv modes).
+    pub overlap_weight: f64,
+    /// Longest wall time one request may take before it is counted as an error.
+    pub request_timeout: Duration,
+    /// The rate scale the workload was built with (reported only).
+    pub rate_scale: f64,
+    /// Show a progress bar on stderr (when it is a terminal).
+    pub progress: bool,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        Self {
+            workers: 4,
+            speedup: 10.0,
+            engine: EngineConfig::default(),
+            cores: 1,
+            tokio_threads: 2,
+            seed: 0,
+            overlap_weight: 1.0,
+            request_timeout: Duration::from_secs(300),
+            rate_scale: 1.0,
+            progress: false,
+        }
+    }
+}
+
+impl ReplayConfig {
+    /// Rejects values outside their ranges.
+    pub fn validate(&self) -> Result<()> {
+        if self.workers == 0 || self.workers > 256 {
+            bail!("workers must be within 1..=256, not {}", self.workers);
+        }
+        if !(self.speedup.is_finite() && self.speedup > 0.0) {
+            bail!(
+                "speedup must be a finite number above 0, not {}",
+                self.speedup
+            );
+        }
+        if !(1..=2).contains(&self.cores) {
+            bail!("cores must be 1 or 2, not {}", self.cores);
+        }
+        if !(self.overlap_weight.is_finite() && self.overlap_weight >= 0.0) {
+            bail!("the overlap weight must be finite and not negative");
+        }
+        if self.tokio_threads == 0 {
+            bail!("tokio threads must be at least 1");
+        }
+        self.engine
+            .validate()
+            .map_err(|e| anyhow::anyhow!("worker engine: {e}"))?;
+        Ok(())
+    }
+}
+
+fn progress_bar(total: u64, show: bool) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{prefix:>13} [{bar:32}] {pos}/{len} requests {elapsed_precise} {msg}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+/// Replays `workload` once per mode, each on a fresh cluster, and returns one report per
+/// mode. Builds (and drops) its own tokio runtime: call it from synchronous code.
+pub fn run(workload: &Workload, modes: &[RunMode], cfg: &ReplayConfig) -> Result<Vec<ModeReport>> {
+    cfg.validate()?;
+    if workload.requests.is_empty() {
+        bail!("the workload has no request");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.tokio_threads)
+        .thread_name("kvengine-replay")
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    let per_mode = workload.requests.len() as u64;
+    let bar = progress_bar(per_mode * modes.len() as u64, cfg.progress);
+    let mut reports = Vec::with_capacity(modes.len());
+    for &mode in modes {
+        bar.set_prefix(mode.as_str());
+        let report = runtime
+            .block_on(run_mode(workload, mode, cfg, &bar))
+            .with_context(|| format!("mode {mode}"))?;
+        reports.push(report);
+    }
+    bar.finish_and_clear();
+    drop(runtime);
+    Ok(reports)
+}
+
+/// Replays `workload` in `mode` on a fresh cluster (on the current tokio runtime), ticking
+/// `bar` once per finished request.
+pub async fn run_mode(
+    workload: &Workload,
+    mode: RunMode,
+    cfg: &ReplayConfig,
+    bar: &ProgressBar,
+) -> Result<ModeReport> {
+    let cluster = cluster::Cluster::start(&cluster::ClusterConfig::of(cfg, mode)).await?;
+    let started = Instant::now();
+    let tick = {
+        let bar = bar.clone();
+        Arc::new(move || bar.inc(1))
+    };
+    let results = client::replay(
+        &cluster.url(),
+        &workload.requests,
+        &client::ClientConfig {
+            speedup: cfg.speedup,
+            request_timeout: cfg.request_timeout,
+        },
+        tick,
+    )
+    .await;
+    let wall = started.elapsed();
+    let active_after = cluster.wait_idle(Duration::from_secs(2)).await;
+    let snapshots = cluster.snapshots();
+    let metrics = cluster.hub().metrics();
+    let (_, _, chosen_overlap_blocks) = metrics.chosen_overlap.snapshot();
+    let (_, _, best_overlap_blocks) = metrics.best_overlap.snapshot();
+    let info = RunInfo {
+        mode,
+        workload: workload.name.clone(),
+        workers: cluster.worker_ids(),
+        speedup: cfg.speedup,
+        kv_blocks: cfg.engine.kv_blocks,
+        rate_scale: cfg.rate_scale,
+        hit_rate_bound: workload.bound.hit_rate(),
+        wall_s: wall.as_secs_f64(),
+        router_active_after: active_after,
+        preemptions: snapshots.iter().map(|s| s.stats.preemptions).sum(),
+        chosen_overlap_blocks,
+        best_overlap_blocks,
+        block_size: cfg.engine.block_size,
+    };
+    cluster.shutdown().await?;
+    Ok(report::summarize(&info, &results))
+}
+
+/// The built-in chat workload of `kvengine demo` (and `kvengine bench replay` without a
+/// trace): `requests` turns of 32 interleaved conversations over 4 shared system prompts,
+/// arriving often enough that 4 simulated H100s queue when routing ignores their caches.
+pub fn demo_chat_config(seed: u64, requests: usize) -> ChatConfig {
+    ChatConfig {
+        seed,
+        requests,
+        live_sessions: 32,
+        turns: 2..=12,
+        mean_gap_ms: 25.0,
+        adapter_share: 0.0,
+        ..ChatConfig::default()
+    }
+}
+
+/// A few lines describing a replay of `workload` with `cfg`.
+pub fn describe(workload: &Workload, cfg: &ReplayConfig) -> String {
+    let b = &workload.bound;
+    let bs = cfg.engine.block_size;
+    let capacity = cfg.workers as u64 * u64::from(cfg.engine.kv_blocks);
+    let mut s = format!(
+        "workload: {}\n  {} requests over {:.1} simulated s, {} prompt tokens in {} distinct \
+         blocks of {bs} tokens; infinite-cache hit-rate bound {:.1}%\n  {} workers x {} KV \
+         blocks ({:.0}% of the distinct blocks), speedup {}x",
+        workload.name,
+        workload.requests.len(),
+        workload.span_s(),
+        b.prompt_tokens,
+        b.distinct_blocks,
+        100.0 * b.hit_rate(),
+        cfg.workers,
+        cfg.engine.kv_blocks,
+        100.0 * capacity as f64 / b.distinct_blocks.max(1) as f64,
+        cfg.speedup,
+    );
+    let largest = workload.max_blocks(bs);
+    if largest > u64::from(cfg.engine.kv_blocks) {
+        s.push_str(&format!(
+            "\n  warning: the largest request needs {largest} blocks, more than a worker's \
+             cache: it will fail (raise --kv-blocks)"
+        ));
+    }
+    s
+}

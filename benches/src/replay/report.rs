@@ -1,0 +1,287 @@
+//! The figures of one mode's replay, and the table comparing modes.
+//!
+//! Definitions (all times in simulated milliseconds, over the requests that completed):
+//! * `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `e2e_p50_ms`: nearest-rank percentiles
+//!   of the per-request values;
+//! * `itl_p50_ms`: the median of every inter-token gap of every request, pooled;
+//! * `output_tok_per_s`: tokens received over the simulated time from the first request
+//!   sent to the last answer finished;
+//! * `cache_hit_rate`: the usage chunks' `cached_tokens` summed over their `prompt_tokens`;
+//! * `hit_rate_bound`: the workload's infinite-cache bound ([`super::trace`]);
+//! * `load_spread`: with `prefill(w)` the prompt tokens worker `w` computed
+//!   (`prompt_tokens - cached_tokens` of the requests it served), the busiest worker's
+//!   share `max prefill / sum prefill` divided by `1 / N`, minus 1: 0 when perfectly even,
+//!   `N - 1` when one worker did everything.
+//!
+//! # Invariants
+//! 1. Every figure is finite; an empty input gives 0.
+
+use super::RunMode;
+use super::client::RequestResult;
+use crate::report::{Machine, utc_now};
+use engine::WorkerId;
+use serde::Serialize;
+
+/// The nearest-rank `p`-th percentile (`0..=100`) of ascending `sorted` (0 when empty).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let p = if p.is_finite() {
+        p.clamp(0.0, 100.0)
+    } else {
+        50.0
+    };
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted
+        .get(rank.saturating_sub(1).min(sorted.len() - 1))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// `values` sorted ascending (NaNs dropped).
+pub fn sorted(values: impl IntoIterator<Item = f64>) -> Vec<f64> {
+    let mut v: Vec<f64> = values.into_iter().filter(|x| !x.is_nan()).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// The busiest worker's share of `work` divided by `1 / N`, minus 1 (0 when all is 0).
+pub fn load_spread(work: &[u64]) -> f64 {
+    let total: u64 = work.iter().sum();
+    let max = work.iter().copied().max().unwrap_or(0);
+    if total == 0 {
+        return 0.0;
+    }
+    work.len() as f64 * max as f64 / total as f64 - 1.0
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 && a.is_finite() { a / b } else { 0.0 }
+}
+
+/// What a mode's run knows besides the per-request results.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    /// The mode.
+    pub mode: RunMode,
+    /// The workload's description.
+    pub workload: String,
+    /// The workers' ids, in worker order.
+    pub workers: Vec<WorkerId>,
+    /// The speedup.
+    pub speedup: f64,
+    /// KV blocks per worker.
+    pub kv_blocks: u32,
+    /// The workload's rate scale.
+    pub rate_scale: f64,
+    /// The workload's infinite-cache bound.
+    pub hit_rate_bound: f64,
+    /// Wall time of the replay.
+    pub wall_s: f64,
+    /// Requests the router still counted as active after the replay.
+    pub router_active_after: usize,
+    /// Preemptions over all workers.
+    pub preemptions: u64,
+    /// Sum over routed requests of the chosen worker's overlap, in blocks (router's view).
+    pub chosen_overlap_blocks: f64,
+    /// Sum over routed requests of the best overlap any worker had, in blocks.
+    pub best_overlap_blocks: f64,
+    /// The router's block size.
+    pub block_size: u32,
+}
+
+/// One mode's figures (the JSON `kvengine bench replay` writes).
+#[derive(Clone, Debug, Serialize)]
+pub struct ModeReport {
+    /// `kv`, `round-robin`, `random` or `kv-no-events`.
+    pub mode: String,
+    /// Requests sent.
+    pub requests: u64,
+    /// Time to first token, median.
+    pub ttft_p50_ms: f64,
+    /// 90th percentile.
+    pub ttft_p90_ms: f64,
+    /// 99th percentile.
+    pub ttft_p99_ms: f64,
+    /// Inter-token latency, median.
+    pub itl_p50_ms: f64,
+    /// End-to-end latency, median.
+    pub e2e_p50_ms: f64,
+    /// Output tokens per simulated second, over the whole run.
+    pub output_tok_per_s: f64,
+    /// Prompt tokens served from the workers' caches / prompt tokens.
+    pub cache_hit_rate: f64,
+    /// The infinite-cache bound of the workload.
+    pub hit_rate_bound: f64,
+    /// Busiest worker's share of prefill work, divided by `1 / N`, minus 1.
+    pub load_spread: f64,
+    /// Requests that did not complete.
+    pub errors: u64,
+    /// Workers.
+    pub workers: usize,
+    /// Simulated time per real time.
+    pub speedup: f64,
+    /// Where it ran.
+    pub machine: Machine,
+    /// When it ran (UTC).
+    pub date: String,
+    /// The workload.
+    pub workload: String,
+    /// KV blocks per worker.
+    pub kv_blocks: u32,
+    /// The trace's request rate was multiplied by this.
+    pub rate_scale: f64,
+    /// Prompt tokens (usage chunks).
+    pub prompt_tokens: u64,
+    /// Of those, cached.
+    pub cached_tokens: u64,
+    /// Requests served, per worker.
+    pub requests_per_worker: Vec<u64>,
+    /// Prompt tokens computed (`prompt - cached`), per worker.
+    pub prefill_tokens_per_worker: Vec<u64>,
+    /// Preemptions over all workers.
+    pub preemptions: u64,
+    /// The router's view: overlap tokens of the workers it chose / prompt tokens.
+    pub router_chosen_overlap_rate: f64,
+    /// The router's view: overlap tokens of the best-overlap workers / prompt tokens (what
+    /// routing purely on overlap would have got); below `cache_hit_rate` bound by eviction.
+    pub router_best_overlap_rate: f64,
+    /// How late requests were sent (client lag), 99th percentile, simulated ms.
+    pub send_lag_p99_ms: f64,
+    /// Requests still active in the router after the replay (should be 0).
+    pub router_active_after: usize,
+    /// Wall time of the replay.
+    pub wall_s: f64,
+    /// The first few errors.
+    pub error_samples: Vec<String>,
+}
+
+/// Summarises `results` of the run described by `info`.
+pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
+    let ok: Vec<&RequestResult> = results.iter().filter(|r| r.ok()).collect();
+    let ttft = sorted(ok.iter().filter_map(|r| r.ttft_ms));
+    let e2e = sorted(ok.iter().filter_map(|r| r.e2e_ms));
+    let itl = sorted(ok.iter().flat_map(|r| r.itl_ms.iter().copied()));
+    let lag = sorted(results.iter().map(|r| r.lag_ms));
+    let n = info.workers.len();
+    let mut requests_per_worker = vec![0u64; n];
+    let mut prefill = vec![0u64; n];
+    let (mut prompt, mut cached, mut tokens) = (0u64, 0u64, 0u64);
+    for r in &ok {
+        prompt += r.prompt_tokens;
+        cached += r.cached_tokens;
+        tokens += r.output_tokens;
+        let slot = r
+            .worker
+            .and_then(|w| info.workers.iter().position(|id| id.0 == w));
+        if let Some(i) = slot {
+            requests_per_worker[i] += 1;
+            prefill[i] += r.prompt_tokens.saturating_sub(r.cached_tokens);
+        }
+    }
+    let first = ok.iter().map(|r| r.sent_ms).fold(f64::INFINITY, f64::min);
+    let last = ok
+        .iter()
+        .filter_map(|r| r.e2e_ms.map(|e| r.sent_ms + e))
+        .fold(0.0f64, f64::max);
+    let span_s = if first.is_finite() && last > first {
+        (last - first) / 1000.0
+    } else {
+        0.0
+    };
+    let errors: Vec<&RequestResult> = results.iter().filter(|r| !r.ok()).collect();
+    ModeReport {
+        mode: info.mode.as_str().to_owned(),
+        requests: results.len() as u64,
+        ttft_p50_ms: percentile(&ttft, 50.0),
+        ttft_p90_ms: percentile(&ttft, 90.0),
+        ttft_p99_ms: percentile(&ttft, 99.0),
+        itl_p50_ms: percentile(&itl, 50.0),
+        e2e_p50_ms: percentile(&e2e, 50.0),
+        output_tok_per_s: if span_s > 0.0 {
+            tokens as f64 / span_s
+        } else {
+            0.0
+        },
+        cache_hit_rate: ratio(cached as f64, prompt as f64),
+        hit_rate_bound: info.hit_rate_bound,
+        load_spread: load_spread(&prefill),
+        errors: errors.len() as u64,
+        workers: n,
+        speedup: info.speedup,
+        machine: Machine::detect(),
+        date: utc_now(),
+        workload: info.workload.clone(),
+        kv_blocks: info.kv_blocks,
+        rate_scale: info.rate_scale,
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        requests_per_worker,
+        prefill_tokens_per_worker: prefill,
+        preemptions: info.preemptions,
+        router_chosen_overlap_rate: ratio(
+            info.chosen_overlap_blocks * f64::from(info.block_size),
+            prompt as f64,
+        ),
+        router_best_overlap_rate: ratio(
+            info.best_overlap_blocks * f64::from(info.block_size),
+            prompt as f64,
+        ),
+        send_lag_p99_ms: percentile(&lag, 99.0),
+        router_active_after: info.router_active_after,
+        wall_s: info.wall_s,
+        error_samples: errors
+            .iter()
+            .take(5)
+            .map(|r| format!("request {}: {}", r.index, r.error.as_deref().unwrap_or("")))
+            .collect(),
+    }
+}
+
+/// The comparison table: mode, TTFT p50 and p99, cache hit rate (and the bound), load
+/// spread, errors. One row per report, each starting with its mode's name.
+pub fn table(reports: &[ModeReport]) -> String {
+    let mut s = format!(
+        "{:<13} {:>12} {:>12} {:>10} {:>8} {:>12} {:>7}\n",
+        "mode", "TTFT p50 ms", "TTFT p99 ms", "cache hit", "bound", "load spread", "errors"
+    );
+    for r in reports {
+        s.push_str(&format!(
+            "{:<13} {:>12.1} {:>12.1} {:>9.1}% {:>7.1}% {:>12.2} {:>7}\n",
+            r.mode,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            100.0 * r.cache_hit_rate,
+            100.0 * r.hit_rate_bound,
+            r.load_spread,
+            r.errors
+        ));
+    }
+    s
+}
+
+/// The same table in Markdown (for `docs/benchmarks.md`).
+pub fn markdown(reports: &[ModeReport]) -> String {
+    let mut s = String::from(
+        "| mode | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | e2e p50 ms | output tok/s | \
+         cache hit | bound | load spread | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.1} | {:.0} | {:.0} | {:.1}% | {:.1}% | {:.2} | {} |\n",
+            r.mode,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            r.itl_p50_ms,
+            r.e2e_p50_ms,
+            r.output_tok_per_s,
+            100.0 * r.cache_hit_rate,
+            100.0 * r.hit_rate_bound,
+            r.load_spread,
+            r.errors
+        ));
+    }
+    s
+}

@@ -1,0 +1,164 @@
+//! `kvengine bench replay` as a user runs it: a small trace, every mode, JSON and SVG.
+
+use std::process::{Command, Output};
+
+fn kvengine(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
+    cmd.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("KVENGINE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("the kvengine binary runs")
+}
+
+/// A small Mooncake-format trace: 12 requests in 3 families sharing 512-token blocks.
+fn write_trace(path: &std::path::Path) {
+    let mut text = String::new();
+    for i in 0..12u64 {
+        let family = i % 3;
+        let ids: Vec<String> = [family * 100, family * 100 + 1, 1000 + i]
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        text.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": {}, \"hash_ids\": [{}]}}\n",
+            i * 40,
+            1024 + 100 + i,
+            4 + i % 5,
+            ids.join(", ")
+        ));
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+#[test]
+fn replay_all_modes_writes_json_array_and_svg() {
+    let dir = std::env::temp_dir().join(format!("kvengine-replay-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, json, svg) = (
+        dir.join("trace.jsonl"),
+        dir.join("r.json"),
+        dir.join("r.svg"),
+    );
+    write_trace(&trace);
+    let out = kvengine(
+        &[
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--workers",
+            "2",
+            "--mode",
+            "all",
+            "--max-requests",
+            "10",
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
+        &[
+            ("KVENGINE_BENCH_SPEEDUP", "20"),
+            ("KVENGINE_BENCH_KV_BLOCKS", "1024"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for mode in ["kv ", "round-robin ", "random ", "kv-no-events "] {
+        assert!(stdout.lines().any(|l| l.starts_with(mode)), "{stdout}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = doc.as_array().expect("several modes: an array");
+    assert_eq!(reports.len(), 4);
+    for r in reports {
+        for key in [
+            "mode",
+            "requests",
+            "ttft_p50_ms",
+            "ttft_p90_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "e2e_p50_ms",
+            "output_tok_per_s",
+            "cache_hit_rate",
+            "hit_rate_bound",
+            "load_spread",
+            "errors",
+            "workers",
+            "speedup",
+            "machine",
+            "date",
+        ] {
+            assert!(r.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(r["requests"], 10);
+        assert_eq!(r["errors"], 0);
+        assert_eq!(r["workers"], 2);
+        assert_eq!(r["speedup"], 20.0);
+        assert!(r["hit_rate_bound"].as_f64().unwrap() > 0.3);
+    }
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg ") && svg_text.trim_end().ends_with("</svg>"));
+    assert!(svg_text.contains("kv-no-events"));
+
+    // One mode: a JSON object.
+    let out = kvengine(
+        &[
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        &[
+            ("KVENGINE_BENCH_MODE", "round-robin"),
+            ("KVENGINE_BENCH_WORKERS", "2"),
+            ("KVENGINE_BENCH_SPEEDUP", "20"),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["mode"], "round-robin");
+    assert_eq!(doc["requests"], 12);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_replay_flags_exit_non_zero_with_a_message() {
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case<'_>; 4] = [
+        (&["bench", "replay", "--mode", "fastest"], &[], "fastest"),
+        (&["bench", "replay", "--speedup", "0"], &[], "--speedup"),
+        (
+            &["bench", "replay", "--trace", "/nonexistent/trace.jsonl"],
+            &[],
+            "--trace",
+        ),
+        (
+            &["bench", "replay"],
+            &[("KVENGINE_BENCH_CORES", "3")],
+            "--cores",
+        ),
+    ];
+    for (args, env, needle) in cases {
+        let out = kvengine(args, env);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} {env:?} succeeded");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
