@@ -421,3 +421,86 @@ fn run_reports_every_mode() {
         output_tokens: 1,
     };
 }
+
+#[test]
+fn a_replay_with_a_dead_worker_completes_and_leaks_no_active_request() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let workload = chat_workload(
+        sim::workload::chat::ChatConfig {
+            requests: 24,
+            system_prompt_tokens: 100..=200,
+            first_message_tokens: 20..=100,
+            answer_tokens: 3..=8,
+            ..demo_chat_config(3, 24)
+        },
+        16,
+    )
+    .unwrap();
+    let cfg = ReplayConfig {
+        workers: 2,
+        speedup: 20.0,
+        ..ReplayConfig::default()
+    };
+    rt.block_on(async {
+        let cluster = Cluster::start(&ClusterConfig::of(&cfg, RunMode::RoundRobin))
+            .await
+            .unwrap();
+        // A third worker whose URL refuses connections: round-robin sends it every third
+        // request, which the proxy retries on the next-best worker.
+        let dead = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead_url = format!("http://{}", dead.local_addr().unwrap());
+        drop(dead);
+        cluster
+            .hub()
+            .register(transport::hub::Registration {
+                url: Some(dead_url),
+                ..transport::hub::Registration::new(WorkerId(99))
+            })
+            .unwrap();
+        let results = replay(
+            &cluster.url(),
+            &workload.requests,
+            &ClientConfig {
+                speedup: cfg.speedup,
+                request_timeout: Duration::from_secs(60),
+            },
+            Arc::new(|| {}),
+        )
+        .await;
+        assert_eq!(results.len(), 24);
+        for r in &results {
+            assert!(r.ok(), "request {}: {:?}", r.index, r.error);
+            assert_ne!(r.worker, Some(99), "the dead worker served nothing");
+        }
+        // The dead worker was chosen and every such request retried (in direct mode).
+        let retries = cluster
+            .hub()
+            .metrics()
+            .decisions()
+            .find(|(m, _)| *m == engine::sched::RouteMode::Direct)
+            .map_or(0, |(_, n)| n);
+        assert!(retries >= 5, "{retries} retries");
+        assert_eq!(cluster.wait_idle(Duration::from_secs(2)).await, 0);
+        assert_eq!(cluster.hub().active_requests(), 0);
+        for w in cluster.hub().workers() {
+            for (rank, active, _) in w.loads {
+                let active = active.unwrap_or_default();
+                assert_eq!(
+                    (
+                        active.active_requests,
+                        active.active_blocks,
+                        active.active_prefill_tokens
+                    ),
+                    (0, 0, 0),
+                    "worker {} rank {rank:?}",
+                    w.registration.worker
+                );
+            }
+        }
+        cluster.shutdown().await.unwrap();
+    });
+}
