@@ -378,15 +378,15 @@ fn small_replay_end_to_end() {
     let _ = std::fs::remove_file(&path);
 }
 
-#[test]
-fn run_reports_every_mode() {
+/// A small chat workload and a 2-worker, 20x replay setup.
+fn small_chat(seed: u64, requests: usize) -> (kvengine_benches::replay::Workload, ReplayConfig) {
     let workload = chat_workload(
         sim::workload::chat::ChatConfig {
-            requests: 12,
+            requests,
             system_prompt_tokens: 100..=200,
             first_message_tokens: 20..=100,
             answer_tokens: 3..=8,
-            ..demo_chat_config(2, 12)
+            ..demo_chat_config(seed, requests)
         },
         16,
     )
@@ -396,6 +396,12 @@ fn run_reports_every_mode() {
         speedup: 20.0,
         ..ReplayConfig::default()
     };
+    (workload, cfg)
+}
+
+#[test]
+fn run_reports_every_mode() {
+    let (workload, cfg) = small_chat(2, 12);
     let reports = kvengine_benches::replay::run(&workload, &RunMode::ALL, &cfg).unwrap();
     let modes: Vec<&str> = reports.iter().map(|r| r.mode.as_str()).collect();
     assert_eq!(modes, ["kv", "round-robin", "random", "kv-no-events"]);
@@ -429,22 +435,7 @@ fn a_replay_with_a_dead_worker_completes_and_leaks_no_active_request() {
         .enable_all()
         .build()
         .unwrap();
-    let workload = chat_workload(
-        sim::workload::chat::ChatConfig {
-            requests: 24,
-            system_prompt_tokens: 100..=200,
-            first_message_tokens: 20..=100,
-            answer_tokens: 3..=8,
-            ..demo_chat_config(3, 24)
-        },
-        16,
-    )
-    .unwrap();
-    let cfg = ReplayConfig {
-        workers: 2,
-        speedup: 20.0,
-        ..ReplayConfig::default()
-    };
+    let (workload, cfg) = small_chat(3, 24);
     rt.block_on(async {
         let cluster = Cluster::start(&ClusterConfig::of(&cfg, RunMode::RoundRobin))
             .await
