@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::driver::{Command, Delivery, Snapshot};
-use super::openai::{Api, ApiError, Envelope, Usage, parse};
+use super::openai::{Api, Envelope, OpenAiError, Usage, parse};
 use super::tokens::{Prompter, token_text};
 use crate::error::SimError;
 
@@ -89,8 +89,8 @@ async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 /// The engine's refusal of a request, as a 400.
-fn refusal(e: &SimError) -> ApiError {
-    let mut err = ApiError::invalid(e.to_string(), None);
+fn refusal(e: &SimError) -> OpenAiError {
+    let mut err = OpenAiError::invalid(None, e.to_string());
     if matches!(e, SimError::RequestTooLarge { .. }) {
         err.message =
             format!("{e}: the prompt plus max_tokens does not fit in this worker's KV cache");
@@ -136,12 +136,15 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
         ack,
     };
     if s.commands.send(add).await.is_err() {
-        return ApiError::unavailable().into_response();
+        return OpenAiError::unavailable("the simulated worker is shutting down").into_response();
     }
     let id = match acked.await {
         Ok(Ok(id)) => id,
         Ok(Err(e)) => return refusal(&e).into_response(),
-        Err(_) => return ApiError::unavailable().into_response(),
+        Err(_) => {
+            return OpenAiError::unavailable("the simulated worker is shutting down")
+                .into_response();
+        }
     };
     let guard = AbortGuard {
         id,
@@ -192,7 +195,7 @@ async fn whole(
             }
         }
     }
-    ApiError::unavailable().into_response()
+    OpenAiError::unavailable("the simulated worker is shutting down").into_response()
 }
 
 /// The state of one event stream.
@@ -275,7 +278,9 @@ fn stream(
                 None => {
                     // The worker stopped mid-request.
                     st.done = true;
-                    st.pending.push_back(event(&ApiError::unavailable().body()));
+                    st.pending.push_back(event(
+                        &OpenAiError::unavailable("the simulated worker is shutting down").body(),
+                    ));
                 }
             }
         }

@@ -1,74 +1,18 @@
 //! The OpenAI request and response shapes a simulated worker speaks: parsing a request body
-//! into a [`Parsed`] request (or an [`ApiError`]), and the JSON of answers and stream chunks.
+//! into a [`Parsed`] request (or an [`OpenAiError`], the front door's error type), and the
+//! JSON of answers and stream chunks.
 //!
 //! # Invariants
-//! 1. Any body parses to a request or an [`ApiError`] with status 400; nothing panics.
+//! 1. Any body parses to a request or an [`OpenAiError`] with status 400; nothing panics.
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
+pub use transport::openai::errors::OpenAiError;
 use transport::openai::tokenize::ChatMessage;
 
 use super::tokens::Prompter;
 
 /// `max_tokens` when a request gives none (vLLM's completions default).
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
-
-/// An OpenAI-style error answer: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ApiError {
-    /// The HTTP status.
-    pub status: StatusCode,
-    /// What went wrong.
-    pub message: String,
-    /// The request field at fault, if one is.
-    pub param: Option<&'static str>,
-    /// A machine-readable code, if any.
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    /// A 400 `invalid_request_error` about `param`.
-    pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            param,
-            code: None,
-        }
-    }
-
-    /// A 503: the worker is shutting down.
-    pub fn unavailable() -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            message: "the simulated worker is shutting down".into(),
-            param: None,
-            code: None,
-        }
-    }
-
-    /// The error's JSON body.
-    pub fn body(&self) -> Value {
-        let kind = if self.status.is_client_error() {
-            "invalid_request_error"
-        } else {
-            "server_error"
-        };
-        json!({"error": {
-            "message": self.message,
-            "type": kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
-    }
-}
 
 /// Which endpoint a request came in on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,13 +38,13 @@ pub struct Parsed {
     pub include_usage: bool,
 }
 
-fn object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+fn object(body: &[u8]) -> Result<Map<String, Value>, OpenAiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err(ApiError::invalid("the body must be a JSON object", None)),
-        Err(e) => Err(ApiError::invalid(
-            format!("the body is not valid JSON: {e}"),
+        Ok(_) => Err(OpenAiError::invalid(None, "the body must be a JSON object")),
+        Err(e) => Err(OpenAiError::invalid(
             None,
+            format!("the body is not valid JSON: {e}"),
         )),
     }
 }
@@ -110,46 +54,46 @@ fn field<'a>(map: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     map.get(name).filter(|v| !v.is_null())
 }
 
-fn boolean(map: &Map<String, Value>, name: &'static str) -> Result<bool, ApiError> {
+fn boolean(map: &Map<String, Value>, name: &'static str) -> Result<bool, OpenAiError> {
     match field(map, name) {
         None => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::invalid(
-            format!("{name} must be a boolean"),
+        Some(_) => Err(OpenAiError::invalid(
             Some(name),
+            format!("{name} must be a boolean"),
         )),
     }
 }
 
-fn max_tokens(map: &Map<String, Value>, names: &[&'static str]) -> Result<u32, ApiError> {
+fn max_tokens(map: &Map<String, Value>, names: &[&'static str]) -> Result<u32, OpenAiError> {
     let Some((name, v)) = names.iter().find_map(|&n| field(map, n).map(|v| (n, v))) else {
         return Ok(DEFAULT_MAX_TOKENS);
     };
     match v.as_u64() {
-        Some(0) => Err(ApiError::invalid(
-            format!("{name} must be at least 1"),
+        Some(0) => Err(OpenAiError::invalid(
             Some(name),
+            format!("{name} must be at least 1"),
         )),
         Some(n) => u32::try_from(n).map_err(|_| {
-            ApiError::invalid(format!("{name} must be at most {}", u32::MAX), Some(name))
+            OpenAiError::invalid(Some(name), format!("{name} must be at most {}", u32::MAX))
         }),
-        None => Err(ApiError::invalid(
-            format!("{name} must be a positive integer"),
+        None => Err(OpenAiError::invalid(
             Some(name),
+            format!("{name} must be a positive integer"),
         )),
     }
 }
 
-fn include_usage(map: &Map<String, Value>) -> Result<bool, ApiError> {
+fn include_usage(map: &Map<String, Value>) -> Result<bool, OpenAiError> {
     match field(map, "stream_options") {
         None => Ok(false),
-        Some(Value::Object(o)) => boolean(o, "include_usage").map_err(|e| ApiError {
+        Some(Value::Object(o)) => boolean(o, "include_usage").map_err(|e| OpenAiError {
             param: Some("stream_options"),
             ..e
         }),
-        Some(_) => Err(ApiError::invalid(
-            "stream_options must be an object",
+        Some(_) => Err(OpenAiError::invalid(
             Some("stream_options"),
+            "stream_options must be an object",
         )),
     }
 }
@@ -162,8 +106,11 @@ fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
         .collect()
 }
 
-fn completion_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, ApiError> {
-    let bad = |msg: &str| ApiError::invalid(msg, Some("prompt"));
+fn completion_prompt(
+    map: &Map<String, Value>,
+    prompter: &Prompter,
+) -> Result<Vec<u32>, OpenAiError> {
+    let bad = |msg: &str| OpenAiError::invalid(Some("prompt"), msg);
     let Some(prompt) = field(map, "prompt") else {
         return Err(bad("prompt is required"));
     };
@@ -195,8 +142,8 @@ fn completion_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Ve
     Ok(ids)
 }
 
-fn chat_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, ApiError> {
-    let bad = |msg: String| ApiError::invalid(msg, Some("messages"));
+fn chat_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, OpenAiError> {
+    let bad = |msg: String| OpenAiError::invalid(Some("messages"), msg);
     let Some(messages) = field(map, "messages") else {
         return Err(bad("messages is required".into()));
     };
@@ -213,12 +160,12 @@ fn chat_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>
 }
 
 /// Validates and tokenizes a request body for `api`.
-pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, ApiError> {
+pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, OpenAiError> {
     let map = object(body)?;
     if let Some(n) = field(&map, "n")
         && n.as_u64() != Some(1)
     {
-        return Err(ApiError::invalid("only n = 1 is supported", Some("n")));
+        return Err(OpenAiError::invalid(Some("n"), "only n = 1 is supported"));
     }
     let stream = boolean(&map, "stream")?;
     let include_usage = include_usage(&map)?;
@@ -363,7 +310,7 @@ impl Envelope {
 mod tests {
     use super::*;
 
-    fn p(api: Api, body: &str) -> Result<Parsed, ApiError> {
+    fn p(api: Api, body: &str) -> Result<Parsed, OpenAiError> {
         parse(api, body.as_bytes(), &Prompter::Fallback)
     }
 
@@ -424,7 +371,7 @@ mod tests {
             r#"{"prompt": "a", "n": 2}"#,
         ] {
             let e = p(Api::Completions, body).unwrap_err();
-            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
         }
         for body in [

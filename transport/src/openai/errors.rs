@@ -15,6 +15,8 @@ pub struct OpenAiError {
     pub message: String,
     /// `error.param`: the offending request field, if one.
     pub param: Option<&'static str>,
+    /// `error.code`: a machine-readable code, if any (e.g. `context_length_exceeded`).
+    pub code: Option<&'static str>,
 }
 
 impl OpenAiError {
@@ -25,7 +27,29 @@ impl OpenAiError {
             kind: "invalid_request_error",
             message: message.into(),
             param,
+            code: None,
         }
+    }
+
+    /// A 503 `service_unavailable`.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "service_unavailable",
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// The error's JSON body (also sent as an SSE event when a stream fails).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
     }
 
     /// A routing refusal as a response: no (healthy) worker is 503, anything else the
@@ -52,19 +76,14 @@ impl OpenAiError {
             kind,
             message: e.to_string(),
             param: None,
+            code: None,
         }
     }
 }
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": null,
-        }});
-        (self.status, axum::Json(body)).into_response()
+        (self.status, axum::Json(self.body())).into_response()
     }
 }
 
@@ -75,6 +94,7 @@ pub fn openai_error(status: StatusCode, kind: &'static str, message: &str) -> Re
         kind,
         message: message.to_owned(),
         param: None,
+        code: None,
     }
     .into_response()
 }

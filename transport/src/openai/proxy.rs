@@ -335,12 +335,14 @@ impl hyper::body::Body for Relay {
                 self.active.finish();
                 tracing::warn!("worker failed mid-answer: {e}");
                 if self.sse {
-                    let event = format!(
-                        "data: {}\n\n",
-                        serde_json::json!({"error": {
-                            "message": format!("the worker failed mid-stream: {e}"),
-                            "type": "upstream_error", "param": null, "code": null}})
-                    );
+                    let error = OpenAiError {
+                        status: StatusCode::BAD_GATEWAY,
+                        kind: "upstream_error",
+                        message: format!("the worker failed mid-stream: {e}"),
+                        param: None,
+                        code: None,
+                    };
+                    let event = format!("data: {}\n\n", error.body());
                     Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
                 } else {
                     Poll::Ready(Some(Err(std::io::Error::other(e))))
