@@ -7,7 +7,7 @@
 
 use serde_json::{Map, Value, json};
 pub use transport::openai::errors::OpenAiError;
-use transport::openai::tokenize::ChatMessage;
+use transport::openai::prompt::{PromptSource, prompt_token_ids};
 
 use super::tokens::Prompter;
 
@@ -98,67 +98,6 @@ fn include_usage(map: &Map<String, Value>) -> Result<bool, OpenAiError> {
     }
 }
 
-/// Token ids from a JSON array of integers.
-fn token_ids(items: &[Value]) -> Option<Vec<u32>> {
-    items
-        .iter()
-        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
-        .collect()
-}
-
-fn completion_prompt(
-    map: &Map<String, Value>,
-    prompter: &Prompter,
-) -> Result<Vec<u32>, OpenAiError> {
-    let bad = |msg: &str| OpenAiError::invalid(Some("prompt"), msg);
-    let Some(prompt) = field(map, "prompt") else {
-        return Err(bad("prompt is required"));
-    };
-    // A one-element list stands for its element.
-    let prompt = match prompt {
-        Value::Array(items) => match items.as_slice() {
-            [one] if !one.is_number() => one,
-            _ => prompt,
-        },
-        other => other,
-    };
-    let ids = match prompt {
-        Value::String(text) => prompter.completion(text).map_err(|e| bad(&e))?,
-        Value::Array(items) => token_ids(items).ok_or_else(|| {
-            bad(
-                "prompt must be a string, a list of token ids (0..=4294967295), or a \
-                 one-element list of either",
-            )
-        })?,
-        _ => {
-            return Err(bad(
-                "prompt must be a string, a list of token ids, or a one-element list of either",
-            ));
-        }
-    };
-    if ids.is_empty() {
-        return Err(bad("the prompt is empty"));
-    }
-    Ok(ids)
-}
-
-fn chat_prompt(map: &Map<String, Value>, prompter: &Prompter) -> Result<Vec<u32>, OpenAiError> {
-    let bad = |msg: String| OpenAiError::invalid(Some("messages"), msg);
-    let Some(messages) = field(map, "messages") else {
-        return Err(bad("messages is required".into()));
-    };
-    let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone())
-        .map_err(|e| bad(format!("messages must be a list of chat messages: {e}")))?;
-    if messages.is_empty() {
-        return Err(bad("messages must not be empty".into()));
-    }
-    let ids = prompter.chat(&messages).map_err(bad)?;
-    if ids.is_empty() {
-        return Err(bad("the rendered prompt is empty".into()));
-    }
-    Ok(ids)
-}
-
 /// Validates and tokenizes a request body for `api`.
 pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, OpenAiError> {
     let map = object(body)?;
@@ -169,16 +108,13 @@ pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, OpenA
     }
     let stream = boolean(&map, "stream")?;
     let include_usage = include_usage(&map)?;
-    let (prompt, max_tokens) = match api {
-        Api::Completions => (
-            completion_prompt(&map, prompter)?,
-            max_tokens(&map, &["max_tokens"])?,
-        ),
-        Api::Chat => (
-            chat_prompt(&map, prompter)?,
-            max_tokens(&map, &["max_completion_tokens", "max_tokens"])?,
-        ),
+    // The router's own reading of the prompt, so both sides see the same token ids.
+    let (source, limits): (_, &[&'static str]) = match api {
+        Api::Completions => (PromptSource::Completion, &["max_tokens"]),
+        Api::Chat => (PromptSource::Chat, &["max_completion_tokens", "max_tokens"]),
     };
+    let prompt = prompt_token_ids(body, source, prompter.tokenizer())?;
+    let max_tokens = max_tokens(&map, limits)?;
     Ok(Parsed {
         api,
         prompt,

@@ -15,8 +15,7 @@
 
 use std::sync::Arc;
 
-use transport::openai::fallback;
-use transport::openai::tokenize::{ChatMessage, PromptTokenizer};
+use transport::openai::tokenize::PromptTokenizer;
 
 /// How a worker turns prompts into token ids.
 #[derive(Clone, Debug, Default)]
@@ -29,21 +28,11 @@ pub enum Prompter {
 }
 
 impl Prompter {
-    /// The token ids of a `/v1/completions` text prompt; an error message if the tokenizer
-    /// refuses it.
-    pub fn completion(&self, text: &str) -> Result<Vec<u32>, String> {
+    /// The model's tokenizer, if this worker has one (else the stand-in is used).
+    pub fn tokenizer(&self) -> Option<&PromptTokenizer> {
         match self {
-            Prompter::Fallback => Ok(fallback::text_token_ids(text)),
-            Prompter::Model(t) => t.encode(text, true).map_err(|e| e.to_string()),
-        }
-    }
-
-    /// The token ids of a `/v1/chat/completions` conversation; an error message if the
-    /// tokenizer or its template refuses it.
-    pub fn chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
-        match self {
-            Prompter::Fallback => Ok(fallback::chat_token_ids(messages)),
-            Prompter::Model(t) => t.chat_token_ids(messages).map_err(|e| e.to_string()),
+            Prompter::Fallback => None,
+            Prompter::Model(t) => Some(t),
         }
     }
 }
@@ -70,20 +59,16 @@ pub fn token_text(token: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use transport::openai::fallback;
 
     #[test]
-    fn the_fallback_is_the_routers_stand_in() {
-        let msgs = [
-            ChatMessage::text("system", "be brief"),
-            ChatMessage::text("user", "hi"),
-        ];
+    fn without_a_model_the_worker_reads_prompts_as_the_router_does() {
+        use transport::openai::prompt::{PromptSource, prompt_token_ids};
+        assert!(Prompter::Fallback.tokenizer().is_none());
+        let body = br#"{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}"#;
         assert_eq!(
-            Prompter::Fallback.chat(&msgs).unwrap(),
+            prompt_token_ids(body, PromptSource::Chat, Prompter::Fallback.tokenizer()).unwrap(),
             fallback::text_token_ids("<|system|> be brief <|user|> hi")
-        );
-        assert_eq!(
-            Prompter::Fallback.completion(" a  b ").unwrap(),
-            fallback::text_token_ids("a b")
         );
     }
 

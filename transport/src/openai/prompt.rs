@@ -91,12 +91,19 @@ pub fn prompt_token_ids(
                 .messages
                 .filter(|m| !m.is_empty())
                 .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
-            match tokenizer {
+            let ids = match tokenizer {
                 Some(t) => t
                     .chat_token_ids(&messages)
-                    .map_err(|e| OpenAiError::invalid(Some("messages"), e.to_string())),
-                None => Ok(fallback::chat_token_ids(&messages)),
+                    .map_err(|e| OpenAiError::invalid(Some("messages"), e.to_string()))?,
+                None => fallback::chat_token_ids(&messages),
+            };
+            if ids.is_empty() {
+                return Err(OpenAiError::invalid(
+                    Some("messages"),
+                    "the rendered prompt is empty",
+                ));
             }
+            Ok(ids)
         }
     }
 }
