@@ -3,6 +3,10 @@
 //! Nothing here may panic, and nothing may allocate out of proportion to the input (checked
 //! with a per-thread counting allocator).
 
+mod common;
+
+use common::{V, bytes};
+
 use proptest::prelude::*;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -51,56 +55,6 @@ fn allocated_by<T>(f: impl FnOnce() -> T) -> (T, usize) {
 }
 
 // ---------------------------------------------------------------------------------------
-// A tiny msgpack value tree, encoded with rmp's encode functions.
-
-#[derive(Clone, Debug)]
-enum V {
-    Nil,
-    U(u64),
-    I(i64),
-    F(f64),
-    S(&'static str),
-    B(Vec<u8>),
-    A(Vec<V>),
-    M(Vec<(V, V)>),
-    /// Bytes written as they are.
-    Raw(Vec<u8>),
-}
-
-fn enc(v: &V, out: &mut Vec<u8>) {
-    use rmp::encode::*;
-    match v {
-        V::Nil => write_nil(out).unwrap(),
-        V::U(u) => {
-            write_uint(out, *u).unwrap();
-        }
-        V::I(i) => {
-            write_sint(out, *i).unwrap();
-        }
-        V::F(f) => write_f64(out, *f).unwrap(),
-        V::S(s) => write_str(out, s).unwrap(),
-        V::B(b) => write_bin(out, b).unwrap(),
-        V::A(a) => {
-            write_array_len(out, a.len() as u32).unwrap();
-            a.iter().for_each(|x| enc(x, out));
-        }
-        V::M(m) => {
-            write_map_len(out, m.len() as u32).unwrap();
-            for (k, x) in m {
-                enc(k, out);
-                enc(x, out);
-            }
-        }
-        V::Raw(r) => out.extend_from_slice(r),
-    }
-}
-
-fn bytes(v: &V) -> Vec<u8> {
-    let mut out = Vec::new();
-    enc(v, &mut out);
-    out
-}
-
 fn toks(n: u64) -> V {
     V::A((0..n).map(|t| V::U(t * 1013)).collect())
 }

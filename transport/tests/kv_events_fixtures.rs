@@ -4,6 +4,10 @@
 //! absent those tests print a note and pass. The hand-built batches below cover every shape
 //! on their own.
 
+mod common;
+
+use common::{V, bytes};
+
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{BASE_SEED, lora_seed, tokens_hash};
 use engine::{DpRank, EngineHash};
@@ -35,59 +39,6 @@ fn read_json(path: &Path) -> Value {
 }
 
 // ---------------------------------------------------------------------------------------
-// A tiny msgpack value tree, encoded with rmp's encode functions.
-
-#[derive(Clone, Debug)]
-enum V {
-    Nil,
-    U(u64),
-    /// Always the 9-byte u64 marker (as msgspec writes hashes above i64::MAX).
-    U64(u64),
-    I(i64),
-    /// Always the 9-byte i64 marker.
-    I64(i64),
-    F(f64),
-    S(&'static str),
-    B(Vec<u8>),
-    A(Vec<V>),
-    M(Vec<(V, V)>),
-}
-
-fn enc(v: &V, out: &mut Vec<u8>) {
-    use rmp::encode::*;
-    match v {
-        V::Nil => write_nil(out).unwrap(),
-        V::U(u) => {
-            write_uint(out, *u).unwrap();
-        }
-        V::U64(u) => write_u64(out, *u).unwrap(),
-        V::I(i) => {
-            write_sint(out, *i).unwrap();
-        }
-        V::I64(i) => write_i64(out, *i).unwrap(),
-        V::F(f) => write_f64(out, *f).unwrap(),
-        V::S(s) => write_str(out, s).unwrap(),
-        V::B(b) => write_bin(out, b).unwrap(),
-        V::A(a) => {
-            write_array_len(out, a.len() as u32).unwrap();
-            a.iter().for_each(|x| enc(x, out));
-        }
-        V::M(m) => {
-            write_map_len(out, m.len() as u32).unwrap();
-            for (k, x) in m {
-                enc(k, out);
-                enc(x, out);
-            }
-        }
-    }
-}
-
-fn bytes(v: &V) -> Vec<u8> {
-    let mut out = Vec::new();
-    enc(v, &mut out);
-    out
-}
-
 fn toks(r: std::ops::Range<u32>) -> V {
     V::A(r.map(|t| V::U(u64::from(t) * 7919)).collect())
 }

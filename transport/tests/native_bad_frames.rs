@@ -6,13 +6,11 @@ mod common;
 
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes, tokens_hash};
-use engine::runtime::Runtime;
 use engine::{WorkerId, WorkerKey};
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use transport::DropReason;
 use transport::hub::Hub;
 use transport::native::frame::{
@@ -21,46 +19,16 @@ use transport::native::frame::{
 };
 use transport::native::server::{CLOSE_FRAME_TOO_LARGE, CLOSE_REFUSED};
 use transport::native::{
-    ClientFrame, NativeBlock, NativeEvent, PROTOCOL_VERSION, QuicServer, QuicServerConfig,
-    ServerFrame, TlsSource, Trust, serve_quic,
+    ClientFrame, NativeBlock, NativeEvent, PROTOCOL_VERSION, ServerFrame, Trust,
 };
 
 const BS: usize = 16;
 const TOKEN: &str = "t0ken";
 
-struct Env {
-    hub: Arc<Hub>,
-    server: QuicServer,
-    runtime: Runtime,
-}
+type Env = common::QuicEnv;
 
 async fn env() -> Env {
-    let (hub, runtime) = common::hub(1);
-    let tls = TlsSource::SelfSigned {
-        names: vec!["localhost".into()],
-    };
-    let cfg = QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), TOKEN, tls);
-    let server = serve_quic(hub.clone(), cfg).await.unwrap();
-    Env {
-        hub,
-        server,
-        runtime,
-    }
-}
-
-impl Env {
-    async fn shutdown(self) {
-        self.server.close();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.server.wait_idle()).await;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Arc::strong_count(&self.hub) > 1 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if let Ok(hub) = Arc::try_unwrap(self.hub) {
-            drop(hub);
-            self.runtime.join().unwrap();
-        }
-    }
+    common::quic_env(1, TOKEN, common::self_signed()).await
 }
 
 /// A minimal client that writes whatever bytes it is given.

@@ -6,48 +6,29 @@ mod common;
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{lora_seed, seq_hashes, tokens_hash};
 use engine::kv_index::KvIndex;
-use engine::runtime::Runtime;
 use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport::hub::Hub;
 use transport::native::frame::{FrameBuf, encode_client_frame};
 use transport::native::{
     ClientFrame, NativeBlock, NativeEvent, PROTOCOL_VERSION, Publisher, PublisherConfig,
-    QuicServer, QuicServerConfig, ServerFrame, TlsSource, Trust, serve_quic,
+    ServerFrame, TlsSource, Trust,
 };
 use transport::{DropReason, TransportError};
 
 const BS: usize = 16;
 const TOKEN: &str = "s3cret-token";
 
-struct Env {
-    hub: Arc<Hub>,
-    server: QuicServer,
-    runtime: Runtime,
-}
+type Env = common::QuicEnv;
 
 async fn env_with(cores: usize, tls: TlsSource) -> Env {
-    let (hub, runtime) = common::hub(cores);
-    let cfg = QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), TOKEN, tls);
-    let server = serve_quic(hub.clone(), cfg).await.unwrap();
-    Env {
-        hub,
-        server,
-        runtime,
-    }
+    common::quic_env(cores, TOKEN, tls).await
 }
 
 async fn env(cores: usize) -> Env {
-    env_with(
-        cores,
-        TlsSource::SelfSigned {
-            names: vec!["localhost".into()],
-        },
-    )
-    .await
+    env_with(cores, common::self_signed()).await
 }
 
 impl Env {
@@ -60,19 +41,6 @@ impl Env {
             worker_id: worker,
             dp_ranks: ranks.to_vec(),
             block_size: BS as u32,
-        }
-    }
-
-    async fn shutdown(self) {
-        self.server.close();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.server.wait_idle()).await;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Arc::strong_count(&self.hub) > 1 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if let Ok(hub) = Arc::try_unwrap(self.hub) {
-            drop(hub);
-            self.runtime.join().unwrap();
         }
     }
 }

@@ -44,3 +44,107 @@ pub async fn http_server(
     });
     (format!("http://{addr}"), tx)
 }
+
+/// A tiny msgpack value tree for hand-built KV-event batches, encoded with rmp's encode
+/// functions.
+#[derive(Clone, Debug)]
+pub enum V {
+    Nil,
+    U(u64),
+    /// Always the 9-byte u64 marker (as msgspec writes hashes above i64::MAX).
+    U64(u64),
+    I(i64),
+    /// Always the 9-byte i64 marker.
+    I64(i64),
+    F(f64),
+    S(&'static str),
+    B(Vec<u8>),
+    A(Vec<V>),
+    M(Vec<(V, V)>),
+    /// Bytes written as they are.
+    Raw(Vec<u8>),
+}
+
+/// Appends `v`'s msgpack encoding to `out`.
+pub fn enc(v: &V, out: &mut Vec<u8>) {
+    use rmp::encode::*;
+    match v {
+        V::Nil => write_nil(out).unwrap(),
+        V::U(u) => {
+            write_uint(out, *u).unwrap();
+        }
+        V::U64(u) => write_u64(out, *u).unwrap(),
+        V::I(i) => {
+            write_sint(out, *i).unwrap();
+        }
+        V::I64(i) => write_i64(out, *i).unwrap(),
+        V::F(f) => write_f64(out, *f).unwrap(),
+        V::S(s) => write_str(out, s).unwrap(),
+        V::B(b) => write_bin(out, b).unwrap(),
+        V::A(a) => {
+            write_array_len(out, a.len() as u32).unwrap();
+            a.iter().for_each(|x| enc(x, out));
+        }
+        V::M(m) => {
+            write_map_len(out, m.len() as u32).unwrap();
+            for (k, x) in m {
+                enc(k, out);
+                enc(x, out);
+            }
+        }
+        V::Raw(r) => out.extend_from_slice(r),
+    }
+}
+
+/// `v`'s msgpack encoding.
+pub fn bytes(v: &V) -> Vec<u8> {
+    let mut out = Vec::new();
+    enc(v, &mut out);
+    out
+}
+
+/// A QUIC ingest server over a fresh engine, for the native-protocol tests.
+pub struct QuicEnv {
+    pub hub: Arc<Hub>,
+    pub server: transport::native::QuicServer,
+    pub runtime: Runtime,
+}
+
+/// Starts a QUIC server over `cores` shards that expects `token`.
+pub async fn quic_env(cores: usize, token: &str, tls: transport::native::TlsSource) -> QuicEnv {
+    let (hub, runtime) = hub(cores);
+    let cfg = transport::native::QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), token, tls);
+    let server = transport::native::serve_quic(hub.clone(), cfg)
+        .await
+        .unwrap();
+    QuicEnv {
+        hub,
+        server,
+        runtime,
+    }
+}
+
+/// A self-signed certificate for `localhost`.
+pub fn self_signed() -> transport::native::TlsSource {
+    transport::native::TlsSource::SelfSigned {
+        names: vec!["localhost".into()],
+    }
+}
+
+impl QuicEnv {
+    /// Closes the server, waits for its connections and the hub's other holders to go, and
+    /// joins the engine.
+    pub async fn shutdown(self) {
+        use std::time::{Duration, Instant};
+        self.server.close();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.server.wait_idle()).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Arc::strong_count(&self.hub) > 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if let Ok(hub) = Arc::try_unwrap(self.hub) {
+            drop(hub);
+            self.runtime.join().unwrap();
+        }
+    }
+}
