@@ -3,14 +3,17 @@
 //! This is the one implementation of what a KV event means: a store resolves its parent
 //! through the worker key's directory, chains seq_hashes and records each block; a removal
 //! drops one copy per engine hash; a clear empties the worker key; removing a worker clears
-//! all its dp ranks. What happens to the resulting block operations is the caller's
-//! [`BlockSink`]: the single-shard [`crate::kv_index::KvIndex`] applies them to its shard
-//! at once, the sharded [`crate::sharding::ingest::Ingest`] queues them per shard.
+//! all its dp ranks. Where the blocks go is the caller's [`BlockStore`]: the single-shard
+//! [`crate::kv_index::KvIndex`] stores them in its tree and records tree positions, the
+//! sharded [`crate::sharding::ingest::Ingest`] queues them for the shards and records each
+//! block's seq_hash and route.
 //!
 //! # Invariants
-//! 1. A refused event changes no directory and emits nothing: a store is checked (parent,
-//!    then engine-hash conflicts, undone in the directory if found half way) before any
-//!    block reaches the sink.
+//! 1. A refused event changes nothing. A store whose parent is unknown is refused before
+//!    anything happens. A store is checked for engine-hash conflicts as its directory entries
+//!    are recorded, after the blocks went to the store; on a conflict the entries recorded so
+//!    far are taken back and the store is told to drop the copies it added, so the
+//!    directories and the multiset end where they started.
 //! 2. Every refusal is counted once under its [`RejectReason`]; unknown engine hashes of a
 //!    removal are counted one by one and skipped, the known ones applied.
 //! 3. A worker key with an empty directory has no directory, and the map gives its memory
@@ -19,7 +22,7 @@
 //! # Concurrency
 //! Single writer: owned by the thread that decodes these workers' events.
 
-use crate::directory::{Directory, Insert, RouteValue};
+use crate::directory::{BlockRef, Directory, Insert};
 use crate::error::{EngineError, RejectCounts, RejectReason, Result};
 use crate::event::{KvEvent, StoredBlock};
 use crate::hash::seq_hash;
@@ -35,31 +38,30 @@ pub struct Applied {
     pub unknown: usize,
 }
 
-/// Where the block operations of accepted events go.
+/// Where the blocks of accepted events go, and what the directories record for them.
 ///
-/// Implementations MUST apply the operations of one call in order; callers guarantee that a
-/// removal only names a block the worker key holds (its directory said so).
-pub trait BlockSink<R> {
-    /// One more copy of each block, for `key`.
-    fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]);
-    /// One copy fewer of each block (a block may be listed several times), for `key`.
-    fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]);
-}
+/// Implementations MUST apply the calls in order and MUST NOT change anything when `store`
+/// returns an error; callers guarantee that `remove` only names blocks the worker key holds
+/// (a reference its directory recorded).
+pub trait BlockStore<R> {
+    /// The seq_hash of a recorded block.
+    fn seq_of(&self, block: R) -> Option<SeqHash>;
 
-/// A block's route from its parent's route and its own seq_hash (see
-/// [`crate::sharding::ShardPolicy::place`]); the single-shard index uses `()`.
-pub trait Placer<R> {
-    /// The route of a block with `seq` under a parent routed `parent`.
-    fn place(&self, parent: Option<R>, seq: SeqHash) -> R;
-}
+    /// Do two references name the same block?
+    fn same_block(&self, a: R, b: R) -> bool;
 
-/// One shard: every block has the unit route.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Unrouted;
+    /// One more copy of each of `seqs` for `key`, chained under `parent` (`None`: the chain
+    /// starts a sequence); pushes one reference per block onto `out`, in order.
+    fn store(
+        &mut self,
+        key: WorkerKey,
+        parent: Option<R>,
+        seqs: &[SeqHash],
+        out: &mut Vec<R>,
+    ) -> Result<()>;
 
-impl Placer<()> for Unrouted {
-    #[inline]
-    fn place(&self, _: Option<()>, _: SeqHash) {}
+    /// One copy fewer of each block (a block may be listed several times).
+    fn remove(&mut self, key: WorkerKey, blocks: &[R]);
 }
 
 /// Every worker key's directory.
@@ -67,7 +69,8 @@ impl Placer<()> for Unrouted {
 pub struct Directories<R> {
     dirs: HashMap<WorkerKey, Directory<R>>,
     rejects: RejectCounts,
-    scratch: Vec<(SeqHash, R)>,
+    seqs: Vec<SeqHash>,
+    refs: Vec<R>,
 }
 
 impl<R> Default for Directories<R> {
@@ -75,35 +78,35 @@ impl<R> Default for Directories<R> {
         Self {
             dirs: HashMap::new(),
             rejects: RejectCounts::default(),
-            scratch: Vec::new(),
+            seqs: Vec::new(),
+            refs: Vec::new(),
         }
     }
 }
 
-impl<R: RouteValue> Directories<R> {
+impl<R: BlockRef> Directories<R> {
     /// No worker keys.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Applies one event of `key`, sending its block operations to `sink`. A refused event
-    /// is counted and changes nothing.
+    /// Applies one event of `key` to `store`. A refused event is counted and changes
+    /// nothing.
     pub fn apply(
         &mut self,
         key: WorkerKey,
         event: &KvEvent,
-        placer: &impl Placer<R>,
-        sink: &mut impl BlockSink<R>,
+        store: &mut impl BlockStore<R>,
     ) -> Result<Applied> {
         match event {
             KvEvent::Stored { parent, blocks } => {
-                let result = self.store(key, *parent, blocks, placer, sink);
+                let result = self.store(key, *parent, blocks, store);
                 self.count(&result);
                 result.map(|blocks| Applied { blocks, unknown: 0 })
             }
-            KvEvent::Removed { blocks } => Ok(self.remove(key, blocks, sink)),
+            KvEvent::Removed { blocks } => Ok(self.remove(key, blocks, store)),
             KvEvent::Cleared => Ok(Applied {
-                blocks: self.clear(key, sink),
+                blocks: self.clear(key, store),
                 unknown: 0,
             }),
         }
@@ -118,43 +121,61 @@ impl<R: RouteValue> Directories<R> {
         key: WorkerKey,
         parent: Option<EngineHash>,
         blocks: &[StoredBlock],
-        placer: &impl Placer<R>,
-        sink: &mut impl BlockSink<R>,
+        store: &mut impl BlockStore<R>,
     ) -> Result<usize> {
-        let (mut prev_seq, mut prev_route) = match parent {
-            None => (None, None),
-            Some(p) => {
-                let (seq, route) = self.dirs.get(&key).and_then(|d| d.get(p)).ok_or(
-                    EngineError::UnknownParent {
-                        worker: key,
-                        parent: p,
-                    },
-                )?;
-                (Some(seq), Some(route))
-            }
+        let unknown = |p| EngineError::UnknownParent {
+            worker: key,
+            parent: p,
+        };
+        let parent_ref = match parent {
+            None => None,
+            Some(p) => Some(
+                self.dirs
+                    .get(&key)
+                    .and_then(|d| d.get(p))
+                    .ok_or(unknown(p))?,
+            ),
         };
         if blocks.is_empty() {
             return Ok(0);
         }
-        let dir = self.dirs.entry(key).or_default();
-        self.scratch.clear();
-        for (i, b) in blocks.iter().enumerate() {
-            let seq = seq_hash(prev_seq, b.tokens_hash);
-            let route = placer.place(prev_route, seq);
-            if let Insert::Conflict(_) = dir.insert(b.engine_hash, seq, route) {
-                Self::undo(dir, blocks.get(..i).unwrap_or(&[]));
-                self.forget_if_empty(key);
-                return Err(EngineError::EngineHashConflict {
-                    worker: key,
-                    block: b.engine_hash,
-                });
-            }
-            self.scratch.push((seq, route));
-            prev_seq = Some(seq);
-            prev_route = Some(route);
+        let mut prev = match (parent, parent_ref) {
+            (Some(p), Some(r)) => Some(store.seq_of(r).ok_or(unknown(p))?),
+            _ => None,
+        };
+        self.seqs.clear();
+        for b in blocks {
+            let s = seq_hash(prev, b.tokens_hash);
+            self.seqs.push(s);
+            prev = Some(s);
         }
-        sink.add(key, &self.scratch);
-        Ok(blocks.len())
+        self.refs.clear();
+        store.store(key, parent_ref, &self.seqs, &mut self.refs)?;
+        let dir = self.dirs.entry(key).or_default();
+        let mut recorded = 0;
+        let mut conflict = None;
+        for (b, &r) in blocks.iter().zip(&self.refs) {
+            if let Insert::Conflict(_) =
+                dir.insert(b.engine_hash, r, |have| store.same_block(have, r))
+            {
+                conflict = Some(b.engine_hash);
+                break;
+            }
+            recorded += 1;
+        }
+        if conflict.is_none() && recorded == blocks.len() {
+            return Ok(blocks.len());
+        }
+        // Take everything back (invariant 1): the entries recorded, then the copies added.
+        for b in blocks.get(..recorded).unwrap_or(&[]) {
+            dir.remove(b.engine_hash);
+        }
+        store.remove(key, &self.refs);
+        self.forget_if_empty(key);
+        Err(match conflict {
+            Some(block) => EngineError::EngineHashConflict { worker: key, block },
+            None => EngineError::UnknownPosition,
+        })
     }
 
     /// Counts a refused store under its reason.
@@ -164,34 +185,26 @@ impl<R: RouteValue> Directories<R> {
         }
     }
 
-    #[cold]
-    #[inline(never)]
-    fn undo(dir: &mut Directory<R>, done: &[StoredBlock]) {
-        for b in done {
-            dir.remove(b.engine_hash);
-        }
-    }
-
     /// Drops one copy of each listed block of `key`; unknown engine hashes are counted and
     /// skipped.
     pub fn remove(
         &mut self,
         key: WorkerKey,
         blocks: &[EngineHash],
-        sink: &mut impl BlockSink<R>,
+        store: &mut impl BlockStore<R>,
     ) -> Applied {
         let mut applied = Applied::default();
         match self.dirs.get_mut(&key) {
             Some(dir) => {
-                self.scratch.clear();
+                self.refs.clear();
                 for &e in blocks {
                     match dir.remove(e) {
-                        Some(found) => self.scratch.push(found),
+                        Some(found) => self.refs.push(found),
                         None => applied.unknown += 1,
                     }
                 }
-                applied.blocks = self.scratch.len();
-                sink.remove(key, &self.scratch);
+                applied.blocks = self.refs.len();
+                store.remove(key, &self.refs);
                 self.forget_if_empty(key);
             }
             None => applied.unknown = blocks.len(),
@@ -204,24 +217,24 @@ impl<R: RouteValue> Directories<R> {
     }
 
     /// Empties `key`'s cache (one dp rank only); returns how many block copies it dropped.
-    pub fn clear(&mut self, key: WorkerKey, sink: &mut impl BlockSink<R>) -> usize {
+    pub fn clear(&mut self, key: WorkerKey, store: &mut impl BlockStore<R>) -> usize {
         let Some(mut dir) = self.dirs.remove(&key) else {
             return 0;
         };
-        self.scratch.clear();
-        for (seq, route, copies) in dir.drain() {
+        self.refs.clear();
+        for (r, copies) in dir.drain() {
             for _ in 0..copies {
-                self.scratch.push((seq, route));
+                self.refs.push(r);
             }
         }
-        let dropped = self.scratch.len();
-        sink.remove(key, &self.scratch);
+        let dropped = self.refs.len();
+        store.remove(key, &self.refs);
         self.forget_if_empty(key);
         dropped
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
-    pub fn remove_worker(&mut self, worker: WorkerId, sink: &mut impl BlockSink<R>) -> usize {
+    pub fn remove_worker(&mut self, worker: WorkerId, store: &mut impl BlockStore<R>) -> usize {
         let keys: Vec<WorkerKey> = self
             .dirs
             .keys()
@@ -229,7 +242,7 @@ impl<R: RouteValue> Directories<R> {
             .copied()
             .collect();
         for &k in &keys {
-            self.clear(k, sink);
+            self.clear(k, store);
         }
         keys.len()
     }
@@ -240,7 +253,8 @@ impl<R: RouteValue> Directories<R> {
         }
         if self.dirs.is_empty() {
             self.dirs = HashMap::new();
-            self.scratch = Vec::new();
+            self.seqs = Vec::new();
+            self.refs = Vec::new();
         }
     }
 
@@ -264,7 +278,8 @@ impl<R: RouteValue> Directories<R> {
         let entries = self.dirs.values().map(Directory::len).sum();
         let bytes = self.dirs.allocation_size()
             + self.dirs.values().map(Directory::heap_bytes).sum::<usize>()
-            + self.scratch.capacity() * size_of::<(SeqHash, R)>();
+            + self.seqs.capacity() * size_of::<SeqHash>()
+            + self.refs.capacity() * size_of::<R>();
         (entries, bytes)
     }
 }

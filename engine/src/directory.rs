@@ -1,59 +1,53 @@
-//! One worker key's directory: `engine hash -> (seq_hash, route)`, with copy counts.
+//! One worker key's directory: `engine hash -> block reference`, with copy counts.
 //!
 //! Engine hashes are the worker's own ids, meaningless to anyone else; the directory turns
-//! them into seq_hashes so that a store can find its parent's prefix and a removal can find
-//! the block it drops. They are never recomputed. The sharded engine also keeps each
-//! block's route (which shards hold it) here, so a removal goes straight to its shards;
-//! the single-shard index uses the zero-sized route `()`.
+//! them into a reference to the block they name, so that a store can find its parent and a
+//! removal the block it drops. They are never recomputed. What a reference is belongs to the
+//! index behind the directory: the single-shard index records the block's tree position
+//! (`index::Pos`, 4 bytes), the sharded engine the block's seq_hash and route (12 bytes).
 //!
 //! # Invariants
 //! 1. An engine hash is present iff the worker key holds at least one copy of it; its count
 //!    is the number of stores minus the number of removals of it.
-//! 2. An engine hash maps to exactly one seq_hash (and route) for as long as it is present;
-//!    a store that would re-map it is a conflict and is refused.
+//! 2. An engine hash names exactly one block for as long as it is present; a store that
+//!    would re-map it is a conflict and is refused.
 //!
 //! # Concurrency
 //! Single writer: the thread that decodes this worker's events owns its directory.
 //!
 //! # Memory
-//! 16 bytes per entry (engine hash, seq_hash) plus the route (4 more bytes in the sharded
-//! engine; entries are 4-byte aligned), plus hashbrown's control byte. Copy counts above
-//! one are rare (the same block stored twice without a removal between), so they live in a
-//! small side map instead of widening every entry. The table is dropped when empty and
-//! shrunk when it falls to an eighth of its capacity.
+//! 8 bytes of engine hash plus the reference per entry (entries are 4-byte aligned: 12 bytes
+//! with a position), plus hashbrown's control byte. Copy counts above one are rare (the same
+//! block stored twice without a removal between), so they live in a small side map instead
+//! of widening every entry. The table is dropped when empty and shrunk when it falls to an
+//! eighth of its capacity.
 
-use crate::ids::{EngineHash, SeqHash};
+use crate::ids::EngineHash;
 use hashbrown::{HashMap, HashTable};
 use std::fmt::Debug;
 
-/// What a directory may store per block besides its seq_hash.
-pub trait RouteValue: Copy + Debug + Default {}
-impl<T: Copy + Debug + Default> RouteValue for T {}
+/// What a directory may record per block.
+pub trait BlockRef: Copy + Debug {}
+impl<T: Copy + Debug> BlockRef for T {}
 
-/// Packed to 4-byte alignment: `(u64, u64, u32)` would otherwise pad to 24 bytes.
+/// Packed to 4-byte alignment: `(u64, u32)` would otherwise pad to 16 bytes.
 /// Fields are only ever read by value (never borrowed), as packed fields require.
 #[repr(C, packed(4))]
 #[derive(Clone, Copy)]
 struct DirEntry<R> {
     engine: u64,
-    seq: u64,
-    route: R,
+    block: R,
 }
 
-impl<R: RouteValue> DirEntry<R> {
+impl<R: BlockRef> DirEntry<R> {
     #[inline]
     fn engine(&self) -> u64 {
         self.engine
     }
 
     #[inline]
-    fn seq(&self) -> SeqHash {
-        SeqHash(self.seq)
-    }
-
-    #[inline]
-    fn route(&self) -> R {
-        self.route
+    fn block(&self) -> R {
+        self.block
     }
 }
 
@@ -67,13 +61,13 @@ fn dir_hash(engine: u64) -> u64 {
 
 /// What a store of one engine hash did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Insert {
+pub enum Insert<R> {
     /// First copy of this engine hash.
     New,
-    /// Another copy of an engine hash already mapped to the same seq_hash.
+    /// Another copy of an engine hash already naming the same block.
     Again,
-    /// The engine hash is mapped to another seq_hash; nothing changed.
-    Conflict(SeqHash),
+    /// The engine hash names another block (given); nothing changed.
+    Conflict(R),
 }
 
 /// One worker key's engine-hash directory.
@@ -101,23 +95,24 @@ impl<R> Debug for Directory<R> {
     }
 }
 
-impl<R: RouteValue> Directory<R> {
+impl<R: BlockRef> Directory<R> {
     /// An empty directory.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// The seq_hash and route `engine` stands for, if present.
+    /// The block `engine` stands for, if present.
     #[inline]
-    pub fn get(&self, engine: EngineHash) -> Option<(SeqHash, R)> {
+    pub fn get(&self, engine: EngineHash) -> Option<R> {
         self.table
             .find(dir_hash(engine.0), |e| e.engine() == engine.0)
-            .map(|e| (e.seq(), e.route()))
+            .map(DirEntry::block)
     }
 
-    /// Records one more copy of `engine` as `seq` (placed at `route`).
+    /// Records one more copy of `engine` as `block`; `same(existing)` tells whether an
+    /// existing entry names the same block.
     #[inline]
-    pub fn insert(&mut self, engine: EngineHash, seq: SeqHash, route: R) -> Insert {
+    pub fn insert(&mut self, engine: EngineHash, block: R, same: impl Fn(R) -> bool) -> Insert<R> {
         let entry = self.table.entry(
             dir_hash(engine.0),
             |e| e.engine() == engine.0,
@@ -127,14 +122,13 @@ impl<R: RouteValue> Directory<R> {
             hashbrown::hash_table::Entry::Vacant(v) => {
                 v.insert(DirEntry {
                     engine: engine.0,
-                    seq: seq.0,
-                    route,
+                    block,
                 });
                 Insert::New
             }
             hashbrown::hash_table::Entry::Occupied(o) => {
-                let have = o.get().seq();
-                if have != seq {
+                let have = o.get().block();
+                if !same(have) {
                     return Insert::Conflict(have);
                 }
                 let extra = self.extra.entry(engine).or_insert(0);
@@ -146,12 +140,12 @@ impl<R: RouteValue> Directory<R> {
 
     /// Drops one copy of `engine`; returns what it stood for, or `None` if absent.
     #[inline]
-    pub fn remove(&mut self, engine: EngineHash) -> Option<(SeqHash, R)> {
+    pub fn remove(&mut self, engine: EngineHash) -> Option<R> {
         let occ = self
             .table
             .find_entry(dir_hash(engine.0), |e| e.engine() == engine.0)
             .ok()?;
-        let found = (occ.get().seq(), occ.get().route());
+        let found = occ.get().block();
         if let Some(extra) = self.extra.get_mut(&engine) {
             *extra -= 1;
             if *extra == 0 {
@@ -176,12 +170,12 @@ impl<R: RouteValue> Directory<R> {
         }
     }
 
-    /// Takes every `(seq_hash, route, copies)` out, leaving the directory empty.
-    pub fn drain(&mut self) -> impl Iterator<Item = (SeqHash, R, u32)> {
+    /// Takes every `(block, copies)` out, leaving the directory empty.
+    pub fn drain(&mut self) -> impl Iterator<Item = (R, u32)> {
         let extra = std::mem::take(&mut self.extra);
         std::mem::take(&mut self.table).into_iter().map(move |e| {
             let more = extra.get(&EngineHash(e.engine())).copied().unwrap_or(0);
-            (e.seq(), e.route(), more.saturating_add(1))
+            (e.block(), more.saturating_add(1))
         })
     }
 
@@ -208,13 +202,13 @@ mod tests {
     #[test]
     fn counts_copies_and_refuses_remaps() {
         let mut d = Directory::<u32>::new();
-        let (e, s) = (EngineHash(7), SeqHash(70));
-        assert_eq!(d.insert(e, s, 3), Insert::New);
-        assert_eq!(d.insert(e, s, 3), Insert::Again);
-        assert_eq!(d.insert(e, SeqHash(71), 3), Insert::Conflict(s));
-        assert_eq!(d.remove(e), Some((s, 3)));
-        assert_eq!(d.get(e), Some((s, 3)));
-        assert_eq!(d.remove(e), Some((s, 3)));
+        let e = EngineHash(7);
+        assert_eq!(d.insert(e, 70, |h| h == 70), Insert::New);
+        assert_eq!(d.insert(e, 70, |h| h == 70), Insert::Again);
+        assert_eq!(d.insert(e, 71, |h| h == 71), Insert::Conflict(70));
+        assert_eq!(d.remove(e), Some(70));
+        assert_eq!(d.get(e), Some(70));
+        assert_eq!(d.remove(e), Some(70));
         assert_eq!(d.get(e), None);
         assert_eq!(d.remove(e), None);
         assert_eq!(d.heap_bytes(), Directory::<u32>::new().heap_bytes());
@@ -222,7 +216,7 @@ mod tests {
 
     #[test]
     fn entries_stay_compact() {
-        assert_eq!(size_of::<DirEntry<()>>(), 16);
-        assert_eq!(size_of::<DirEntry<u32>>(), 20);
+        assert_eq!(size_of::<DirEntry<u32>>(), 12);
+        assert_eq!(size_of::<DirEntry<[u32; 3]>>(), 20);
     }
 }

@@ -58,6 +58,13 @@ pub enum EngineError {
     /// The worker key space of one index is exhausted.
     #[error("too many worker keys")]
     TooManyWorkers,
+    /// A block position that is not a live block: an internal inconsistency between a
+    /// directory and its index (never expected; counted where it happens).
+    #[error("a block position that is not live")]
+    UnknownPosition,
+    /// An index has no room for more blocks (its run or node id space is exhausted).
+    #[error("the index has no room for more blocks")]
+    IndexFull,
     /// The sharded runtime has stopped (a shard thread is gone); nothing more can apply.
     #[error("the runtime has stopped")]
     RuntimeStopped,

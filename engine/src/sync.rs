@@ -6,7 +6,7 @@
 //! switch tokio into its own loom mode too.
 
 #[cfg(kvengine_loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(kvengine_loom)]
 pub(crate) use loom::sync::{Arc, Mutex};
 
@@ -14,7 +14,7 @@ pub(crate) use loom::sync::{Arc, Mutex};
 pub(crate) use loom::thread::{Thread, current as current_thread};
 
 #[cfg(not(kvengine_loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 #[cfg(not(kvengine_loom))]
 pub(crate) use std::sync::{Arc, Mutex};
 #[cfg(not(kvengine_loom))]

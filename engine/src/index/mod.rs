@@ -1,73 +1,81 @@
-//! One shard's worth of the prefix index: `seq_hash -> holders`.
+//! One shard's worth of the prefix index: a path-compressed radix tree of blocks.
 //!
-//! A seq_hash names a whole prefix, so the index needs no tree: a flat hash table from
-//! seq_hash to the worker keys holding that block answers every question. A query hashes
-//! its request once and probes the table once per block; the probes of a run of blocks are
-//! independent, so the CPU overlaps their cache misses instead of chasing child pointers.
+//! Consecutive blocks that the same worker keys hold the same number of times, with no
+//! branch between them, form one node. A node is a view over a range of a *run*: the
+//! contiguous seq_hashes of blocks stored together. So a store of a 96-block tail is one
+//! node, one allocation and one contiguous copy; a query walks nodes and compares runs
+//! sequentially; holder sets are per node, not per block. Splitting a node (a worker holds
+//! part of it, or a chain diverges inside it) only cuts a view in two, so a block never
+//! moves: its [`Pos`] is stable while it lives, and a worker's directory records it
+//! (`engine hash -> Pos`, 12 bytes) instead of a seq_hash.
+//!
+//! Stores and removals come by position (the single-shard index, whose directories know
+//! positions) or by seq_hash (the sharded engine, whose directories live with the ingest):
+//! every tree keeps a keyless `seq_hash -> Pos` table ([`ShardIndex::find`], 5 bytes a
+//! block). Queries use it too: DESIGN.md defines a worker's overlap by which seq_hashes it
+//! holds, not by where they hang, so a query block that does not continue the walk is
+//! looked up wherever it is stored (for a request's real chain that is one probe, where
+//! the match ends).
 //!
 //! # Invariants
-//! 1. The table holds a seq_hash iff at least one worker key holds at least one copy of it:
-//!    a block nobody holds is removed at once, so memory returns to the empty footprint
-//!    when every worker removes everything.
-//! 2. Per `(seq_hash, slot)` the index keeps the copy count of DESIGN.md's multiset model
-//!    (inline for the usual single holder with one copy; see `holders.rs`).
-//! 3. `entries` = number of `(seq_hash, slot)` pairs with a positive count
-//!    = sum of [`WorkerSlots::blocks`].
+//! 1. DESIGN.md's multiset: for every worker key, the copies it holds of each block are the
+//!    stores minus the removals the callers applied for it. Every block of a node has the
+//!    same holder multiset; a node's first block continues its parent's last block.
+//! 2. A block lives iff it is held or a held block hangs below it; a node whose blocks are
+//!    unheld and that has no children is pruned at once, so when every worker removes
+//!    everything the tree is back to its empty footprint (every slab resets).
+//! 3. Two siblings never start with the same seq_hash: a store follows existing blocks
+//!    before it creates any.
+//! 4. After every call, a node and its only child are merged when they view adjacent
+//!    ranges of one run with the same holders (path compression is restored after splits).
+//! 5. `blocks` = blocks of held nodes; `entries` = sum over held nodes of length x distinct
+//!    holders = sum of [`WorkerSlots::blocks`].
 //!
 //! # Concurrency
 //! Owned by one thread (its shard); `&mut self` for every change, queries take `&self`.
 //!
-//! # Memory
-//! A table entry is 12 bytes (seq_hash + a 32-bit holder value) plus hashbrown's control
-//! byte; see `stats()` and docs/benchmarks.md for measured bytes per (block, worker) entry.
+//! # Algorithm
+//! A radix tree with path compression (Morrison's PATRICIA, over block hashes instead of
+//! bits), as SGLang's and Dynamo's compressed trees do; nodes as views over immutable runs
+//! are this crate's choice, so that positions survive splits.
 
+mod children;
 mod holders;
+mod nodes;
+mod path;
+mod pos;
+mod remove;
+mod runs;
+mod seq_index;
+mod shape;
 mod slots;
+mod store;
+#[cfg(test)]
+mod tests;
+mod validate;
 mod walk;
 
+pub use path::PathPiece;
+pub use pos::{MAX_RUN_LEN, MAX_RUNS, Pos, RunId};
+pub use remove::Removed;
 pub use slots::{Slot, WorkerSlots};
 
-use crate::ids::SeqHash;
-use hashbrown::HashTable;
-use holders::{HolderSet, Holders, SetSlab};
-
-/// A table entry: 12 bytes, 4-byte aligned (a `u64` field would pad it to 16).
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    seq: [u32; 2],
-    holders: u32,
-}
-
-impl Entry {
-    #[inline]
-    fn seq(&self) -> u64 {
-        u64::from(self.seq[0]) | (u64::from(self.seq[1]) << 32)
-    }
-
-    #[inline]
-    fn new(seq: u64, holders: Holders) -> Self {
-        Self {
-            seq: [seq as u32, (seq >> 32) as u32],
-            holders: holders.raw(),
-        }
-    }
-}
-
-/// seq_hashes are XXH3 outputs, already uniform: the table uses them as their own hash.
-#[inline]
-fn table_hash(seq: u64) -> u64 {
-    seq
-}
+use crate::ids::{SeqHash, WorkerKey};
+use children::{ChildMap, ChildMaps};
+use holders::{Holders, SetSlab};
+use nodes::Nodes;
+use runs::Runs;
+use seq_index::SeqIndex;
 
 /// Sizes of one index, for tests, metrics and the memory benchmark.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
-    /// Distinct seq_hashes held by anyone.
+    /// Distinct blocks held by anyone.
     pub blocks: usize,
-    /// `(seq_hash, worker key)` pairs held.
+    /// `(block, worker key)` pairs held.
     pub entries: u64,
-    /// Blocks with more than one holder (or copy).
-    pub shared_blocks: usize,
+    /// Live tree nodes.
+    pub nodes: usize,
     /// Worker keys holding anything.
     pub worker_keys: usize,
     /// Heap bytes owned by the index.
@@ -77,10 +85,16 @@ pub struct IndexStats {
 /// The prefix index of one shard.
 #[derive(Debug, Default)]
 pub struct ShardIndex {
-    table: HashTable<Entry>,
+    nodes: Nodes,
+    runs: Runs,
+    maps: ChildMaps,
+    root: ChildMap,
     sets: SetSlab,
     slots: WorkerSlots,
+    by_seq: SeqIndex,
+    blocks: usize,
     entries: u64,
+    branch: Option<(Pos, u32)>,
 }
 
 impl ShardIndex {
@@ -94,113 +108,47 @@ impl ShardIndex {
         &self.slots
     }
 
-    /// The slot table, mutably (to mint and release slots).
-    pub fn slots_mut(&mut self) -> &mut WorkerSlots {
-        &mut self.slots
-    }
-
-    /// Adds one copy of `seq` for `slot`; returns true if `slot` did not hold it before.
-    pub fn add(&mut self, slot: Slot, seq: SeqHash) -> bool {
-        let h = table_hash(seq.0);
-        let entry = self
-            .table
-            .entry(h, |e| e.seq() == seq.0, |e| table_hash(e.seq()));
-        let newly = match entry {
-            hashbrown::hash_table::Entry::Vacant(v) => {
-                v.insert(Entry::new(seq.0, Holders::Single(slot)));
-                true
-            }
-            hashbrown::hash_table::Entry::Occupied(mut o) => {
-                let e = o.get_mut();
-                match Holders::from_raw(e.holders) {
-                    Holders::Single(other) => {
-                        let mut set = HolderSet::default();
-                        set.add(other);
-                        let newly = set.add(slot);
-                        e.holders = Holders::Set(self.sets.insert(set)).raw();
-                        newly
-                    }
-                    Holders::Set(i) => self.sets.get_mut(i).is_some_and(|s| s.add(slot)),
-                }
-            }
-        };
-        if newly {
-            self.entries += 1;
-            self.slots.bump_blocks(slot, true);
-        }
-        newly
-    }
-
-    /// Drops one copy of `seq` for `slot`.
-    ///
-    /// Returns `Some(true)` if `slot` no longer holds it, `Some(false)` if copies remain,
-    /// `None` if `slot` held none (nothing changes).
-    pub fn remove(&mut self, slot: Slot, seq: SeqHash) -> Option<bool> {
-        let h = table_hash(seq.0);
-        let mut occ = self.table.find_entry(h, |e| e.seq() == seq.0).ok()?;
-        let e = occ.get_mut();
-        let released = match Holders::from_raw(e.holders) {
-            Holders::Single(s) if s == slot => {
-                occ.remove();
-                true
-            }
-            Holders::Single(_) => return None,
-            Holders::Set(i) => {
-                let set = self.sets.get_mut(i)?;
-                let released = set.remove(slot)?;
-                if set.len == 0 {
-                    occ.remove();
-                    self.sets.remove(i);
-                } else if let Some(sole) = set.sole_single() {
-                    e.holders = Holders::Single(sole).raw();
-                    self.sets.remove(i);
-                }
-                released
-            }
-        };
-        if released {
-            self.entries -= 1;
-            self.slots.bump_blocks(slot, false);
-            self.maybe_shrink();
-        }
-        Some(released)
-    }
-
-    /// Gives memory back once the table is mostly empty (amortised: it must shrink 8x
-    /// between two rehashes).
-    fn maybe_shrink(&mut self) {
-        let (len, cap) = (self.table.len(), self.table.capacity());
-        if len == 0 {
-            self.table = HashTable::new();
-        } else if cap >= 1024 && len * 8 < cap {
-            self.table.shrink_to(len * 2, |e| table_hash(e.seq()));
-        }
-    }
-
-    /// Does `slot` hold `seq`?
-    pub fn holds(&self, slot: Slot, seq: SeqHash) -> bool {
-        match self.lookup(seq) {
-            Some(Holders::Single(s)) => s == slot,
-            Some(Holders::Set(i)) => self.sets.get(i).is_some_and(|s| s.contains(slot)),
-            None => false,
-        }
-    }
-
+    /// The seq_hash of the block at `pos`, if it is stored.
     #[inline]
-    fn lookup(&self, seq: SeqHash) -> Option<Holders> {
-        self.table
-            .find(table_hash(seq.0), |e| e.seq() == seq.0)
-            .map(|e| Holders::from_raw(e.holders))
+    pub fn seq(&self, pos: Pos) -> Option<SeqHash> {
+        self.runs.seq(pos)
+    }
+
+    /// The position of the live block `seq`.
+    #[inline]
+    pub fn find(&self, seq: SeqHash) -> Option<Pos> {
+        self.by_seq.find(seq, &self.runs)
+    }
+
+    /// Does `key` hold the block at `pos`?
+    pub fn holds(&self, key: WorkerKey, pos: Pos) -> bool {
+        let (Some(slot), Some((n, _))) = (self.slots.get(key), self.locate(pos)) else {
+            return false;
+        };
+        self.nodes
+            .get(n)
+            .is_some_and(|node| self.sets.contains(Holders::from_raw(node.holders), slot))
+    }
+
+    /// Distinct blocks `key` holds.
+    pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
+        self.slots.get(key).map_or(0, |s| self.slots.blocks(s))
     }
 
     /// Sizes and heap bytes.
     pub fn stats(&self) -> IndexStats {
         IndexStats {
-            blocks: self.table.len(),
+            blocks: self.blocks,
             entries: self.entries,
-            shared_blocks: self.sets.len(),
+            nodes: self.nodes.len(),
             worker_keys: self.slots.len(),
-            bytes: self.table.allocation_size() + self.sets.heap_bytes() + self.slots.heap_bytes(),
+            bytes: self.nodes.heap_bytes()
+                + self.runs.heap_bytes()
+                + self.maps.heap_bytes()
+                + self.root.heap_bytes()
+                + self.sets.heap_bytes()
+                + self.slots.heap_bytes()
+                + self.by_seq.heap_bytes(),
         }
     }
 }

@@ -114,11 +114,19 @@ impl WorkerSlots {
         self.blocks.get(slot.idx()).copied().unwrap_or(0)
     }
 
-    /// Adjusts `slot`'s distinct-block count by +1 or -1.
+    /// `slot` now holds `n` more distinct blocks.
     #[inline]
-    pub fn bump_blocks(&mut self, slot: Slot, up: bool) {
+    pub fn gained(&mut self, slot: Slot, n: u64) {
         if let Some(b) = self.blocks.get_mut(slot.idx()) {
-            *b = if up { *b + 1 } else { b.saturating_sub(1) };
+            *b += n;
+        }
+    }
+
+    /// `slot` now holds `n` fewer distinct blocks.
+    #[inline]
+    pub fn lost(&mut self, slot: Slot, n: u64) {
+        if let Some(b) = self.blocks.get_mut(slot.idx()) {
+            *b = b.saturating_sub(n);
         }
     }
 

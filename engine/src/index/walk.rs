@@ -1,62 +1,88 @@
 //! `find_matches`: per worker key, how long a prefix of the request it holds.
 //!
 //! # Algorithm
-//! Walk the request's seq_hashes in order, keeping the set of worker keys that held every
-//! block so far (`Active`). A key that is missing at depth `d` leaves with overlap `d`. The
-//! walk ends when nobody is left or the request ends. Blocks are probed in chunks of
-//! [`CHUNK`]: the probes of one chunk do not depend on each other, so their cache misses
-//! overlap. The first block is probed alone first, so a request nobody holds costs one
-//! probe; otherwise an early exit wastes at most `CHUNK - 1` probes.
+//! Walk the tree along the request: the root's child with the first block, then per node
+//! compare the node's run with the request sequentially (one compare per block, on one
+//! contiguous array), and at a node's end look up the child with the next block. The set of
+//! worker keys that held every block so far (`Active`) is intersected once per node, not
+//! once per block: a key missing from a node leaves with the depth at the node's start; keys
+//! still active where the request diverges inside a node (or ends) leave with the depth
+//! reached. The walk ends when nobody is left.
+//!
+//! Overlap is defined by which seq_hashes a worker holds (DESIGN.md), so when the next
+//! block is not where the walk expects it (not the next block of the node, not a child),
+//! it is looked up by seq_hash wherever it is stored and the walk resumes there. For a
+//! request's real chain that lookup misses (a chained seq_hash can only hang below its
+//! parent), so it costs one probe per query; it makes the answer exact for any sequence of
+//! seq_hashes.
 //!
 //! `Active` is a single slot while only one key is left (the usual case past a shared
-//! prefix: one compare per block) and a bitset over slots otherwise.
+//! prefix) and a bitset over slots otherwise.
 
+use super::ShardIndex;
 use super::holders::{Holders, word_bit};
-use super::{ShardIndex, Slot};
+use super::nodes::Parent;
+use super::pos::NodeId;
+use super::slots::Slot;
 use crate::ids::SeqHash;
 use crate::matches::Matches;
-
-/// Blocks probed at once. Measured in `benches/index.rs` on this project's 2-core EPYC:
-/// 32 beats 16 (a 2048-block query: 26 µs -> 17 µs); 64 measured the same or slower, and
-/// starting with smaller chunks cost 15% on 512-block queries.
-const CHUNK: usize = 32;
 
 enum Active {
     One(Slot),
     Many { bits: Vec<u64>, len: u32 },
 }
 
+impl Active {
+    fn len(&self) -> u32 {
+        match self {
+            Active::One(_) => 1,
+            Active::Many { len, .. } => *len,
+        }
+    }
+}
+
 impl ShardIndex {
     /// The overlap of every worker key holding `seqs[0]` (see [`Matches`]).
+    ///
+    /// `seqs` is a request's chain of seq_hashes (each continues the one before): the walk
+    /// follows the tree, so a block stored under another prefix never matches.
     pub fn find_matches(&self, seqs: &[SeqHash]) -> Matches {
         let mut out = Matches::default();
-        let Some(&first) = seqs.first() else {
-            return out;
-        };
-        if self.lookup(first).is_none() {
-            return out;
-        }
-        let mut probes = [None::<Holders>; CHUNK];
+        let mut at = seqs.first().and_then(|&s| match self.root.get(s) {
+            Some(n) => Some((n, 0)),
+            None => self.anywhere(s),
+        });
         let mut active: Option<Active> = None;
         let mut depth = 0usize;
-        'chunks: for chunk in seqs.chunks(CHUNK) {
-            for (p, s) in probes.iter_mut().zip(chunk) {
-                *p = self.lookup(*s);
+        while let Some((n, o)) = at {
+            let Some(node) = self.node(n) else {
+                break;
+            };
+            let holders = Holders::from_raw(node.holders);
+            active = match active.take() {
+                None => self.start(holders),
+                Some(a) => self.step(a, holders, depth as u32, &mut out),
+            };
+            let Some(a) = &active else {
+                break;
+            };
+            let run = self.runs.slice(node.run, node.start() + o, node.len() - o);
+            let rest = seqs.get(depth..).unwrap_or(&[]);
+            let m = run.iter().zip(rest).take_while(|(x, y)| x == y).count();
+            if m == 0 {
+                break;
             }
-            for probe in probes.iter().take(chunk.len()) {
-                let next = match active.take() {
-                    None => self.start(*probe),
-                    Some(a) => self.step(a, *probe, depth as u32, &mut out),
-                };
-                match next {
-                    Some(a) => {
-                        out.depth_counts.push(a.len());
-                        active = Some(a);
-                        depth += 1;
-                    }
-                    None => break 'chunks,
-                }
-            }
+            out.depth_counts.extend(std::iter::repeat_n(a.len(), m));
+            depth += m;
+            let Some(&next) = seqs.get(depth) else {
+                break;
+            };
+            let child = if o + m == node.len() {
+                self.child(Parent::Node(n), next).map(|c| (c, 0))
+            } else {
+                None
+            };
+            at = child.or_else(|| self.anywhere(next));
         }
         if let Some(a) = active {
             self.leave_all(&a, depth as u32, &mut out);
@@ -66,8 +92,15 @@ impl ShardIndex {
         out
     }
 
-    fn start(&self, probe: Option<Holders>) -> Option<Active> {
-        match probe? {
+    /// Where the live block `seq` is, wherever it hangs.
+    #[cold]
+    fn anywhere(&self, seq: SeqHash) -> Option<(NodeId, usize)> {
+        self.find(seq).and_then(|p| self.locate(p))
+    }
+
+    fn start(&self, holders: Holders) -> Option<Active> {
+        match holders {
+            Holders::None => None,
             Holders::Single(s) => Some(Active::One(s)),
             Holders::Set(i) => {
                 let set = self.sets.get(i)?;
@@ -79,30 +112,22 @@ impl ShardIndex {
         }
     }
 
-    /// Intersects `active` with the holders of block `depth`; keys that drop out leave with
-    /// overlap `depth`.
+    /// Intersects `active` with a node's holders; keys that drop out leave with overlap
+    /// `depth` (the blocks before the node).
     fn step(
         &self,
         active: Active,
-        probe: Option<Holders>,
+        holders: Holders,
         depth: u32,
         out: &mut Matches,
     ) -> Option<Active> {
-        let Some(holders) = probe else {
-            self.leave_all(&active, depth, out);
-            return None;
-        };
         match (active, holders) {
-            (Active::One(a), Holders::Single(s)) => {
-                if a == s {
-                    Some(Active::One(a))
-                } else {
-                    self.leave(a, depth, out);
-                    None
-                }
+            (a, Holders::None) => {
+                self.leave_all(&a, depth, out);
+                None
             }
-            (Active::One(a), Holders::Set(i)) => {
-                if self.sets.get(i).is_some_and(|set| set.contains(a)) {
+            (Active::One(a), h) => {
+                if self.sets.contains(h, a) {
                     Some(Active::One(a))
                 } else {
                     self.leave(a, depth, out);
@@ -128,8 +153,7 @@ impl ShardIndex {
                     let keep = *word & set_bits.get(w).copied().unwrap_or(0);
                     let mut gone = *word & !keep;
                     while gone != 0 {
-                        let slot = Slot(w as u32 * 64 + gone.trailing_zeros());
-                        self.leave(slot, depth, out);
+                        self.leave(Slot(w as u32 * 64 + gone.trailing_zeros()), depth, out);
                         gone &= gone - 1;
                     }
                     *word = keep;
@@ -141,7 +165,9 @@ impl ShardIndex {
     }
 
     fn leave(&self, slot: Slot, depth: u32, out: &mut Matches) {
-        if let Some(key) = self.slots.key(slot) {
+        if depth > 0
+            && let Some(key) = self.slots.key(slot)
+        {
             out.overlaps.push((key, depth));
         }
     }
@@ -162,15 +188,6 @@ impl ShardIndex {
         match active {
             Active::One(a) => self.leave(*a, depth, out),
             Active::Many { bits, .. } => for_each_slot(bits, |s| self.leave(s, depth, out)),
-        }
-    }
-}
-
-impl Active {
-    fn len(&self) -> u32 {
-        match self {
-            Active::One(_) => 1,
-            Active::Many { len, .. } => *len,
         }
     }
 }

@@ -68,8 +68,8 @@ impl ShardPolicy for FixedDepth {
     }
 
     #[inline]
-    fn place(&self, parent: Option<Route>, seq: SeqHash) -> Route {
-        let depth = match parent {
+    fn place(&self, parent: Option<(SeqHash, Route)>, seq: SeqHash) -> Route {
+        let depth = match parent.map(|p| p.1) {
             None => 0,
             Some(Route(v)) if v >= self.depth => return Route(v),
             Some(Route(v)) => v + 1,
@@ -82,7 +82,7 @@ impl ShardPolicy for FixedDepth {
     }
 
     #[inline]
-    fn placement(&self, route: Route) -> Placement {
+    fn placement(&self, _seq: SeqHash, route: Route) -> Placement {
         match route.0.checked_sub(self.depth) {
             None => Placement::Everywhere,
             Some(s) => Placement::Shard(ShardId(s as u16)),
@@ -108,8 +108,8 @@ mod tests {
         seqs.iter()
             .map(|&s| {
                 let r = p.place(parent, s);
-                parent = Some(r);
-                p.placement(r)
+                parent = Some((s, r));
+                p.placement(s, r)
             })
             .collect()
     }

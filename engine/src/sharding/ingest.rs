@@ -7,7 +7,9 @@
 //!
 //! # Invariants
 //! 1. Everything `KvIndex` promises about directories and refusals holds here too: a
-//!    refused event changes nothing and emits nothing; every refusal is counted.
+//!    refused event changes nothing (a store refused for an engine-hash conflict emits its
+//!    stores followed by the removals that undo them, so every shard ends where it
+//!    started); every refusal is counted.
 //! 2. Per shard, operations are emitted in event order; an accepted event's operations are
 //!    all emitted before the call returns.
 //! 3. A block placed `Everywhere` gets the same operation in every shard's queue.
@@ -18,16 +20,21 @@
 
 use super::shard::Shard;
 use super::{Placement, Route, ShardId, ShardPolicy};
-use crate::directories::{Applied, BlockSink, Directories, Placer};
+use crate::directories::{Applied, BlockStore, Directories};
 use crate::error::{RejectCounts, Result};
 use crate::event::KvEvent;
 use crate::ids::{SeqHash, WorkerId, WorkerKey};
+use std::fmt;
 
-/// Add or drop one copy per listed block.
+/// What to do with a batch's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockOp {
-    /// One more copy of each block.
-    Add,
+    /// One more copy of each block, as a chain continuing `parent` (`None`: the chain
+    /// starts a sequence).
+    Store {
+        /// The seq_hash of the block the chain continues.
+        parent: Option<SeqHash>,
+    },
     /// One copy fewer of each block.
     Remove,
 }
@@ -39,7 +46,7 @@ pub struct OpBatch {
     pub key: WorkerKey,
     /// What to do with them.
     pub op: BlockOp,
-    /// The blocks, in event order.
+    /// The blocks, in event order (for a store: the chain, in chain order).
     pub seqs: Vec<SeqHash>,
 }
 
@@ -57,43 +64,47 @@ impl Outbox {
         }
     }
 
-    #[inline]
-    fn push_one(queue: &mut Vec<OpBatch>, key: WorkerKey, op: BlockOp, seq: SeqHash) {
+    /// Queues a stored chain for `shard`; a chain continuing the previous batch of the same
+    /// key (a sequence stored block by block) extends it.
+    fn push_store(
+        &mut self,
+        shard: usize,
+        key: WorkerKey,
+        parent: Option<SeqHash>,
+        seqs: &[SeqHash],
+    ) {
+        let Some(queue) = self.queues.get_mut(shard) else {
+            return;
+        };
         match queue.last_mut() {
-            Some(b) if b.key == key && b.op == op => b.seqs.push(seq),
+            Some(b)
+                if b.key == key
+                    && matches!(b.op, BlockOp::Store { .. })
+                    && parent.is_some()
+                    && b.seqs.last().copied() == parent =>
+            {
+                b.seqs.extend_from_slice(seqs)
+            }
             _ => queue.push(OpBatch {
                 key,
-                op,
-                seqs: vec![seq],
+                op: BlockOp::Store { parent },
+                seqs: seqs.to_vec(),
             }),
         }
     }
 
-    /// Queues `seq` for the shards of `placement`, except `skip` (a shard the caller
-    /// applies to directly).
-    #[inline]
-    fn push(
-        &mut self,
-        placement: Placement,
-        skip: Option<ShardId>,
-        key: WorkerKey,
-        op: BlockOp,
-        seq: SeqHash,
-    ) {
-        match placement {
-            Placement::Shard(s) if Some(s) == skip => {}
-            Placement::Shard(s) => {
-                if let Some(q) = self.queues.get_mut(s.idx()) {
-                    Self::push_one(q, key, op, seq);
-                }
-            }
-            Placement::Everywhere => {
-                for (i, q) in self.queues.iter_mut().enumerate() {
-                    if skip.map(ShardId::idx) != Some(i) {
-                        Self::push_one(q, key, op, seq);
-                    }
-                }
-            }
+    /// Queues the removal of one copy of `seq` for `shard`.
+    fn push_remove(&mut self, shard: usize, key: WorkerKey, seq: SeqHash) {
+        let Some(queue) = self.queues.get_mut(shard) else {
+            return;
+        };
+        match queue.last_mut() {
+            Some(b) if b.key == key && b.op == BlockOp::Remove => b.seqs.push(seq),
+            _ => queue.push(OpBatch {
+                key,
+                op: BlockOp::Remove,
+                seqs: vec![seq],
+            }),
         }
     }
 
@@ -116,13 +127,33 @@ impl Outbox {
     }
 }
 
-/// The policy as the directories see it.
-struct PolicyPlacer<'a, P>(&'a P);
+/// What a sharded directory records per block: its seq_hash (to chain stores and address
+/// shards) and its route (which shards hold it). 12 bytes, 4-byte aligned; fields are only
+/// read by value, as packed fields require.
+#[repr(C, packed(4))]
+#[derive(Clone, Copy)]
+pub struct Placed {
+    seq: u64,
+    route: u32,
+}
 
-impl<P: ShardPolicy> Placer<Route> for PolicyPlacer<'_, P> {
+impl Placed {
+    /// The block's seq_hash.
     #[inline]
-    fn place(&self, parent: Option<Route>, seq: SeqHash) -> Route {
-        self.0.place(parent, seq)
+    pub fn seq(&self) -> SeqHash {
+        SeqHash(self.seq)
+    }
+
+    /// The block's route.
+    #[inline]
+    pub fn route(&self) -> Route {
+        Route(self.route)
+    }
+}
+
+impl fmt::Debug for Placed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Placed({}, {:?})", self.seq(), self.route())
     }
 }
 
@@ -132,39 +163,93 @@ struct OutboxSink<'a, P> {
     policy: &'a P,
     outbox: &'a mut Outbox,
     local: Option<&'a mut Shard>,
+    scratch: &'a mut Vec<SeqHash>,
 }
 
 impl<P: ShardPolicy> OutboxSink<'_, P> {
-    fn route(&mut self, key: WorkerKey, op: BlockOp, blocks: &[(SeqHash, Route)]) {
-        let me = self.local.as_ref().map(|s| s.id());
-        if let (Some(me), Some(shard)) = (me, self.local.as_deref_mut()) {
-            let policy = self.policy;
-            let seqs = blocks
-                .iter()
-                .filter(move |b| match policy.placement(b.1) {
-                    Placement::Everywhere => true,
-                    Placement::Shard(s) => s == me,
-                })
-                .map(|b| b.0);
-            match op {
-                BlockOp::Add => shard.add_seqs(key, seqs),
-                BlockOp::Remove => shard.remove_seqs(key, seqs),
-            }
-        }
-        for &(seq, route) in blocks {
-            let placement = self.policy.placement(route);
-            self.outbox.push(placement, me, key, op, seq);
-        }
+    fn is_local(&self, shard: usize) -> bool {
+        self.local.as_ref().is_some_and(|l| l.id().idx() == shard)
     }
 }
 
-impl<P: ShardPolicy> BlockSink<Route> for OutboxSink<'_, P> {
-    fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
-        self.route(key, BlockOp::Add, blocks);
+impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
+    #[inline]
+    fn seq_of(&self, block: Placed) -> Option<SeqHash> {
+        Some(block.seq())
     }
 
-    fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, Route)]) {
-        self.route(key, BlockOp::Remove, blocks);
+    #[inline]
+    fn same_block(&self, a: Placed, b: Placed) -> bool {
+        a.seq() == b.seq()
+    }
+
+    /// A chain is placed as "everywhere" for its first `trunk` blocks and in one shard
+    /// after that (`ShardPolicy` invariant 1), so each shard gets one contiguous prefix of
+    /// the chain: the owner all of it, every other shard the replicated part.
+    fn store(
+        &mut self,
+        key: WorkerKey,
+        parent: Option<Placed>,
+        seqs: &[SeqHash],
+        out: &mut Vec<Placed>,
+    ) -> Result<()> {
+        let mut prev = parent.map(|p| (p.seq(), p.route()));
+        let mut trunk = 0usize;
+        let mut owner = None;
+        for &s in seqs {
+            let r = self.policy.place(prev, s);
+            match self.policy.placement(s, r) {
+                Placement::Everywhere if owner.is_none() => trunk += 1,
+                Placement::Everywhere => {}
+                Placement::Shard(x) => owner = owner.or(Some(x)),
+            }
+            out.push(Placed {
+                seq: s.0,
+                route: r.0,
+            });
+            prev = Some((s, r));
+        }
+        let parent = parent.map(|p| p.seq());
+        for shard in 0..self.outbox.shards() {
+            let k = if owner.map(ShardId::idx) == Some(shard) {
+                seqs.len()
+            } else {
+                trunk
+            };
+            let Some(chain) = seqs.get(..k).filter(|c| !c.is_empty()) else {
+                continue;
+            };
+            if self.is_local(shard) {
+                if let Some(l) = self.local.as_deref_mut() {
+                    l.store_seqs(key, parent, chain);
+                }
+            } else {
+                self.outbox.push_store(shard, key, parent, chain);
+            }
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, key: WorkerKey, blocks: &[Placed]) {
+        self.scratch.clear();
+        let shards = self.outbox.shards();
+        for b in blocks {
+            let seq = b.seq();
+            let to = |shard: usize, sink: &mut Self| {
+                if sink.is_local(shard) {
+                    sink.scratch.push(seq);
+                } else {
+                    sink.outbox.push_remove(shard, key, seq);
+                }
+            };
+            match self.policy.placement(seq, b.route()) {
+                Placement::Everywhere => (0..shards).for_each(|s| to(s, self)),
+                Placement::Shard(s) => to(s.idx(), self),
+            }
+        }
+        if let Some(l) = self.local.as_deref_mut() {
+            l.remove_seqs(key, self.scratch);
+        }
     }
 }
 
@@ -172,7 +257,8 @@ impl<P: ShardPolicy> BlockSink<Route> for OutboxSink<'_, P> {
 #[derive(Debug)]
 pub struct Ingest<P> {
     policy: P,
-    dirs: Directories<Route>,
+    dirs: Directories<Placed>,
+    scratch: Vec<SeqHash>,
 }
 
 impl<P: ShardPolicy> Ingest<P> {
@@ -181,12 +267,18 @@ impl<P: ShardPolicy> Ingest<P> {
         Self {
             policy,
             dirs: Directories::new(),
+            scratch: Vec::new(),
         }
     }
 
     /// The sharding policy.
     pub fn policy(&self) -> &P {
         &self.policy
+    }
+
+    /// The sharding policy, mutably (to refresh or promote).
+    pub fn policy_mut(&mut self) -> &mut P {
+        &mut self.policy
     }
 
     /// Applies one event of `key`, appending its operations to `out`. A refused event is
@@ -196,9 +288,9 @@ impl<P: ShardPolicy> Ingest<P> {
             policy: &self.policy,
             outbox: out,
             local: None,
+            scratch: &mut self.scratch,
         };
-        self.dirs
-            .apply(key, event, &PolicyPlacer(&self.policy), &mut sink)
+        self.dirs.apply(key, event, &mut sink)
     }
 
     /// Like [`Ingest::apply`], but the operations for `local` are applied to it at once
@@ -214,9 +306,9 @@ impl<P: ShardPolicy> Ingest<P> {
             policy: &self.policy,
             outbox: out,
             local: Some(local),
+            scratch: &mut self.scratch,
         };
-        self.dirs
-            .apply(key, event, &PolicyPlacer(&self.policy), &mut sink)
+        self.dirs.apply(key, event, &mut sink)
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.
@@ -225,6 +317,7 @@ impl<P: ShardPolicy> Ingest<P> {
             policy: &self.policy,
             outbox: out,
             local: None,
+            scratch: &mut self.scratch,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -235,6 +328,7 @@ impl<P: ShardPolicy> Ingest<P> {
             policy: &self.policy,
             outbox: out,
             local: None,
+            scratch: &mut self.scratch,
         };
         self.dirs.remove_worker(worker, &mut sink)
     }

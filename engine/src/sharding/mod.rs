@@ -4,14 +4,16 @@
 //! shared. Every query must be answerable by exactly one shard, so all blocks of one
 //! request's path must be in the shard its query goes to. A [`ShardPolicy`] decides:
 //!
-//! * the [`Route`] of every stored block, from its parent's route and its own seq_hash (the
-//!   ingest side keeps routes in the worker directories, so a removal goes straight to the
-//!   shards that hold the block);
+//! * the [`Route`] of every stored block, from its parent and its own seq_hash (the ingest
+//!   side keeps routes in the worker directories, so a removal goes straight to the shards
+//!   that hold the block);
 //! * which shard answers a query.
 //!
 //! Blocks that many sequences share (a system prompt) must not pin all traffic to one
 //! shard, so a policy may place a block [`Placement::Everywhere`]: every shard holds a copy
-//! and applies its events.
+//! and applies its events. [`adaptive::Adaptive`] (the default) decides which blocks by the
+//! traffic (the [`trunk`]); [`fixed_depth::FixedDepth`] replicates the first `D` blocks of
+//! every sequence.
 //!
 //! The modules here are sans-IO and single-threaded: [`ingest::Ingest`] turns KV events
 //! into per-shard operation batches, [`shard::Shard`] applies them, and
@@ -19,18 +21,27 @@
 //! exactness reference for the threaded runtime and what its tests compare against the
 //! reference model.
 //!
-//! # Invariants (every policy MUST keep them)
-//! 1. For any request `seqs`, every stored block whose seq_hash is `seqs[i]` is placed
-//!    `Everywhere` or in `query_shard(seqs)`.
-//! 2. `place` is a pure function of the parent's route and the block's seq_hash, so every
-//!    worker (and every copy of an engine hash) gets the same route for the same block.
+//! # Invariants (every policy MUST keep them, for a given trunk version)
+//! 1. For any request `seqs`, every stored block on the request's path whose seq_hash is
+//!    `seqs[i]` is placed `Everywhere` or in `query_shard(seqs)`.
+//! 2. `place` is a pure function of the parent (its seq_hash and route) and the block's
+//!    seq_hash, so every worker (and every copy of an engine hash) gets the same route for
+//!    the same block.
+//! 3. A chain is placed `Everywhere` for a prefix and in one shard after it: a block below
+//!    one placed in a shard is placed in that shard.
+//! 4. `placement(seq, route)` is where the block is now: for a block whose route was
+//!    computed under an older trunk, promotion may have made it `Everywhere`, never moved it
+//!    to another shard.
 //!
 //! [`ShardIndex`]: crate::index::ShardIndex
 
+pub mod adaptive;
 pub mod fixed_depth;
 pub mod ingest;
+pub mod promote;
 pub mod shard;
 pub mod sharded;
+pub mod trunk;
 
 use crate::ids::SeqHash;
 use std::fmt;
@@ -68,21 +79,40 @@ pub enum Placement {
 }
 
 /// How the index is split. See the module docs for the invariants implementations MUST
-/// keep. Implementations are immutable and cheap to call on the hot path (no allocation,
-/// no locks).
+/// keep. Routing calls are cheap on the hot path (no allocation, no locks); a policy with a
+/// trunk reads a snapshot of it, picked up by [`ShardPolicy::refresh`].
 pub trait ShardPolicy: Send + Sync + fmt::Debug {
     /// Number of shards.
     fn shards(&self) -> usize;
 
-    /// The route of a block with `seq`, whose parent has route `parent` (`None` for the
-    /// first block of a sequence).
-    fn place(&self, parent: Option<Route>, seq: SeqHash) -> Route;
+    /// The route of a block with `seq` whose parent is `parent` (its seq_hash and route;
+    /// `None` for the first block of a sequence).
+    fn place(&self, parent: Option<(SeqHash, Route)>, seq: SeqHash) -> Route;
 
-    /// Where the entries of a block with `route` live.
-    fn placement(&self, route: Route) -> Placement;
+    /// Where the entries of the block `seq`, placed at `route`, live now.
+    fn placement(&self, seq: SeqHash, route: Route) -> Placement;
 
     /// The shard that answers a query for `seqs`.
     fn query_shard(&self, seqs: &[SeqHash]) -> ShardId;
+
+    /// Picks up the latest trunk, if the policy has one (called by the policy's owner
+    /// between events, never between the blocks of one event).
+    fn refresh(&mut self) {}
+
+    /// Should `tip`, a block of one shard's private part of the index that now has
+    /// `fanout` children there, join the trunk?
+    fn is_hub(&self, _tip: SeqHash, _fanout: u32) -> bool {
+        false
+    }
+
+    /// Is `seq` in the trunk?
+    fn in_trunk(&self, _seq: SeqHash) -> bool {
+        false
+    }
+
+    /// Publishes a promotion: `path` joins the trunk and `pins` stay in `from` (policies
+    /// without a trunk ignore it).
+    fn promote(&mut self, _path: &[SeqHash], _pins: &[SeqHash], _from: ShardId) {}
 }
 
 /// Maps a uniform 64-bit hash onto `0..shards` (Lemire's multiply-shift: no division).

@@ -1,21 +1,19 @@
-//! One shard: a [`ShardIndex`] that applies block operations and answers queries.
+//! One shard: a prefix tree addressed by seq_hash, applying the ingest's operations and
+//! answering queries.
 //!
 //! # Invariants
-//! 1. A worker key has a slot in this shard iff it holds at least one entry here.
-//! 2. An operation that cannot apply (a removal of something this shard does not hold, or
-//!    a worker key beyond the slot space) changes nothing and is counted in
-//!    [`Shard::inconsistencies`]; with a correct ingest the count stays 0.
+//! 1. A worker key has a slot in this shard iff it holds at least one block here.
+//! 2. An operation that cannot apply (a parent or block this shard does not hold, or a
+//!    tree with no room left) changes nothing and is counted in [`Shard::inconsistencies`];
+//!    with a correct ingest the count stays 0.
 //!
 //! # Concurrency
-//! Owned by its shard thread (or by the single-shard `KvIndex`); nothing in it is shared.
-//!
-//! [`ShardIndex`]: crate::index::ShardIndex
+//! Owned by its shard thread; nothing in it is shared.
 
 use super::ShardId;
 use super::ingest::{BlockOp, OpBatch};
-use crate::directories::BlockSink;
 use crate::ids::{SeqHash, WorkerKey};
-use crate::index::{IndexStats, ShardIndex};
+use crate::index::{IndexStats, Pos, ShardIndex};
 use crate::matches::Matches;
 
 /// One shard's part of the index.
@@ -25,6 +23,7 @@ pub struct Shard {
     index: ShardIndex,
     applied: u64,
     inconsistencies: u64,
+    positions: Vec<Pos>,
 }
 
 impl Shard {
@@ -35,6 +34,7 @@ impl Shard {
             index: ShardIndex::new(),
             applied: 0,
             inconsistencies: 0,
+            positions: Vec::new(),
         }
     }
 
@@ -46,47 +46,71 @@ impl Shard {
     /// Applies one batch.
     pub fn apply(&mut self, batch: &OpBatch) {
         match batch.op {
-            BlockOp::Add => self.add_seqs(batch.key, batch.seqs.iter().copied()),
-            BlockOp::Remove => self.remove_seqs(batch.key, batch.seqs.iter().copied()),
+            BlockOp::Store { parent } => self.store_seqs(batch.key, parent, &batch.seqs),
+            BlockOp::Remove => self.remove_seqs(batch.key, &batch.seqs),
         }
     }
 
-    /// One more copy of each block for `key` (nothing, not even a slot, if `seqs` is
-    /// empty).
-    pub fn add_seqs(&mut self, key: WorkerKey, seqs: impl Iterator<Item = SeqHash>) {
-        let mut seqs = seqs.peekable();
-        if seqs.peek().is_none() {
-            return;
-        }
-        let Ok(slot) = self.index.slots_mut().get_or_insert(key) else {
-            self.inconsistencies += seqs.count() as u64;
-            return;
+    /// One more copy of each block of the chain `seqs` for `key`, continuing the block
+    /// `parent` (which this shard holds: the policy places a chain with its parent).
+    pub fn store_seqs(&mut self, key: WorkerKey, parent: Option<SeqHash>, seqs: &[SeqHash]) {
+        let parent = match parent {
+            None => None,
+            Some(p) => match self.index.find(p) {
+                Some(pos) => Some(pos),
+                None => {
+                    self.inconsistencies += seqs.len() as u64;
+                    return;
+                }
+            },
         };
-        for s in seqs {
-            self.index.add(slot, s);
-            self.applied += 1;
+        self.positions.clear();
+        match self.index.store(key, parent, seqs, &mut self.positions) {
+            Ok(()) => self.applied += seqs.len() as u64,
+            Err(_) => self.inconsistencies += seqs.len() as u64,
         }
     }
 
     /// One copy fewer of each block for `key`.
-    pub fn remove_seqs(&mut self, key: WorkerKey, seqs: impl Iterator<Item = SeqHash>) {
-        let mut seqs = seqs.peekable();
-        if seqs.peek().is_none() {
+    pub fn remove_seqs(&mut self, key: WorkerKey, seqs: &[SeqHash]) {
+        if seqs.is_empty() {
             return;
         }
-        let Some(slot) = self.index.slots().get(key) else {
-            self.inconsistencies += seqs.count() as u64;
-            return;
-        };
-        for s in seqs {
-            match self.index.remove(slot, s) {
-                Some(_) => self.applied += 1,
+        self.positions.clear();
+        for &s in seqs {
+            match self.index.find(s) {
+                Some(p) => self.positions.push(p),
                 None => self.inconsistencies += 1,
             }
         }
-        if self.index.slots().blocks(slot) == 0 {
-            self.index.slots_mut().release(key);
+        let r = self.index.remove(key, &self.positions);
+        self.applied += r.removed as u64;
+        self.inconsistencies += r.missing as u64;
+        if self.index.slots().is_empty() {
+            // Back to the empty footprint.
+            self.positions = Vec::new();
         }
+    }
+
+    /// The block that last gained a child here, with its children count (taken).
+    pub fn take_branch(&mut self) -> Option<(SeqHash, u32)> {
+        let (pos, fanout) = self.index.take_branch()?;
+        Some((self.index.seq(pos)?, fanout))
+    }
+
+    /// The prefix tree (for promotion).
+    pub(crate) fn index(&self) -> &ShardIndex {
+        &self.index
+    }
+
+    /// The prefix tree, mutably (for promotion).
+    pub(crate) fn index_mut(&mut self) -> &mut ShardIndex {
+        &mut self.index
+    }
+
+    /// Counts `n` operations that could not apply (invariant 2).
+    pub(crate) fn note_inconsistent(&mut self, n: usize) {
+        self.inconsistencies += n as u64;
     }
 
     /// Overlaps of `seqs` (the policy sent this query here, so this shard holds every
@@ -97,8 +121,7 @@ impl Shard {
 
     /// Distinct blocks `key` holds in this shard.
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        let slots = self.index.slots();
-        slots.get(key).map_or(0, |s| slots.blocks(s))
+        self.index.cached_blocks(key)
     }
 
     /// Block operations applied.
@@ -113,19 +136,8 @@ impl Shard {
 
     /// Sizes and heap bytes.
     pub fn stats(&self) -> IndexStats {
-        self.index.stats()
-    }
-}
-
-/// The single-shard index applies accepted events straight to its shard.
-impl<R: Copy> BlockSink<R> for Shard {
-    #[inline]
-    fn add(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]) {
-        self.add_seqs(key, blocks.iter().map(|b| b.0));
-    }
-
-    #[inline]
-    fn remove(&mut self, key: WorkerKey, blocks: &[(SeqHash, R)]) {
-        self.remove_seqs(key, blocks.iter().map(|b| b.0));
+        let mut s = self.index.stats();
+        s.bytes += self.positions.capacity() * size_of::<Pos>();
+        s
     }
 }

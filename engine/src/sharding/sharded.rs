@@ -1,7 +1,9 @@
 //! N shards behind one ingest, in one thread: the sharded engine without the threads.
 //!
 //! [`ShardedIndex`] applies each event through [`Ingest`] and delivers the outbox to its
-//! [`Shard`]s at once, and sends each query to the one shard the policy names. It gives
+//! [`Shard`]s at once, and sends each query to the one shard the policy names. When a
+//! delivery makes a block a hub, it is promoted into the trunk at once (between two events,
+//! as `promote` requires). It gives
 //! exactly the answers of the single-shard [`crate::kv_index::KvIndex`] (tested against
 //! the reference model with 1, 2, 3 and 8 shards), so the threaded runtime, which moves the
 //! same batches over rings, can be checked against it.
@@ -51,11 +53,38 @@ impl<P: ShardPolicy> ShardedIndex<P> {
     }
 
     fn deliver(&mut self) {
+        let mut hubs = Vec::new();
         for shard in &mut self.shards {
             for batch in self.outbox.take(shard.id()) {
                 shard.apply(&batch);
             }
+            if let Some((tip, fanout)) = shard.take_branch()
+                && self.ingest.policy().is_hub(tip, fanout)
+            {
+                hubs.push((shard.id(), tip));
+            }
         }
+        for (from, tip) in hubs {
+            self.promote(from, tip);
+        }
+    }
+
+    /// Promotes the hub `tip` of shard `from` into the trunk (see `sharding::promote`).
+    fn promote(&mut self, from: ShardId, tip: SeqHash) {
+        let policy = self.ingest.policy();
+        let Some(p) = self
+            .shards
+            .get(from.idx())
+            .and_then(|s| s.export(tip, |x| policy.in_trunk(x)))
+        else {
+            return;
+        };
+        for shard in &mut self.shards {
+            if shard.id() != from {
+                shard.import(&p);
+            }
+        }
+        self.ingest.policy_mut().promote(&p.seqs(), &p.pins, from);
     }
 
     /// Applies one event of `key` (see [`Ingest::apply`]).
@@ -96,6 +125,11 @@ impl<P: ShardPolicy> ShardedIndex<P> {
     /// Refusals so far, per reason.
     pub fn rejects(&self) -> &RejectCounts {
         self.ingest.rejects()
+    }
+
+    /// The sharding policy (with the trunk it routes by).
+    pub fn policy(&self) -> &P {
+        self.ingest.policy()
     }
 
     /// The shards (for per-shard figures: balance, inconsistencies).

@@ -106,6 +106,14 @@ impl From<EngineError> for ApiError {
             EngineError::TooManyWorkers => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_workers", message)
             }
+            EngineError::IndexFull => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "index_full", message)
+            }
+            EngineError::UnknownPosition => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "index_inconsistent",
+                message,
+            ),
             EngineError::InvalidArgument { .. } | EngineError::BlockSizeMismatch { .. } => {
                 Self::invalid(message)
             }

@@ -1,0 +1,129 @@
+//! Promoting a hub into the trunk: one shard exports the hub's path, every other shard
+//! imports it, and the policy publishes the new trunk.
+//!
+//! A shard notices a hub when a store makes one of its blocks branch (the tree reports the
+//! branch, the policy decides with [`ShardPolicy::is_hub`]). The path from the hub's anchor
+//! down to the hub leaves that shard's private part of the index: every other shard gets a
+//! copy with the same holders and copy counts (grafted under whatever trunk ancestors it
+//! lacks), and the blocks that already continue the path stay where they are (pinned).
+//! Nothing else moves.
+//!
+//! # Invariants
+//! 1. After a promotion every shard holds the path with the same holder multisets, so a
+//!    query routed by the new trunk gets the answer the exporting shard would have given.
+//! 2. A promotion is applied while no event of the shards' workers is in flight (the
+//!    single-threaded engine applies it between two events; the runtime drains its rings
+//!    first), so no operation can reach a shard routed by the old trunk after the new one
+//!    is published.
+//!
+//! [`ShardPolicy::is_hub`]: super::ShardPolicy::is_hub
+
+use super::ShardId;
+use super::shard::Shard;
+use crate::ids::SeqHash;
+use crate::index::PathPiece;
+
+/// A hub's path, as the shard that holds it exports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Promotion {
+    /// The exporting shard.
+    pub from: ShardId,
+    /// Trunk blocks from the root down to the path's parent (every shard holds them, but a
+    /// shard may lack them as structure if nothing hangs below them there).
+    pub ancestors: Vec<SeqHash>,
+    /// The promoted blocks, top-down, with their holders.
+    pub path: Vec<PathPiece>,
+    /// First blocks of what already continues the path: they stay in `from`.
+    pub pins: Vec<SeqHash>,
+}
+
+impl Promotion {
+    /// The promoted blocks, top-down.
+    pub fn seqs(&self) -> Vec<SeqHash> {
+        self.path
+            .iter()
+            .flat_map(|p| p.seqs.iter().copied())
+            .collect()
+    }
+}
+
+impl Shard {
+    /// The path from the root to `tip`, cut where it leaves the trunk (`in_trunk`); `None`
+    /// if `tip` is not here or already in the trunk.
+    pub fn export(&self, tip: SeqHash, in_trunk: impl Fn(SeqHash) -> bool) -> Option<Promotion> {
+        let pos = self.index().find(tip)?;
+        let pieces = self.index().path_to(pos)?;
+        let mut ancestors = Vec::new();
+        let mut path = Vec::new();
+        for piece in pieces {
+            if !path.is_empty() {
+                path.push(piece);
+                continue;
+            }
+            // Trunk blocks form a prefix of the path (trunk invariant 1).
+            let cut = piece.seqs.iter().take_while(|&&s| in_trunk(s)).count();
+            let (above, below) = piece.seqs.split_at(cut);
+            ancestors.extend_from_slice(above);
+            if !below.is_empty() {
+                path.push(PathPiece {
+                    seqs: below.to_vec(),
+                    ..piece
+                });
+            }
+        }
+        if path.is_empty() {
+            return None;
+        }
+        let pins = path.iter().flat_map(|p| p.side.iter().copied()).collect();
+        Some(Promotion {
+            from: self.id(),
+            ancestors,
+            path,
+            pins,
+        })
+    }
+
+    /// Grafts an exported path: its trunk ancestors as structure where missing, then each
+    /// piece with its holders and copies.
+    pub fn import(&mut self, p: &Promotion) {
+        let mut positions = Vec::new();
+        if self
+            .index_mut()
+            .ensure(None, &p.ancestors, &mut positions)
+            .is_err()
+        {
+            self.note_inconsistent(p.seqs().len());
+            return;
+        }
+        let mut at = positions.last().copied();
+        for piece in &p.path {
+            positions.clear();
+            if self
+                .index_mut()
+                .ensure(at, &piece.seqs, &mut positions)
+                .is_err()
+            {
+                self.note_inconsistent(piece.seqs.len());
+                return;
+            }
+            for &(key, copies) in &piece.holders {
+                for _ in 0..copies {
+                    let mut held = Vec::new();
+                    if self
+                        .index_mut()
+                        .store(key, at, &piece.seqs, &mut held)
+                        .is_err()
+                    {
+                        self.note_inconsistent(piece.seqs.len());
+                    }
+                }
+            }
+            at = positions.last().copied();
+        }
+        if let Some(end) = at {
+            self.index_mut().prune_unheld(end);
+        }
+        // Grafting is not traffic: a branch it made is no hub.
+        let _ = self.take_branch();
+    }
+}

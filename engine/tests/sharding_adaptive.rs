@@ -1,0 +1,263 @@
+//! The adaptive trunk against a plain model: random stores, removals, clears and worker
+//! removals on 1, 2, 3 and 8 shards with a hub threshold of 2 or 3, so that blocks are
+//! promoted (and their continuations pinned) all the time; after every operation every
+//! query, per-key block counts, per-shard entry counts and shard consistency are checked,
+//! and at the end everything is removed and the footprint is back to empty.
+//!
+//! Queries are chains (a request's seq_hashes, extended past what is stored): a query goes
+//! to one shard, which holds its path, so that is what a sharded index answers exactly.
+//! (`index_model.rs` also asks non-chain sequences, which only the single-shard index can
+//! answer by construction.)
+
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::seq_hash;
+use engine::sharding::ShardPolicy;
+use engine::sharding::adaptive::Adaptive;
+use engine::sharding::sharded::ShardedIndex;
+use engine::{EngineHash, Matches, SeqHash, TokensHash, WorkerId, WorkerKey};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// `parent`: None = starts a sequence, Some(i) = the i-th (mod n) block this key holds.
+    Store {
+        w: u64,
+        dp: u32,
+        parent: Option<usize>,
+        tokens: Vec<u64>,
+    },
+    Remove {
+        w: u64,
+        dp: u32,
+        picks: Vec<usize>,
+    },
+    Clear {
+        w: u64,
+        dp: u32,
+    },
+    RemoveWorker {
+        w: u64,
+    },
+    Query {
+        pick: usize,
+        extra: Vec<u64>,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let w = 0..6u64;
+    let dp = 0..2u32;
+    prop_oneof![
+        8 => (w.clone(), dp.clone(), proptest::option::weighted(0.7, 0..64usize),
+              proptest::collection::vec(0..4u64, 1..6))
+            .prop_map(|(w, dp, parent, tokens)| Op::Store { w, dp, parent, tokens }),
+        3 => (w.clone(), dp.clone(), proptest::collection::vec(0..64usize, 1..6))
+            .prop_map(|(w, dp, picks)| Op::Remove { w, dp, picks }),
+        1 => (w.clone(), dp).prop_map(|(w, dp)| Op::Clear { w, dp }),
+        1 => w.prop_map(|w| Op::RemoveWorker { w }),
+        4 => (0..256usize, proptest::collection::vec(0..4u64, 0..3))
+            .prop_map(|(pick, extra)| Op::Query { pick, extra }),
+    ]
+}
+
+/// Per worker key, the seq_hashes it holds (with copies); engine hash = seq ^ 0x5555.
+#[derive(Default)]
+struct Model {
+    held: BTreeMap<WorkerKey, BTreeMap<u64, u32>>,
+    parents: HashMap<u64, Option<u64>>,
+}
+
+impl Model {
+    fn matches(&self, q: &[SeqHash]) -> Matches {
+        Matches::from_overlaps(self.held.iter().map(|(&k, seqs)| {
+            let o = q.iter().take_while(|s| seqs.contains_key(&s.0)).count();
+            (k, o as u32)
+        }))
+    }
+
+    fn drop_copies(&mut self, key: WorkerKey, seqs: &[u64]) {
+        if let Some(h) = self.held.get_mut(&key) {
+            for s in seqs {
+                if let Some(c) = h.get_mut(s) {
+                    *c -= 1;
+                    if *c == 0 {
+                        h.remove(s);
+                    }
+                }
+            }
+            if h.is_empty() {
+                self.held.remove(&key);
+            }
+        }
+    }
+}
+
+fn engine(s: u64) -> EngineHash {
+    EngineHash(s ^ 0x5555)
+}
+
+fn run(shards: usize, fanout: u32, ops: Vec<Op>) {
+    let mut ix = ShardedIndex::new(Adaptive::new(shards, fanout).unwrap());
+    let mut m = Model::default();
+    for op in ops {
+        match op {
+            Op::Store {
+                w,
+                dp,
+                parent,
+                tokens,
+            } => {
+                let key = WorkerKey::new(w, dp);
+                let parent = parent.and_then(|i| {
+                    let h = m.held.get(&key)?;
+                    h.keys().nth(i % h.len()).copied()
+                });
+                let mut prev = parent.map(SeqHash);
+                let mut blocks = Vec::new();
+                for &t in &tokens {
+                    let s = seq_hash(prev, TokensHash(t));
+                    m.parents.entry(s.0).or_insert(prev.map(|p| p.0));
+                    blocks.push(StoredBlock {
+                        engine_hash: engine(s.0),
+                        tokens_hash: TokensHash(t),
+                    });
+                    *m.held.entry(key).or_default().entry(s.0).or_default() += 1;
+                    prev = Some(s);
+                }
+                let ev = KvEvent::Stored {
+                    parent: parent.map(engine),
+                    blocks,
+                };
+                assert_eq!(ix.apply(key, &ev).unwrap().blocks, tokens.len());
+            }
+            Op::Remove { w, dp, picks } => {
+                let key = WorkerKey::new(w, dp);
+                let held: Vec<u64> = m
+                    .held
+                    .get(&key)
+                    .map(|h| h.keys().copied().collect())
+                    .unwrap_or_default();
+                if held.is_empty() {
+                    continue;
+                }
+                let mut gone: Vec<u64> = picks.iter().map(|i| held[i % held.len()]).collect();
+                gone.sort();
+                gone.dedup();
+                m.drop_copies(key, &gone);
+                let ev = KvEvent::Removed {
+                    blocks: gone.iter().map(|&s| engine(s)).collect(),
+                };
+                assert_eq!(ix.apply(key, &ev).unwrap().unknown, 0);
+            }
+            Op::Clear { w, dp } => {
+                let key = WorkerKey::new(w, dp);
+                m.held.remove(&key);
+                ix.apply(key, &KvEvent::Cleared).unwrap();
+            }
+            Op::RemoveWorker { w } => {
+                m.held.retain(|k, _| k.worker != WorkerId(w));
+                ix.remove_worker(WorkerId(w));
+            }
+            Op::Query { pick, extra } => {
+                let mut known: Vec<u64> = m.parents.keys().copied().collect();
+                known.sort();
+                let mut q = Vec::new();
+                if !known.is_empty() {
+                    let mut s = Some(known[pick % known.len()]);
+                    while let Some(x) = s {
+                        q.push(SeqHash(x));
+                        s = m.parents[&x];
+                    }
+                    q.reverse();
+                }
+                for t in extra {
+                    q.push(seq_hash(q.last().copied(), TokensHash(t)));
+                }
+                assert_eq!(ix.find_matches(&q), m.matches(&q), "query {q:?}");
+            }
+        }
+        let trunk = ix.policy().trunk();
+        let want: u64 = m
+            .held
+            .values()
+            .flat_map(|h| h.keys())
+            .map(|&s| {
+                if trunk.contains(SeqHash(s)) {
+                    shards as u64
+                } else {
+                    1
+                }
+            })
+            .sum();
+        assert_eq!(ix.stats().entries, want);
+        for (k, h) in &m.held {
+            assert_eq!(ix.cached_blocks(*k), h.len() as u64);
+        }
+        assert!(ix.shards().iter().all(|s| s.inconsistencies() == 0));
+    }
+    let keys: Vec<WorkerKey> = m.held.keys().copied().collect();
+    for k in keys {
+        ix.clear(k);
+    }
+    let fresh = ShardedIndex::new(Adaptive::new(shards, fanout).unwrap());
+    assert_eq!(ix.stats(), fresh.stats());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+    #[test]
+    fn adaptive_sharded_index_equals_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        fanout in 2u32..4,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        run(shards, fanout, ops);
+    }
+}
+
+/// A hot prompt (every sequence shares its first 96 blocks, W4's shape) is promoted once it
+/// branches, after which its continuations spread over the shards.
+#[test]
+fn a_long_shared_prompt_is_promoted_and_the_load_spreads() {
+    let shards = 2;
+    let mut ix = ShardedIndex::new(Adaptive::new(shards, Adaptive::DEFAULT_HUB_FANOUT).unwrap());
+    let prompt: Vec<TokensHash> = (0..96).map(|i| TokensHash(1_000 + i)).collect();
+    for seq in 0..1_000u64 {
+        let key = WorkerKey::new(seq % 64, 0);
+        let mut prev = None;
+        let blocks: Vec<StoredBlock> = prompt
+            .iter()
+            .copied()
+            .chain((0..32).map(|i| TokensHash(seq * 100 + i)))
+            .map(|t| {
+                let s = seq_hash(prev, t);
+                prev = Some(s);
+                StoredBlock {
+                    engine_hash: EngineHash(s.0 ^ seq),
+                    tokens_hash: t,
+                }
+            })
+            .collect();
+        ix.apply(
+            key,
+            &KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        )
+        .unwrap();
+    }
+    assert_eq!(
+        ix.policy().trunk().len(),
+        96,
+        "the prompt, and nothing else"
+    );
+    let ops: Vec<u64> = ix.shards().iter().map(|s| s.applied()).collect();
+    let max = *ops.iter().max().unwrap() as f64;
+    let balance = max * shards as f64 / ops.iter().sum::<u64>() as f64;
+    assert!(balance < 1.1, "balance {balance} over {ops:?}");
+    assert!(ix.shards().iter().all(|s| s.inconsistencies() == 0));
+    assert_eq!(ShardPolicy::shards(ix.policy()), shards);
+}
