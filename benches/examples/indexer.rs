@@ -4,15 +4,18 @@
 //! ```text
 //! cargo run --release -p kvengine-benches --example indexer -- --workload dynamo --json /tmp/x.json
 //! cargo run --release -p kvengine-benches --example indexer -- --workload shared-prefix --indexer sharded --cores 2
+//! cargo run --release -p kvengine-benches --example indexer -- --workload dynamo-w1 --repeat 3
 //! ```
 //!
 //! Exits with status 1 when the run's self-checks fail (the report is still written).
 
 use anyhow::Result;
 use clap::Parser;
+use kvengine_benches::anchor;
 use kvengine_benches::args::{Baseline, IndexerArgs};
 use kvengine_benches::harness::run;
 use kvengine_benches::workload::Plan;
+use kvengine_benches::workload::anchor::AnchorPlan;
 use mimalloc::MiMalloc;
 use std::time::Instant;
 
@@ -33,6 +36,26 @@ struct Cli {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let args = &cli.args;
+    if let Some(spec) = args.anchor_spec()? {
+        let plan = AnchorPlan::generate(&spec)?;
+        let indexer = cli.indexer;
+        let report = anchor::run(
+            &mut || indexer.build_anchor(args),
+            &plan,
+            &args.anchor_options(),
+        )?;
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        if let Some(path) = &args.json {
+            kvengine_benches::write_json(&report, path)?;
+        }
+        for p in &report.problems {
+            eprintln!("check failed: {p}");
+        }
+        if !report.checks_passed {
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let opts = args.run_options()?;
     let mut ix = cli.indexer.build(args)?;
     let t = Instant::now();

@@ -7,12 +7,18 @@
 //! 1. The defaults are issue 3's (NVIDIA Dynamo's indexer benchmark): size 1,048,576,
 //!    depth 128, 128 workers, block size 16, prefix ratio 0.25, 4 prefix groups.
 //! 2. [`IndexerArgs::spec`] and [`IndexerArgs::run_options`] only copy and convert; every
-//!    range check lives in [`WorkloadSpec::validate`] so the library refuses the same
-//!    inputs whoever builds the spec.
+//!    range check lives in [`WorkloadSpec::validate`] (and [`AnchorSpec::validate`]) so the
+//!    library refuses the same inputs whoever builds the spec.
+//! 3. The anchor workloads (`dynamo-w1` .. `dynamo-w4`) fix every workload flag: one set
+//!    away from its default is refused, not ignored. They scale only through
+//!    `--anchor-size` and `--anchor-queries`, which (like `--repeat`) other workloads
+//!    refuse.
 
+use crate::anchor::AnchorOptions;
 use crate::driver::sharded::DEFAULT_REPLICATE_DEPTH;
 use crate::driver::{IndexerUnderTest, MixedPlan};
 use crate::harness::RunOptions;
+use crate::workload::anchor::AnchorSpec;
 use crate::workload::{TraceAssign, TraceSpec, WorkloadKind, WorkloadSpec};
 use anyhow::{Result, bail};
 use std::path::PathBuf;
@@ -22,7 +28,9 @@ use std::time::Duration;
 #[derive(clap::Args, Clone, Debug)]
 pub struct IndexerArgs {
     /// Named workload: uniform (prefix ratio 0), dynamo (the defaults), shared-prefix
-    /// (one prefix group), trace (a Mooncake JSONL file, see --trace).
+    /// (one prefix group), trace (a Mooncake JSONL file, see --trace), or dynamo-w1 ..
+    /// dynamo-w4 (Dynamo's anchor workloads exactly, with their own phases and report;
+    /// they fix every workload flag, see --anchor-size and --repeat).
     #[arg(long, value_enum, default_value_t = WorkloadKind::Dynamo, env = "KVENGINE_BENCH_WORKLOAD")]
     pub workload: WorkloadKind,
     /// Mooncake-format JSONL trace, for --workload trace.
@@ -78,6 +86,18 @@ pub struct IndexerArgs {
     /// Trace replay: blocks each worker caches before it evicts (default size / workers).
     #[arg(long, env = "KVENGINE_BENCH_TRACE_CAPACITY")]
     pub trace_capacity: Option<usize>,
+    /// dynamo-w1 .. dynamo-w4 only: S, the (worker, block) pairs of the base sequences,
+    /// in place of the anchor's (scales a run down; W, D, r and G stay).
+    #[arg(long, env = "KVENGINE_BENCH_ANCHOR_SIZE")]
+    pub anchor_size: Option<usize>,
+    /// dynamo-w1 .. dynamo-w4 only: queries per query phase in place of the anchor's
+    /// 20,000.
+    #[arg(long, env = "KVENGINE_BENCH_ANCHOR_QUERIES")]
+    pub anchor_queries: Option<usize>,
+    /// dynamo-w1 .. dynamo-w4 only: runs in this invocation, each on a fresh indexer; the
+    /// report gives every figure's median, and its min / median / max under `range`.
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_REPEAT")]
+    pub repeat: usize,
     /// Write the JSON report here.
     #[arg(long, env = "KVENGINE_BENCH_JSON")]
     pub json: Option<PathBuf>,
@@ -106,6 +126,72 @@ impl IndexerArgs {
                 assign: self.trace_assign,
                 capacity: self.trace_capacity,
             }),
+        }
+    }
+
+    /// The anchor workload these flags select, with `--anchor-size` and `--anchor-queries`
+    /// applied; `None` for the other workloads (invariant 3).
+    pub fn anchor_spec(&self) -> Result<Option<AnchorSpec>> {
+        let Some(mut spec) = AnchorSpec::of(self.workload) else {
+            if self.anchor_size.is_some() || self.anchor_queries.is_some() || self.repeat != 1 {
+                bail!(
+                    "--anchor-size, --anchor-queries and --repeat apply to --workload \
+                     dynamo-w1 .. dynamo-w4 only"
+                );
+            }
+            return Ok(None);
+        };
+        let fixed = self.fixed_by_anchor();
+        if !fixed.is_empty() {
+            bail!(
+                "--workload {} fixes its workload: drop {} (scale it with --anchor-size and \
+                 --anchor-queries)",
+                self.workload.name(),
+                fixed.join(", ")
+            );
+        }
+        if let Some(size) = self.anchor_size {
+            spec.size = size;
+        }
+        if let Some(queries) = self.anchor_queries {
+            spec.queries = queries;
+        }
+        spec.validate()?;
+        Ok(Some(spec))
+    }
+
+    /// Workload flags set away from their defaults, which an anchor workload fixes.
+    fn fixed_by_anchor(&self) -> Vec<&'static str> {
+        let (s, d) = (self.spec(), WorkloadSpec::default());
+        [
+            ("--size", s.size != d.size),
+            ("--depth", s.depth != d.depth),
+            ("--workers", s.workers != d.workers),
+            ("--block-size", s.block_size != d.block_size),
+            ("--prefix-ratio", s.prefix_ratio != d.prefix_ratio),
+            ("--prefix-groups", s.prefix_groups != d.prefix_groups),
+            ("--seed", s.seed != d.seed),
+            ("--queries", s.queries != d.queries),
+            ("--producers", s.producers != d.producers),
+            ("--query-threads", s.query_threads != d.query_threads),
+            ("--trace", self.trace.is_some()),
+            ("--trace-capacity", self.trace_capacity.is_some()),
+            ("--duration-s", self.duration_s != 0.0),
+            (
+                "--events-per-query",
+                self.events_per_query != MixedPlan::default().events_per_query,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(flag, set)| set.then_some(flag))
+        .collect()
+    }
+
+    /// How to run an anchor plan.
+    pub fn anchor_options(&self) -> AnchorOptions {
+        AnchorOptions {
+            repeat: self.repeat,
+            progress: !self.quiet,
         }
     }
 
@@ -154,5 +240,21 @@ impl Baseline {
                 true,
             )?),
         })
+    }
+
+    /// The indexer for an anchor workload ([`crate::anchor`]): events come from one
+    /// stream; the runtime gets one ingest handle and two query handles (phase 3's two
+    /// callers use handles 0 and 1; phase 4's one query thread uses handle 1).
+    pub fn build_anchor(self, args: &IndexerArgs) -> Result<Box<dyn IndexerUnderTest>> {
+        match self {
+            Self::Runtime => Ok(Box::new(crate::driver::runtime::RuntimeUnderTest::new(
+                args.cores,
+                args.replicate_depth,
+                1,
+                1,
+                true,
+            )?)),
+            Self::KvIndex | Self::Sharded => self.build(args),
+        }
     }
 }

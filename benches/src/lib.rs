@@ -5,11 +5,17 @@
 //! indexer through the [`driver::IndexerUnderTest`] trait phase by phase, and writes the
 //! figures as JSON. The engine's micro-benchmarks live next to it, in `engine/benches/`.
 //!
-//! * [`workload`]: the workloads ([`workload::Plan::generate`]).
-//! * [`driver`]: the trait the harness drives, and its single-threaded implementations.
+//! * [`workload`]: the workloads ([`workload::Plan::generate`]; the anchor-exact
+//!   `dynamo-w1` .. `dynamo-w4` with [`workload::anchor::AnchorPlan::generate`]).
+//! * [`driver`]: the trait the harness drives, and its implementations.
 //! * [`harness`]: the phases and their measurement ([`harness::run`]).
+//! * [`anchor`]: the anchor-exact workloads' five phases, `--repeat` runs and their
+//!   min / median / max ([`anchor::run`]).
+//! * [`calibrate`]: memory latency (a pointer chase) and resident memory, for the anchor
+//!   report.
 //! * [`report`]: the JSON report.
-//! * [`args`]: the command-line flags, for the CLI to flatten.
+//! * [`args`]: the command-line flags, for the CLI to flatten (`--anchor-size`,
+//!   `--anchor-queries` and `--repeat` apply to the anchor workloads only).
 //! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
 //!   a workload replayed open loop through the router onto simulated vLLM workers.
 //!
@@ -30,7 +36,9 @@
 //! 2. A run checks itself: entry counts after build, every quiet-index query's best
 //!    overlap, and an empty index at the end ([`report::Checks`]).
 
+pub mod anchor;
 pub mod args;
+pub mod calibrate;
 pub mod driver;
 pub mod harness;
 pub mod ingest;

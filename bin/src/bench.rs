@@ -5,10 +5,12 @@
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
+use kvengine_benches::anchor;
 use kvengine_benches::args::{Baseline, IndexerArgs};
 use kvengine_benches::harness::run;
 use kvengine_benches::replay::{self, ReplayConfig, RunMode, plot, report, trace};
 use kvengine_benches::workload::Plan;
+use kvengine_benches::workload::anchor::{AnchorPlan, AnchorSpec};
 use sim::engine::EngineConfig;
 use sim::workload::chat::ChatConfig;
 use std::path::PathBuf;
@@ -16,8 +18,9 @@ use std::path::PathBuf;
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// Indexer throughput and latency on Dynamo-comparable workloads or a Mooncake trace;
-    /// prints a JSON report (and writes it with --json).
+    /// Indexer throughput and latency on Dynamo-comparable workloads, Dynamo's anchor
+    /// workloads exactly (--workload dynamo-w1 .. dynamo-w4, with --repeat), or a Mooncake
+    /// trace; prints a JSON report (and writes it with --json).
     Indexer(IndexerBench),
     /// KV events end to end over loopback (a Rust publisher -> ZMQ or QUIC -> decode ->
     /// engine); prints a JSON report (and writes it with --json).
@@ -117,6 +120,9 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Ingest(b) => return run_ingest(b),
         BenchCommand::Replay(b) => return run_replay(b),
     };
+    if let Some(spec) = b.args.anchor_spec()? {
+        return run_anchor(b, &spec);
+    }
     let opts = b.args.run_options()?;
     let plan = Plan::generate(&b.args.spec())?;
     let mut ix = b.indexer.build(&b.args)?;
@@ -129,6 +135,26 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
     let problems = report.checks.problems();
     if !problems.is_empty() {
         anyhow::bail!("self-checks failed: {}", problems.join("; "));
+    }
+    Ok(())
+}
+
+/// `kvengine bench indexer --workload dynamo-wN`: the anchor-exact harness.
+fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
+    let plan = AnchorPlan::generate(spec)?;
+    let (indexer, args) = (b.indexer, &b.args);
+    let report = anchor::run(
+        &mut || indexer.build_anchor(args),
+        &plan,
+        &args.anchor_options(),
+    )?;
+    drop(plan);
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(path) = &args.json {
+        kvengine_benches::write_json(&report, path)?;
+    }
+    if !report.checks_passed {
+        anyhow::bail!("self-checks failed: {}", report.problems.join("; "));
     }
     Ok(())
 }

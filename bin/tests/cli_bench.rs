@@ -1,4 +1,5 @@
-//! `kvengine bench indexer` runs the harness end to end on the threaded runtime.
+//! `kvengine bench indexer` runs the harness end to end on the threaded runtime, and the
+//! anchor-exact harness (`--workload dynamo-w1`) on the one-shard index.
 
 use std::process::Command;
 
@@ -52,5 +53,96 @@ fn bench_indexer_reports_every_key_and_clean_checks() {
         assert_eq!(r["checks"]["query_mismatches"], 0);
         assert_eq!(r["checks"]["final_live_entries"], 0);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_indexer_anchor_workload_repeats_and_reports_every_key() {
+    let dir = std::env::temp_dir().join(format!("kvengine-bench-anchor-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("anchor.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args(["bench", "indexer", "--workload", "dynamo-w1"])
+        .args(["--indexer", "kv-index", "--cores", "1"])
+        .args(["--anchor-size", "32768", "--anchor-queries", "300"])
+        .args(["--repeat", "2", "--quiet", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let keys = [
+        "store_blocks_per_s",
+        "remove_blocks_per_s",
+        "hit_p50_us",
+        "hit_p99_us",
+        "prefix_p50_us",
+        "prefix_p99_us",
+        "hit_qps_1",
+        "hit_qps_2",
+        "mixed_store_blocks_per_s",
+        "mixed_query_p50_us",
+        "mixed_query_p99_us",
+        "bytes_per_block",
+        "bytes_per_block_entry",
+        "shard_balance",
+        "rss_before_bytes",
+        "rss_built_bytes",
+        "rss_after_remove_bytes",
+        "residual_after_remove",
+    ];
+    for key in keys {
+        assert!(r[key].is_number(), "missing {key}");
+        let range = r["range"][key].as_array().unwrap();
+        assert_eq!(range.len(), 3, "{key}");
+        assert_eq!(range[1], r[key], "{key}: the top level is the median");
+    }
+    let runs = r["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in runs {
+        assert!(keys.iter().all(|k| run[k].is_number()));
+        assert_eq!(run["checks"]["hit_mismatches"], 0);
+        assert_eq!(run["checks"]["anomalies"], 0);
+    }
+    assert_eq!(r["workload"], "dynamo-w1");
+    assert_eq!(r["indexer"], "kv-index");
+    assert_eq!(r["cores"], 1);
+    assert_eq!(r["repeat"], 2);
+    assert_eq!(r["mixed_mode"], "interleaved");
+    assert_eq!(r["checks_passed"], true);
+    // W1's parameters with S scaled: N = S / D, E = N / 4, P = round(0.25 D).
+    let p = &r["params"];
+    assert_eq!(
+        (p["W"].as_u64(), p["D"].as_u64(), p["G"].as_u64()),
+        (Some(128), Some(128), Some(4))
+    );
+    assert_eq!(
+        (p["N"].as_u64(), p["E"].as_u64(), p["P"].as_u64()),
+        (Some(256), Some(64), Some(32))
+    );
+    assert!(r["mem_latency_ns"]["1MB"].as_f64().unwrap() > 0.0);
+    assert!(r["mem_latency_ns"]["128MB"].as_f64().unwrap() > 0.0);
+    for key in ["machine", "date", "version"] {
+        assert!(r.get(key).is_some(), "missing {key}");
+    }
+
+    // A workload flag the anchor fixes is refused, naming it.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args([
+            "bench",
+            "indexer",
+            "--workload",
+            "dynamo-w1",
+            "--workers",
+            "16",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--workers"));
     std::fs::remove_dir_all(&dir).unwrap();
 }

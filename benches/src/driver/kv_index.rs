@@ -5,8 +5,15 @@
 //!    the sharded implementations' per-shard counts.
 //! 2. A refused event or a removal of an unheld block adds to `anomalies` (driver
 //!    invariant 3); the index itself counts the same refusals in `rejects()`.
+//!
+//! # Concurrency
+//! Events and the mixed phase run in the caller's thread. `query_callers` shares
+//! `&KvIndex` (which is `Sync`) across K scoped reader threads; nothing writes meanwhile.
 
-use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, StepIndexer, apply_streams};
+use super::{
+    CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
+    StepIndexer, apply_streams,
+};
 use crate::workload::{EventStream, Query};
 use anyhow::Result;
 use engine::event::KvEvent;
@@ -76,6 +83,20 @@ impl IndexerUnderTest for KvIndexUnderTest {
         plan: &MixedPlan,
     ) -> Result<MixedOutcome> {
         Ok(super::interleaved_mixed(self, streams, queries, plan))
+    }
+
+    fn mixed_mode(&self) -> MixedMode {
+        MixedMode::Interleaved
+    }
+
+    fn query_callers(&mut self, lists: &[&[Query]], keep: bool) -> Result<CallersOutcome> {
+        // The index is `Sync`: every caller shares `&index` (no lock, no copy).
+        let mut shared = vec![&self.index; lists.len()];
+        super::callers::run_callers(&mut shared, lists, keep, |ix, q| Ok(ix.find_matches(q)))
+    }
+
+    fn max_callers(&self) -> usize {
+        usize::MAX
     }
 
     fn stats(&mut self) -> Result<IndexerStats> {

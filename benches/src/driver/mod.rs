@@ -13,6 +13,10 @@
 //! * [`runtime::RuntimeUnderTest`]: the threaded runtime, N pinned shard threads fed by
 //!   producer threads over SPSC rings (`cores` = shard threads).
 //!
+//! [`IndexerUnderTest::query_callers`] runs K concurrent query callers on a quiet index
+//! ([`callers`]): the single-threaded indexes are `Sync` and share `&index` across K scoped
+//! threads; the runtime gives each caller its own query handle.
+//!
 //! # Invariants (every implementation MUST keep them)
 //! 1. When `apply_all` or `mixed` returns `Ok`, every event of every stream has been
 //!    applied and is visible to the next `query`.
@@ -28,15 +32,19 @@
 //! implementation may run its own threads inside a call; they must be quiescent (all
 //! events applied, all queries answered) when the call returns.
 
+pub mod callers;
 pub mod kv_index;
 pub mod runtime;
 pub mod sharded;
+
+pub use callers::{AnswerSummary, CallersOutcome};
 
 use crate::workload::{EventStream, Query};
 use anyhow::Result;
 use engine::event::KvEvent;
 use engine::{Matches, SeqHash, WorkerKey};
 use hdrhistogram::Histogram;
+use serde::Serialize;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -65,6 +73,16 @@ impl MixedPlan {
             events_per_query: events_per_query.max(1),
         }
     }
+}
+
+/// How [`IndexerUnderTest::mixed`] overlaps events and queries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MixedMode {
+    /// One thread: a query after every `events_per_query` events ([`interleaved_mixed`]).
+    Interleaved,
+    /// Producer threads apply events while query threads run closed-loop beside them.
+    Concurrent,
 }
 
 /// What a mixed phase measured.
@@ -107,6 +125,20 @@ pub trait IndexerUnderTest {
         queries: &[Vec<Query>],
         plan: &MixedPlan,
     ) -> Result<MixedOutcome>;
+
+    /// How [`IndexerUnderTest::mixed`] runs events and queries together.
+    fn mixed_mode(&self) -> MixedMode;
+
+    /// Runs `lists[c]` on caller `c`, K = `lists.len()` callers at once, on the quiet
+    /// index (no events meanwhile); keeps every whole answer when `keep`. The caller
+    /// guarantees K is at most [`IndexerUnderTest::max_callers`]; the implementation MUST
+    /// run the K callers concurrently (one in the calling thread when K = 1), each on its
+    /// own thread and query path, and return per caller its latencies, answer summaries
+    /// and (if kept) answers in list order (see [`callers`]).
+    fn query_callers(&mut self, lists: &[&[Query]], keep: bool) -> Result<CallersOutcome>;
+
+    /// Most concurrent callers [`IndexerUnderTest::query_callers`] supports.
+    fn max_callers(&self) -> usize;
 
     /// Sizes and counters now (between phases; not timed).
     fn stats(&mut self) -> Result<IndexerStats>;

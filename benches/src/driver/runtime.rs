@@ -12,10 +12,14 @@
 //!    return only after every handle has synced, so every event is applied and visible to
 //!    the next query (driver invariant 1).
 //! 2. Query handle 0 serves the harness's own single queries and `stats`; mixed-phase query
-//!    thread `t` uses handle `t + 1`.
+//!    thread `t` uses handle `t + 1`; `query_callers` caller `c` uses handle `c` (so it
+//!    supports as many callers as there are handles: mixed query threads + 1).
 //! 3. Dropping the driver closes every handle and joins the shards.
 
-use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, latency_histogram};
+use super::{
+    CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
+    latency_histogram,
+};
 use crate::workload::{EventStream, Query};
 use anyhow::{Context, Result, bail};
 use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig, start};
@@ -185,6 +189,18 @@ impl IndexerUnderTest for RuntimeUnderTest {
             elapsed: produced.1,
             latencies_ns: hist,
         })
+    }
+
+    fn mixed_mode(&self) -> MixedMode {
+        MixedMode::Concurrent
+    }
+
+    fn query_callers(&mut self, lists: &[&[Query]], keep: bool) -> Result<CallersOutcome> {
+        super::callers::run_callers(&mut self.query, lists, keep, |h, q| Ok(h.find_matches(q)?))
+    }
+
+    fn max_callers(&self) -> usize {
+        self.query.len()
     }
 
     fn stats(&mut self) -> Result<IndexerStats> {

@@ -12,9 +12,17 @@
 //! 2. A refused event, a removal of an unheld block, or a shard inconsistency adds to
 //!    `anomalies` (driver invariant 3).
 //!
+//! # Concurrency
+//! Events and the mixed phase run in the caller's thread. `query_callers` shares
+//! `&ShardedIndex` (which is `Sync`) across K scoped reader threads; nothing writes
+//! meanwhile.
+//!
 //! [`Shard::applied`]: engine::sharding::shard::Shard::applied
 
-use super::{IndexerStats, IndexerUnderTest, MixedOutcome, MixedPlan, StepIndexer, apply_streams};
+use super::{
+    CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
+    StepIndexer, apply_streams,
+};
 use crate::workload::{EventStream, Query};
 use anyhow::Result;
 use engine::event::KvEvent;
@@ -95,6 +103,20 @@ impl IndexerUnderTest for ShardedUnderTest {
         plan: &MixedPlan,
     ) -> Result<MixedOutcome> {
         Ok(super::interleaved_mixed(self, streams, queries, plan))
+    }
+
+    fn mixed_mode(&self) -> MixedMode {
+        MixedMode::Interleaved
+    }
+
+    fn query_callers(&mut self, lists: &[&[Query]], keep: bool) -> Result<CallersOutcome> {
+        // The index is `Sync`: every caller shares `&index` (no lock, no copy).
+        let mut shared = vec![&self.index; lists.len()];
+        super::callers::run_callers(&mut shared, lists, keep, |ix, q| Ok(ix.find_matches(q)))
+    }
+
+    fn max_callers(&self) -> usize {
+        usize::MAX
     }
 
     fn stats(&mut self) -> Result<IndexerStats> {

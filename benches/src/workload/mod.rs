@@ -9,6 +9,9 @@
 //! * [`trace`]: a Mooncake JSONL trace replayed onto simulated workers whose caches are
 //!   bounded and evict LRU, so removals are real.
 //!
+//! The anchor-exact workloads (`dynamo-w1` .. `dynamo-w4`) have their own plan and phases:
+//! [`anchor::AnchorPlan`], run by [`crate::anchor`]; [`Plan::generate`] refuses them.
+//!
 //! # Invariants
 //! 1. Everything is generated before the first timed phase; the timed part only moves
 //!    pre-built [`KvEvent`]s (engine hashes and precomputed tokens hashes: no token
@@ -23,6 +26,7 @@
 //! 5. Every checked query's `expect_best` is the best overlap an exact index returns on the
 //!    live set the phase runs against (after build, before store).
 
+pub mod anchor;
 pub mod synthetic;
 pub mod trace;
 
@@ -52,6 +56,22 @@ pub enum WorkloadKind {
     SharedPrefix,
     /// A Mooncake-format JSONL trace replayed onto capacity-bounded simulated workers.
     Trace,
+    /// Anchor W1: 128 workers, depth 128, 2^20 pairs, prefix ratio 0.25, 4 groups.
+    #[value(name = "dynamo-w1")]
+    #[serde(rename = "dynamo-w1")]
+    DynamoW1,
+    /// Anchor W2: W1 with one group.
+    #[value(name = "dynamo-w2")]
+    #[serde(rename = "dynamo-w2")]
+    DynamoW2,
+    /// Anchor W3: 64 workers, depth 512, 2^21 pairs, prefix ratio 0.25, 4 groups.
+    #[value(name = "dynamo-w3")]
+    #[serde(rename = "dynamo-w3")]
+    DynamoW3,
+    /// Anchor W4: W1 with prefix ratio 0.75 and one group.
+    #[value(name = "dynamo-w4")]
+    #[serde(rename = "dynamo-w4")]
+    DynamoW4,
 }
 
 impl WorkloadKind {
@@ -62,7 +82,19 @@ impl WorkloadKind {
             Self::Dynamo => "dynamo",
             Self::SharedPrefix => "shared-prefix",
             Self::Trace => "trace",
+            Self::DynamoW1 => "dynamo-w1",
+            Self::DynamoW2 => "dynamo-w2",
+            Self::DynamoW3 => "dynamo-w3",
+            Self::DynamoW4 => "dynamo-w4",
         }
+    }
+
+    /// An anchor-exact workload (run by [`crate::anchor`], not by [`crate::harness`]).
+    pub fn is_anchor(self) -> bool {
+        matches!(
+            self,
+            Self::DynamoW1 | Self::DynamoW2 | Self::DynamoW3 | Self::DynamoW4
+        )
     }
 }
 
@@ -148,7 +180,7 @@ impl WorkloadSpec {
         match s.kind {
             WorkloadKind::Uniform => s.prefix_ratio = 0.0,
             WorkloadKind::SharedPrefix => s.prefix_groups = 1,
-            WorkloadKind::Dynamo | WorkloadKind::Trace => {}
+            _ => {}
         }
         s
     }
@@ -359,6 +391,12 @@ impl Plan {
     /// Generates the plan of `spec` (after its named overrides).
     pub fn generate(spec: &WorkloadSpec) -> Result<Self> {
         let spec = spec.effective();
+        if spec.kind.is_anchor() {
+            bail!(
+                "{} is an anchor workload: generate it with workload::anchor::AnchorPlan",
+                spec.kind.name()
+            );
+        }
         spec.validate()?;
         match spec.kind {
             WorkloadKind::Trace => trace::plan(spec),

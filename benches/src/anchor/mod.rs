@@ -1,0 +1,125 @@
+//! The anchor-exact harness: `kvengine bench indexer --workload dynamo-w1` .. `dynamo-w4`.
+//!
+//! It runs [`AnchorPlan`] (see [`crate::workload::anchor`] for the workload) through any
+//! [`IndexerUnderTest`], `repeat` times, each time on a fresh indexer, in five phases:
+//!
+//! 1. store the base sequences from empty, timed until every event is visible;
+//! 2. on the quiet index, one caller: the hit queries (random base sequences at full
+//!    depth), then the prefix-only queries (a group's prefix plus fresh blocks);
+//! 3. the same hit queries split across two concurrent callers;
+//! 4. one thread streams the extra sequences' stores while one caller queries back to back
+//!    (hit queries, cyclically) until they are visible. A single-threaded indexer has no
+//!    second thread: it interleaves one query after every store event, and the report
+//!    says so (`mixed_mode: interleaved`);
+//! 5. remove every tail, then every (worker, group) prefix, timed until visible.
+//!
+//! Before the runs it measures the machine's memory latency once ([`crate::calibrate`]);
+//! each run reads resident memory before the indexer exists, after phase 1 and after
+//! phase 5. The report ([`report::AnchorReport`]) has each figure's median over runs at
+//! the top level, min / median / max under `range`, and every run under `runs`.
+//!
+//! # Invariants
+//! 1. The plan is generated once, before the first indexer exists, and shared by the runs.
+//! 2. Every answer of phases 2 and 3 is checked after its timed window: the timed pass
+//!    keeps each answer's summary (best overlap, holders), and an untimed re-run on the
+//!    same callers keeps whole answers ([`checks`]); the hit queries re-run after phase 5
+//!    must match nobody. With the event and entry counts they make each run's
+//!    [`report::AnchorChecks`].
+//! 3. Runs are independent: each creates its indexer through `make` and drops it before
+//!    the next one starts.
+
+pub mod checks;
+pub mod phases;
+pub mod report;
+
+use crate::calibrate::mem_latency;
+use crate::driver::IndexerUnderTest;
+use crate::report::{Machine, VERSION, utc_now};
+use crate::workload::anchor::AnchorPlan;
+use anyhow::{Result, bail};
+use report::{AnchorParams, AnchorReport, summarize};
+
+/// How to run an anchor plan.
+#[derive(Clone, Copy, Debug)]
+pub struct AnchorOptions {
+    /// Runs, each on a fresh indexer (at least 1).
+    pub repeat: usize,
+    /// Print one line per phase to stderr.
+    pub progress: bool,
+}
+
+impl Default for AnchorOptions {
+    fn default() -> Self {
+        Self {
+            repeat: 1,
+            progress: false,
+        }
+    }
+}
+
+/// Runs `plan` `opts.repeat` times, each on a fresh indexer from `make`, and reports.
+pub fn run(
+    make: &mut dyn FnMut() -> Result<Box<dyn IndexerUnderTest>>,
+    plan: &AnchorPlan,
+    opts: &AnchorOptions,
+) -> Result<AnchorReport> {
+    if opts.repeat == 0 {
+        bail!("--repeat must be at least 1");
+    }
+    let mem = mem_latency();
+    if opts.progress {
+        eprintln!(
+            "{}: N = {}, E = {}, P = {}; memory latency {:.1} ns (1 MB), {:.1} ns (128 MB)",
+            plan.spec.kind.name(),
+            plan.shape.base_sequences,
+            plan.shape.extra_sequences,
+            plan.shape.prefix_blocks,
+            mem.mb_1,
+            mem.mb_128
+        );
+    }
+    let mut runs = Vec::with_capacity(opts.repeat);
+    let mut first = None;
+    for i in 0..opts.repeat {
+        let out = phases::run_once(make, plan, opts.progress)?;
+        if opts.progress {
+            eprintln!("run {}/{} on {} done", i + 1, opts.repeat, out.indexer);
+        }
+        first.get_or_insert((out.indexer, out.cores, out.mixed_mode));
+        runs.push(out.report);
+    }
+    let Some((indexer, cores, mixed_mode)) = first else {
+        bail!("no run completed");
+    };
+    let problems: Vec<String> = runs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            r.checks
+                .problems()
+                .into_iter()
+                .map(move |p| format!("run {}: {p}", i + 1))
+        })
+        .collect();
+    let (figures, range) = summarize(&runs);
+    Ok(AnchorReport {
+        workload: plan.spec.kind,
+        indexer,
+        cores,
+        mixed_mode,
+        repeat: opts.repeat,
+        figures,
+        range,
+        checks_passed: problems.is_empty(),
+        problems,
+        params: AnchorParams {
+            spec: plan.spec.clone(),
+            shape: plan.shape.clone(),
+        },
+        mem_latency_ns: mem,
+        runs,
+        machine: Machine::detect(),
+        date: utc_now(),
+        version: VERSION,
+    })
+}
