@@ -15,12 +15,13 @@
 //!    refuse.
 
 use crate::anchor::AnchorOptions;
-use crate::driver::sharded::DEFAULT_REPLICATE_DEPTH;
 use crate::driver::{IndexerUnderTest, MixedPlan};
 use crate::harness::RunOptions;
 use crate::workload::anchor::AnchorSpec;
 use crate::workload::{TraceAssign, TraceSpec, WorkloadKind, WorkloadSpec};
 use anyhow::{Result, bail};
+use engine::sharding::adaptive::Adaptive;
+use engine::sharding::choice::Sharding;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -70,9 +71,13 @@ pub struct IndexerArgs {
     /// Shards / cores of the indexer under test.
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES")]
     pub cores: usize,
-    /// Sharded indexers: blocks shallower than this are replicated in every shard.
-    #[arg(long, default_value_t = DEFAULT_REPLICATE_DEPTH, env = "KVENGINE_BENCH_REPLICATE_DEPTH")]
-    pub replicate_depth: u32,
+    /// Sharded indexers: replicate the first N blocks of every sequence in every shard
+    /// instead of the default adaptive trunk.
+    #[arg(long, env = "KVENGINE_BENCH_REPLICATE_DEPTH")]
+    pub replicate_depth: Option<u32>,
+    /// Sharded indexers, adaptive trunk: a block joins the trunk at this many children.
+    #[arg(long, default_value_t = Adaptive::DEFAULT_HUB_FANOUT, env = "KVENGINE_BENCH_HUB_FANOUT")]
+    pub hub_fanout: u32,
     /// Repeat the mixed phase (in round pairs) until this many seconds have passed; 0 runs
     /// one pair.
     #[arg(long, default_value_t = 0.0, env = "KVENGINE_BENCH_DURATION_S")]
@@ -195,6 +200,15 @@ impl IndexerArgs {
         }
     }
 
+    /// The sharding of the sharded indexers.
+    pub fn sharding(&self) -> Result<Sharding> {
+        Ok(Sharding::configured(
+            self.cores,
+            self.replicate_depth,
+            self.hub_fanout,
+        )?)
+    }
+
     /// How to run the plan.
     pub fn run_options(&self) -> Result<RunOptions> {
         let Ok(duration) = Duration::try_from_secs_f64(self.duration_s) else {
@@ -229,12 +243,10 @@ impl Baseline {
             }
             Self::KvIndex => Box::new(crate::driver::kv_index::KvIndexUnderTest::new()),
             Self::Sharded => Box::new(crate::driver::sharded::ShardedUnderTest::new(
-                args.cores,
-                args.replicate_depth,
-            )?),
+                args.sharding()?,
+            )),
             Self::Runtime => Box::new(crate::driver::runtime::RuntimeUnderTest::new(
-                args.cores,
-                args.replicate_depth,
+                args.sharding()?,
                 args.producers,
                 args.query_threads,
                 true,
@@ -248,8 +260,7 @@ impl Baseline {
     pub fn build_anchor(self, args: &IndexerArgs) -> Result<Box<dyn IndexerUnderTest>> {
         match self {
             Self::Runtime => Ok(Box::new(crate::driver::runtime::RuntimeUnderTest::new(
-                args.cores,
-                args.replicate_depth,
+                args.sharding()?,
                 1,
                 1,
                 true,

@@ -10,6 +10,8 @@
 use anyhow::{Context, Result};
 use engine::runtime::{Runtime, RuntimeConfig};
 use engine::sched::SchedulerConfig;
+use engine::sharding::adaptive::Adaptive;
+use engine::sharding::choice::Sharding;
 use serde::Serialize;
 use std::sync::Arc;
 use transport::hub::{Hub, HubConfig, start_engine};
@@ -21,8 +23,11 @@ pub struct IngestConfig {
     pub cores: usize,
     /// Pin the engine's core threads.
     pub pin_cores: bool,
-    /// Blocks shallower than this are replicated in every shard (the router's default: 32).
-    pub replicate_depth: u32,
+    /// Sharding: `Some(d)` replicates the first `d` blocks everywhere; `None` (the router's
+    /// default) lets the trunk adapt, promoting at `hub_fanout` children.
+    pub replicate_depth: Option<u32>,
+    /// Children at which the adaptive trunk promotes a block.
+    pub hub_fanout: u32,
     /// Tokio worker threads (the transport and the publishers share the runtime).
     pub tokio_threads: usize,
     /// Publishers, one worker id each (1..=workers).
@@ -44,7 +49,8 @@ impl Default for IngestConfig {
         Self {
             cores: 2,
             pin_cores: false,
-            replicate_depth: 32,
+            replicate_depth: None,
+            hub_fanout: Adaptive::DEFAULT_HUB_FANOUT,
             tokio_threads: 2,
             workers: 4,
             batches: 1000,
@@ -98,8 +104,7 @@ impl IngestConfig {
             HubConfig {
                 scheduler: SchedulerConfig::default(),
             },
-            self.cores,
-            self.replicate_depth,
+            Sharding::configured(self.cores, self.replicate_depth, self.hub_fanout)?,
             engine_cfg,
         )
         .context("starting the engine")?;

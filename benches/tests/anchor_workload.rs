@@ -8,6 +8,7 @@ use anyhow::Result;
 use clap::Parser;
 use engine::event::{KvEvent, StoredBlock};
 use engine::kv_index::KvIndex;
+use engine::sharding::choice::Sharding;
 use engine::{EngineHash, Matches, SeqHash, TokensHash, WorkerKey};
 use kvengine_benches::anchor::report::Figures;
 use kvengine_benches::anchor::{self, AnchorOptions};
@@ -473,7 +474,9 @@ fn harness_self_checks_pass_on_kv_index_and_sharded() {
         assert_eq!(r["mixed_mode"], "interleaved");
         assert_eq!(r["shard_balance"], 1.0);
 
-        let r = run_anchor(&plan, 2, || Ok(Box::new(ShardedUnderTest::new(2, 32)?)));
+        let r = run_anchor(&plan, 2, || {
+            Ok(Box::new(ShardedUnderTest::new(Sharding::adaptive(2)?)))
+        });
         check_report(&r, &plan, 2);
         assert_eq!(r["cores"], 2);
         let ops = r["runs"][0]["details"]["shard_ops"].as_array().unwrap();
@@ -485,7 +488,12 @@ fn harness_self_checks_pass_on_kv_index_and_sharded() {
 fn harness_runs_the_runtime_with_concurrent_callers() {
     let plan = AnchorPlan::generate(&small(WorkloadKind::DynamoW1, 200)).unwrap();
     let r = run_anchor(&plan, 1, || {
-        Ok(Box::new(RuntimeUnderTest::new(2, 32, 1, 1, false)?))
+        Ok(Box::new(RuntimeUnderTest::new(
+            Sharding::adaptive(2)?,
+            1,
+            1,
+            false,
+        )?))
     });
     check_report(&r, &plan, 1);
     assert_eq!(r["mixed_mode"], "concurrent");

@@ -3,6 +3,7 @@
 
 use engine::event::KvEvent;
 use engine::kv_index::KvIndex;
+use engine::sharding::choice::Sharding;
 use engine::{EngineHash, WorkerKey};
 use kvengine_benches::driver::kv_index::KvIndexUnderTest;
 use kvengine_benches::driver::sharded::ShardedUnderTest;
@@ -182,7 +183,8 @@ fn absurd_inputs_are_errors_not_panics() {
     for spec in bad {
         assert!(Plan::generate(&spec).is_err(), "{spec:?}");
     }
-    assert!(ShardedUnderTest::new(0, 4).is_err());
+    assert!(Sharding::configured(0, Some(4), 8).is_err());
+    assert!(Sharding::adaptive(0).is_err());
 }
 
 const TRACE: &str = r#"{"timestamp": 0, "input_length": 1000, "output_length": 6, "hash_ids": [0, 1]}
@@ -240,7 +242,7 @@ fn kv_index_and_sharded_index_agree() {
     for kind in [WorkloadKind::Dynamo, WorkloadKind::SharedPrefix] {
         let plan = Plan::generate(&tiny(kind)).unwrap();
         let mut a = KvIndexUnderTest::new();
-        let mut b = ShardedUnderTest::new(3, 2).unwrap();
+        let mut b = ShardedUnderTest::new(Sharding::configured(3, Some(2), 8).unwrap());
         let queries: Vec<_> = plan
             .hit_queries
             .iter()
@@ -298,7 +300,9 @@ fn harness_runs_both_indexers_and_checks_itself() {
     };
     let ixs: Vec<Box<dyn IndexerUnderTest>> = vec![
         Box::new(KvIndexUnderTest::new()),
-        Box::new(ShardedUnderTest::new(2, 4).unwrap()),
+        Box::new(ShardedUnderTest::new(
+            Sharding::configured(2, Some(4), 8).unwrap(),
+        )),
     ];
     for mut ix in ixs {
         let r = run(ix.as_mut(), &plan, &opts).unwrap();
@@ -322,7 +326,7 @@ fn harness_runs_both_indexers_and_checks_itself() {
 fn json_report_has_every_key() {
     let plan = Plan::generate(&tiny(WorkloadKind::Dynamo)).unwrap();
     let r = run(
-        &mut ShardedUnderTest::new(2, 4).unwrap(),
+        &mut ShardedUnderTest::new(Sharding::configured(2, Some(4), 8).unwrap()),
         &plan,
         &RunOptions::default(),
     )

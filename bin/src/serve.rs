@@ -18,6 +18,8 @@ use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::runtime::RuntimeConfig;
 use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
+use engine::sharding::adaptive::Adaptive;
+use engine::sharding::choice::Sharding;
 use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_cluster};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -39,11 +41,16 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_CORES",
           value_parser = clap::value_parser!(u16).range(1..=32768))]
     pub cores: Option<u16>,
-    /// Blocks at depth below this are held by every shard; deeper blocks are sharded by the
-    /// block at this depth (raise it above your longest shared system prompt, in blocks).
-    #[arg(long, env = "KVENGINE_REPLICATE_DEPTH", default_value_t = 32,
+    /// Replicate the first N blocks of every sequence in every shard and shard the rest by
+    /// the block at depth N, instead of the default adaptive trunk.
+    #[arg(long, env = "KVENGINE_REPLICATE_DEPTH",
           value_parser = clap::value_parser!(u32).range(0..=(1 << 30)))]
-    pub replicate_depth: u32,
+    pub replicate_depth: Option<u32>,
+    /// Adaptive trunk (the default): a block that this many different continuations follow
+    /// in one shard is copied to every shard, and what continues it is spread over them.
+    #[arg(long, env = "KVENGINE_HUB_FANOUT", default_value_t = Adaptive::DEFAULT_HUB_FANOUT,
+          value_parser = clap::value_parser!(u32).range(2..=(1 << 20)))]
+    pub hub_fanout: u32,
     /// Messages each client-to-shard ring holds.
     #[arg(long, env = "KVENGINE_RING_CAPACITY", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 24)))]
@@ -208,7 +215,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     })
     .context("cannot install the SIGINT/SIGTERM handler")?;
 
-    let (hub, runtime) = start_engine(HubConfig { scheduler }, cores, args.replicate_depth, config)
+    let sharding = Sharding::configured(cores, args.replicate_depth, args.hub_fanout)
+        .context("invalid sharding flags")?;
+    let described = sharding.describe();
+    let (hub, runtime) = start_engine(HubConfig { scheduler }, sharding, config)
         .context("cannot start the shards")?;
     let hub = if args.no_kv_events {
         hub.without_kv_events(ApproxConfig::default())?
@@ -219,9 +229,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let pinned = runtime.pinned();
     let pinned_count = pinned.iter().flatten().count();
     println!(
-        "kvengine: {cores} core thread(s) up ({available} CPU(s) available); \
-         replicate depth {} blocks",
-        args.replicate_depth
+        "kvengine: {cores} core thread(s) up ({available} CPU(s) available); sharding {described}"
     );
     if args.no_pin {
         println!("kvengine: pinning disabled (--no-pin)");

@@ -11,10 +11,13 @@
 
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::seq_hash;
+use engine::kv_index::Applied;
+use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig};
 use engine::sharding::ShardPolicy;
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::sharded::ShardedIndex;
-use engine::{EngineHash, Matches, SeqHash, TokensHash, WorkerId, WorkerKey};
+use engine::sharding::trunk::Trunk;
+use engine::{EngineError, EngineHash, Matches, SeqHash, TokensHash, WorkerId, WorkerKey};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 
@@ -97,8 +100,131 @@ fn engine(s: u64) -> EngineHash {
     EngineHash(s ^ 0x5555)
 }
 
-fn run(shards: usize, fanout: u32, ops: Vec<Op>) {
-    let mut ix = ShardedIndex::new(Adaptive::new(shards, fanout).unwrap());
+/// What the test drives: the single-threaded sharded index or the threaded runtime.
+trait Target {
+    fn shards(&self) -> u64;
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError>;
+    fn remove_worker(&mut self, w: WorkerId);
+    fn find_matches(&mut self, q: &[SeqHash]) -> Matches;
+    fn cached_blocks(&mut self, key: WorkerKey) -> u64;
+    /// (entries over all shards, inconsistencies over all shards)
+    fn sizes(&mut self) -> (u64, u64);
+    fn trunk(&mut self) -> Trunk;
+    fn back_to_empty(&mut self) -> bool;
+}
+
+impl Target for ShardedIndex<Adaptive> {
+    fn shards(&self) -> u64 {
+        ShardedIndex::shards(self).len() as u64
+    }
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
+        ShardedIndex::apply(self, key, ev)
+    }
+    fn remove_worker(&mut self, w: WorkerId) {
+        ShardedIndex::remove_worker(self, w);
+    }
+    fn find_matches(&mut self, q: &[SeqHash]) -> Matches {
+        ShardedIndex::find_matches(self, q)
+    }
+    fn cached_blocks(&mut self, key: WorkerKey) -> u64 {
+        ShardedIndex::cached_blocks(self, key)
+    }
+    fn sizes(&mut self) -> (u64, u64) {
+        let bad = self.shards().iter().map(|s| s.inconsistencies()).sum();
+        (self.stats().entries, bad)
+    }
+    fn trunk(&mut self) -> Trunk {
+        self.policy().trunk().clone()
+    }
+    fn back_to_empty(&mut self) -> bool {
+        let fresh = ShardedIndex::new(Adaptive::new(self.shards().len(), 2).unwrap());
+        self.stats() == fresh.stats()
+    }
+}
+
+/// The runtime: core threads behind one ingest and one query handle; every change is
+/// synced before the next operation, so the model applies at once.
+struct Threaded {
+    runtime: Option<Runtime>,
+    ingest: Option<IngestHandle>,
+    query: Option<QueryHandle<Adaptive>>,
+    policy: Adaptive,
+}
+
+impl Threaded {
+    fn start(shards: usize, fanout: u32) -> Self {
+        let policy = Adaptive::new(shards, fanout).unwrap();
+        let config = RuntimeConfig {
+            ring_capacity: 2,
+            pin_cores: false,
+            ingest_handles: 1,
+            query_handles: 1,
+        };
+        let mut st = engine::runtime::start(policy.clone(), config).unwrap();
+        Self {
+            runtime: Some(st.runtime),
+            ingest: st.ingest.pop(),
+            query: st.query.pop(),
+            policy,
+        }
+    }
+    fn ingest(&mut self) -> &mut IngestHandle {
+        self.ingest.as_mut().unwrap()
+    }
+}
+
+impl Drop for Threaded {
+    fn drop(&mut self) {
+        self.ingest.take();
+        self.query.take();
+        if let Some(rt) = self.runtime.take() {
+            let summaries = rt.join().unwrap();
+            if !std::thread::panicking() {
+                assert!(summaries.iter().all(|s| s.inconsistencies == 0));
+            }
+        }
+    }
+}
+
+impl Target for Threaded {
+    fn shards(&self) -> u64 {
+        ShardPolicy::shards(&self.policy) as u64
+    }
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) -> Result<Applied, EngineError> {
+        let r = self.ingest().apply(key, ev);
+        self.ingest().settle().unwrap();
+        r
+    }
+    fn remove_worker(&mut self, w: WorkerId) {
+        self.ingest().remove_worker(w).unwrap();
+        self.ingest().settle().unwrap();
+    }
+    fn find_matches(&mut self, q: &[SeqHash]) -> Matches {
+        self.query.as_mut().unwrap().find_matches(q).unwrap()
+    }
+    fn cached_blocks(&mut self, key: WorkerKey) -> u64 {
+        self.ingest().cached_blocks(key).unwrap()
+    }
+    fn sizes(&mut self) -> (u64, u64) {
+        let cores = self.ingest().core_stats().unwrap();
+        (
+            cores.iter().map(|c| c.index.entries).sum(),
+            cores.iter().map(|c| c.inconsistencies).sum(),
+        )
+    }
+    fn trunk(&mut self) -> Trunk {
+        self.policy.refresh();
+        self.policy.trunk().clone()
+    }
+    fn back_to_empty(&mut self) -> bool {
+        let cores = self.ingest().core_stats().unwrap();
+        cores
+            .iter()
+            .all(|c| c.index.entries == 0 && c.directory_entries == 0)
+    }
+}
+
+fn run(mut ix: impl Target, ops: Vec<Op>) {
     let mut m = Model::default();
     for op in ops {
         match op {
@@ -177,31 +303,30 @@ fn run(shards: usize, fanout: u32, ops: Vec<Op>) {
                 assert_eq!(ix.find_matches(&q), m.matches(&q), "query {q:?}");
             }
         }
-        let trunk = ix.policy().trunk();
+        let trunk = ix.trunk();
+        let shards = ix.shards();
         let want: u64 = m
             .held
             .values()
             .flat_map(|h| h.keys())
             .map(|&s| {
                 if trunk.contains(SeqHash(s)) {
-                    shards as u64
+                    shards
                 } else {
                     1
                 }
             })
             .sum();
-        assert_eq!(ix.stats().entries, want);
+        assert_eq!(ix.sizes(), (want, 0));
         for (k, h) in &m.held {
             assert_eq!(ix.cached_blocks(*k), h.len() as u64);
         }
-        assert!(ix.shards().iter().all(|s| s.inconsistencies() == 0));
     }
     let keys: Vec<WorkerKey> = m.held.keys().copied().collect();
     for k in keys {
-        ix.clear(k);
+        ix.apply(k, &KvEvent::Cleared).unwrap();
     }
-    let fresh = ShardedIndex::new(Adaptive::new(shards, fanout).unwrap());
-    assert_eq!(ix.stats(), fresh.stats());
+    assert!(ix.back_to_empty());
 }
 
 proptest! {
@@ -213,7 +338,21 @@ proptest! {
         fanout in 2u32..4,
         ops in proptest::collection::vec(op(), 1..120),
     ) {
-        run(shards, fanout, ops);
+        run(ShardedIndex::new(Adaptive::new(shards, fanout).unwrap()), ops);
+    }
+}
+
+proptest! {
+    // Every case starts and joins real core threads: fewer cases, same operations.
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn adaptive_runtime_equals_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        fanout in 2u32..4,
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        run(Threaded::start(shards, fanout), ops);
     }
 }
 
@@ -260,4 +399,19 @@ fn a_long_shared_prompt_is_promoted_and_the_load_spreads() {
     assert!(balance < 1.1, "balance {balance} over {ops:?}");
     assert!(ix.shards().iter().all(|s| s.inconsistencies() == 0));
     assert_eq!(ShardPolicy::shards(ix.policy()), shards);
+}
+
+proptest! {
+    // The same with many more cases; `#[ignore]`d, run by CI explicitly.
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    #[test]
+    #[ignore = "stress: run with --ignored (CI does)"]
+    fn adaptive_runtime_equals_model_stress(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3), Just(8)],
+        fanout in 2u32..4,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        run(Threaded::start(shards, fanout), ops);
+    }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine::runtime::RuntimeConfig;
 use engine::sched::SchedulerConfig;
+use engine::sharding::choice::Sharding;
 use engine::{DpRank, WorkerId, WorkerKey};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -489,7 +490,8 @@ async fn kv_events_rebuild_the_engine_cache_in_kvengines_index() {
     let hub_cfg = HubConfig {
         scheduler: SchedulerConfig::default(),
     };
-    let (hub, runtime) = start_engine(hub_cfg, 2, 2, runtime_cfg).unwrap();
+    let (hub, runtime) =
+        start_engine(hub_cfg, Sharding::adaptive(2).unwrap(), runtime_cfg).unwrap();
     let hub = Arc::new(hub);
     let source: ZmqSource = w.zmq_worker_flag(1).parse().unwrap();
     assert_eq!(source.replay.as_deref(), Some(w.replay_endpoint()));

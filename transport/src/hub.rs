@@ -23,7 +23,7 @@ use engine::runtime::{CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{
     ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
 };
-use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::choice::Sharding;
 use engine::{DpRank, EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -142,7 +142,7 @@ pub struct Routed {
 pub struct Hub {
     config: HubConfig,
     ingest: Handles<IngestHandle>,
-    query: Handles<QueryHandle<FixedDepth>>,
+    query: Handles<QueryHandle<Sharding>>,
     next_query: AtomicUsize,
     routing: Mutex<Routing>,
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
@@ -162,7 +162,7 @@ impl Hub {
     pub fn new(
         config: HubConfig,
         ingest: Vec<IngestHandle>,
-        query: Vec<QueryHandle<FixedDepth>>,
+        query: Vec<QueryHandle<Sharding>>,
     ) -> Result<Self> {
         let (Some(ingest), Some(query)) = (Handles::new(ingest), Handles::new(query)) else {
             return Err(TransportError::Invalid {
@@ -255,7 +255,7 @@ impl Hub {
         lock(self.ingest.get(home_core(worker, self.ingest.len()).idx()))
     }
 
-    fn with_query<T>(&self, f: impl FnOnce(&mut QueryHandle<FixedDepth>) -> T) -> T {
+    fn with_query<T>(&self, f: impl FnOnce(&mut QueryHandle<Sharding>) -> T) -> T {
         let n = self.query.len();
         let start = self.next_query.fetch_add(1, Relaxed);
         for i in 0..n {
@@ -688,17 +688,15 @@ impl<T> Handles<T> {
     }
 }
 
-/// A hub over a freshly started engine: `cores` shard threads (blocks shallower than
-/// `replicate_depth` everywhere), `ingest_handles` and `query_handles` handles. Join the
-/// returned runtime after dropping the hub.
+/// A hub over a freshly started engine: one shard thread per shard of `sharding`,
+/// `ingest_handles` and `query_handles` handles. Join the returned runtime after dropping
+/// the hub.
 pub fn start_engine(
     config: HubConfig,
-    cores: usize,
-    replicate_depth: u32,
+    sharding: Sharding,
     engine: engine::runtime::RuntimeConfig,
 ) -> Result<(Hub, engine::runtime::Runtime)> {
-    let policy = FixedDepth::new(cores, replicate_depth)?;
-    let started = engine::runtime::start(policy, engine)?;
+    let started = engine::runtime::start(sharding, engine)?;
     let hub = Hub::new(config, started.ingest, started.query)?;
     Ok((hub, started.runtime))
 }

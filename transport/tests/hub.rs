@@ -4,6 +4,7 @@ use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{lora_seed, tokens_hash};
 use engine::runtime::RuntimeConfig;
 use engine::sched::SchedulerConfig;
+use engine::sharding::choice::Sharding;
 use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
 use std::time::Instant;
 use transport::TransportError;
@@ -41,7 +42,7 @@ fn events_route_and_requests_flow_through_the_hub() {
         query_handles: 2,
         ..RuntimeConfig::default()
     };
-    let (hub, runtime) = start_engine(config, 2, 4, engine).unwrap();
+    let (hub, runtime) = start_engine(config, Sharding::adaptive(2).unwrap(), engine).unwrap();
     let prompt: Vec<u32> = (0..160).collect();
 
     // Unknown workers are refused.
@@ -127,7 +128,7 @@ fn without_kv_events_decisions_predict_the_caches_and_events_are_refused() {
         pin_cores: false,
         ..RuntimeConfig::default()
     };
-    let (hub, runtime) = start_engine(config, 1, 4, engine).unwrap();
+    let (hub, runtime) = start_engine(config, Sharding::adaptive(1).unwrap(), engine).unwrap();
     let hub = hub
         .without_kv_events(engine::approx::ApproxConfig::default())
         .unwrap();

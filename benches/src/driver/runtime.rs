@@ -23,7 +23,8 @@ use super::{
 use crate::workload::{EventStream, Query};
 use anyhow::{Context, Result, bail};
 use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig, start};
-use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::ShardPolicy;
+use engine::sharding::choice::Sharding;
 use engine::{Matches, SeqHash};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,23 +35,24 @@ use std::time::Instant;
 pub struct RuntimeUnderTest {
     runtime: Option<Runtime>,
     ingest: Vec<IngestHandle>,
-    query: Vec<QueryHandle<FixedDepth>>,
+    query: Vec<QueryHandle<Sharding>>,
     shards: usize,
-    replicate_depth: u32,
+    sharding: String,
     anomalies: u64,
 }
 
 impl RuntimeUnderTest {
-    /// `shards` shard threads (pinned if `pin`), `producers` ingest handles and
-    /// `query_threads` mixed-phase query handles.
+    /// One shard thread per shard of `sharding` (pinned if `pin`), `producers` ingest
+    /// handles and `query_threads` mixed-phase query handles.
     pub fn new(
-        shards: usize,
-        replicate_depth: u32,
+        sharding: Sharding,
         producers: usize,
         query_threads: usize,
         pin: bool,
     ) -> Result<Self> {
-        let policy = FixedDepth::new(shards, replicate_depth)?;
+        let shards = sharding.shards();
+        let described = sharding.describe();
+        let policy = sharding;
         let config = RuntimeConfig {
             ring_capacity: 256,
             pin_cores: pin,
@@ -63,7 +65,7 @@ impl RuntimeUnderTest {
             ingest: st.ingest,
             query: st.query,
             shards,
-            replicate_depth,
+            sharding: described,
             anomalies: 0,
         })
     }
@@ -89,7 +91,9 @@ impl RuntimeUnderTest {
                     s.spawn(move || -> Result<u64> {
                         // Refusals are counted by the cores; `stats` reads them.
                         h.send(stream)?;
-                        h.sync()?;
+                        // Until every event is applied and the trunk promotions they
+                        // caused are done.
+                        h.settle()?;
                         Ok(0)
                     })
                 })
@@ -117,9 +121,9 @@ impl RuntimeUnderTest {
 impl IndexerUnderTest for RuntimeUnderTest {
     fn name(&self) -> String {
         format!(
-            "runtime(cores={}, replicate_depth={}, producers={}, query_threads={})",
+            "runtime(cores={}, {}, producers={}, query_threads={})",
             self.shards,
-            self.replicate_depth,
+            self.sharding,
             self.ingest.len(),
             self.query.len().saturating_sub(1)
         )

@@ -26,35 +26,28 @@ use super::{
 use crate::workload::{EventStream, Query};
 use anyhow::Result;
 use engine::event::KvEvent;
-use engine::sharding::fixed_depth::FixedDepth;
+use engine::sharding::choice::Sharding;
 use engine::sharding::sharded::ShardedIndex;
 use engine::{Matches, SeqHash, WorkerKey};
-
-/// Blocks shallower than this are replicated in every shard by default: a 512-token
-/// system prompt at block size 16, and the common prompt of the `dynamo` workload.
-pub const DEFAULT_REPLICATE_DEPTH: u32 = 32;
 
 /// The sharded index, single-threaded.
 #[derive(Debug)]
 pub struct ShardedUnderTest {
-    index: ShardedIndex<FixedDepth>,
-    replicate_depth: u32,
+    index: ShardedIndex<Sharding>,
     anomalies: u64,
 }
 
 impl ShardedUnderTest {
-    /// `shards` shards; blocks at depth `< replicate_depth` in every shard.
-    pub fn new(shards: usize, replicate_depth: u32) -> Result<Self> {
-        let policy = FixedDepth::new(shards, replicate_depth)?;
-        Ok(Self {
-            index: ShardedIndex::new(policy),
-            replicate_depth,
+    /// The shards `sharding` describes, in one thread.
+    pub fn new(sharding: Sharding) -> Self {
+        Self {
+            index: ShardedIndex::new(sharding),
             anomalies: 0,
-        })
+        }
     }
 
     /// The index (for checks after a run).
-    pub fn index(&self) -> &ShardedIndex<FixedDepth> {
+    pub fn index(&self) -> &ShardedIndex<Sharding> {
         &self.index
     }
 }
@@ -77,9 +70,9 @@ impl StepIndexer for ShardedUnderTest {
 impl IndexerUnderTest for ShardedUnderTest {
     fn name(&self) -> String {
         format!(
-            "sharded-st(shards={}, replicate_depth={})",
+            "sharded-st(shards={}, {})",
             self.index.shards().len(),
-            self.replicate_depth
+            self.index.policy().describe()
         )
     }
 

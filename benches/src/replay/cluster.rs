@@ -19,6 +19,7 @@ use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::runtime::{Runtime, RuntimeConfig};
 use engine::sched::SchedulerConfig;
+use engine::sharding::choice::Sharding;
 use sim::engine::EngineConfig;
 use sim::server::driver::Snapshot;
 use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_cluster};
@@ -102,8 +103,12 @@ impl Cluster {
             query_handles: 2,
             ..RuntimeConfig::default()
         };
-        let (hub, engine) = start_engine(HubConfig { scheduler }, cfg.cores, 32, runtime_config)
-            .context("cannot start the router's engine")?;
+        let (hub, engine) = start_engine(
+            HubConfig { scheduler },
+            Sharding::adaptive(cfg.cores)?,
+            runtime_config,
+        )
+        .context("cannot start the router's engine")?;
         let hub = if cfg.mode.kv_events() {
             Ok(hub)
         } else {

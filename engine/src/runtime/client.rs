@@ -242,6 +242,22 @@ impl IngestHandle {
         Ok(())
     }
 
+    /// Like [`IngestHandle::sync`], and then waits until the trunk promotions those events
+    /// caused are done (every hub reported has been taken by the coordinator and no round
+    /// is queued or running), so that what follows sees the index and the trunk settled.
+    pub fn settle(&mut self) -> Result<()> {
+        loop {
+            self.sync()?;
+            let cores = self.link.stats()?;
+            let reported: u64 = cores.iter().map(|c| c.hubs_reported).sum();
+            let heard: u64 = cores.iter().map(|c| c.hubs_heard).sum();
+            if reported == heard && cores.iter().all(|c| !c.promoting) {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// Refusals counted by all cores, per reason.
     pub fn rejects(&mut self) -> Result<RejectCounts> {
         let mut total = RejectCounts::default();
@@ -277,6 +293,7 @@ impl<P: ShardPolicy> QueryHandle<P> {
         if seqs.is_empty() {
             return Ok(Matches::default());
         }
+        self.policy.refresh();
         let c = self.policy.query_shard(seqs).idx();
         match self.link.call(c, ToCore::Query(seqs.into()))? {
             FromCore::Matches(m) => Ok(m),

@@ -22,6 +22,7 @@
 
 mod client;
 mod msg;
+mod promotion;
 mod shard_loop;
 mod waker;
 

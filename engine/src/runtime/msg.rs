@@ -8,6 +8,7 @@ use crate::index::IndexStats;
 use crate::matches::Matches;
 use crate::sharding::ShardId;
 use crate::sharding::ingest::OpBatch;
+use crate::sharding::promote::Promotion;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -55,6 +56,27 @@ pub(crate) enum PeerMsg {
     /// Everything this core produced from client `client`'s events before its `Sync(n)`
     /// precedes this marker on this ring.
     Fence { client: usize, n: u64 },
+    /// To the coordinator: `tip`, in shard `from`, has become a hub.
+    Hub { from: ShardId, tip: SeqHash },
+    /// From the coordinator: stop taking events for promotion round `epoch` of `tip`
+    /// (exported by `from`).
+    Freeze {
+        epoch: u64,
+        from: ShardId,
+        tip: SeqHash,
+    },
+    /// Everything this core produced before it froze for `epoch` precedes this marker.
+    Drained { epoch: u64 },
+    /// From the exporting core: the path to graft (`None`: nothing to promote after all).
+    Graft {
+        epoch: u64,
+        promotion: Option<Arc<Promotion>>,
+    },
+    /// To the coordinator: this core grafted the path of `epoch`.
+    Grafted { epoch: u64 },
+    /// From the coordinator: the new trunk is published (or the round was abandoned);
+    /// take events again.
+    Thaw { epoch: u64 },
 }
 
 /// One core's figures.
@@ -78,6 +100,14 @@ pub struct CoreSummary {
     pub rejects: RejectCounts,
     /// The core it is pinned to, if any.
     pub pinned_core: Option<usize>,
+    /// Trunk promotions it published (core 0) or grafted.
+    pub promotions: u64,
+    /// Hubs its shard reported for promotion.
+    pub hubs_reported: u64,
+    /// Hub reports it took as the promotions' coordinator (core 0; 0 elsewhere).
+    pub hubs_heard: u64,
+    /// A promotion round is queued or running here.
+    pub promoting: bool,
     /// Messages waiting in its incoming rings (from clients and peer cores) when it
     /// reported.
     pub ring_backlog: usize,

@@ -22,9 +22,12 @@
 //! 5. The thread exits when every client ring is closed and drained, nothing is pending,
 //!    and every peer has closed its ring to this core; it closes its own peer rings first.
 //! 6. A panic in this thread aborts the process.
+//! 7. Trunk promotions follow `promotion`'s protocol; while frozen for one, the core takes
+//!    no ingest-client message and does not close its peer rings.
 
 use super::home_core;
 use super::msg::{CoreSummary, FromCore, PeerMsg, ToCore};
+use super::promotion::Promo;
 use super::waker::Waker;
 use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ingest::{Ingest, Outbox};
@@ -96,20 +99,26 @@ pub(crate) struct Core<P> {
 }
 
 /// Per-run state of a core.
-struct State {
+pub(crate) struct State {
     pending: Vec<VecDeque<PeerMsg>>,
     fences: HashMap<(usize, u64), usize>,
     own_syncs: HashSet<(usize, u64)>,
     queries: u64,
     lost_peer_msgs: u64,
+    /// This core's part in trunk promotions (`promotion`).
+    pub(crate) promo: Promo,
+    /// This core has closed its rings to the peers (shutting down).
+    pub(crate) closed_peers: bool,
+    /// Every client ring is closed.
+    pub(crate) clients_gone: bool,
 }
 
 impl<P: ShardPolicy> Core<P> {
-    fn me(&self) -> ShardId {
+    pub(crate) fn me(&self) -> ShardId {
         self.shard.id()
     }
 
-    fn cores(&self) -> usize {
+    pub(crate) fn cores(&self) -> usize {
         self.peers_out.len()
     }
 
@@ -127,17 +136,20 @@ impl<P: ShardPolicy> Core<P> {
             own_syncs: HashSet::new(),
             queries: 0,
             lost_peer_msgs: 0,
+            promo: Promo::default(),
+            closed_peers: false,
+            clients_gone: false,
         };
         let mut clients_open = vec![true; self.clients_in.len()];
         let mut peers_open = vec![true; self.peers_in.len()];
-        let mut closed_peers = false;
         let mut idle = 0u32;
         loop {
             let mut progressed = self.serve_peers(&mut st, &mut peers_open);
             progressed |= self.flush_pending(&mut st);
             let n = self.clients_in.len();
             let ingest = self.ingest_clients.min(n);
-            let backlog = st.pending.iter().any(|q| !q.is_empty());
+            // While frozen for a promotion, or while peers are backed up, take no events.
+            let backlog = st.pending.iter().any(|q| !q.is_empty()) || st.promo.frozen();
             for i in (ingest..n).chain(0..ingest) {
                 if i < ingest && backlog {
                     continue;
@@ -166,8 +178,12 @@ impl<P: ShardPolicy> Core<P> {
                     }
                 }
             }
+            st.clients_gone = clients_open.iter().all(|o| !o);
+            if st.promo.busy() && peers_open.iter().any(|o| !o) {
+                self.abandon_round(&mut st);
+            }
             let nothing_pending = st.pending.iter().all(VecDeque::is_empty);
-            if !closed_peers && nothing_pending && clients_open.iter().all(|o| !o) {
+            if !st.closed_peers && nothing_pending && st.clients_gone && !st.promo.busy() {
                 // No client can send more events, and everything we produced is on the
                 // rings: close ours, so the peers can finish too.
                 for p in &mut self.peers_out {
@@ -179,9 +195,9 @@ impl<P: ShardPolicy> Core<P> {
                         w.wake();
                     }
                 }
-                closed_peers = true;
+                st.closed_peers = true;
             }
-            if closed_peers && peers_open.iter().all(|o| !o) {
+            if st.closed_peers && peers_open.iter().all(|o| !o) {
                 break;
             }
             if progressed {
@@ -230,11 +246,16 @@ impl<P: ShardPolicy> Core<P> {
                         for b in &batches {
                             self.shard.apply(b);
                         }
+                        self.note_hub(st);
                     }
                     Ok(PeerMsg::Fence { client, n }) => {
                         progressed = true;
                         *st.fences.entry((client, n)).or_insert(0) += 1;
                         self.check_sync(st, client, n);
+                    }
+                    Ok(other) => {
+                        progressed = true;
+                        self.handle_promotion(st, other);
                     }
                     Err(PopError::Empty) => break,
                     Err(PopError::Closed) => {
@@ -271,12 +292,14 @@ impl<P: ShardPolicy> Core<P> {
                     }
                 }
                 self.flush_outbox(st);
+                self.note_hub(st);
             }
             ToCore::Apply(key, ev) => {
                 let r = self
                     .ingest
                     .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
                 self.flush_outbox(st);
+                self.note_hub(st);
                 self.reply(client, FromCore::Applied(r));
             }
             ToCore::Clear(key) => {
@@ -357,7 +380,7 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    fn send_peer(&mut self, st: &mut State, peer: usize, msg: PeerMsg) {
+    pub(crate) fn send_peer(&mut self, st: &mut State, peer: usize, msg: PeerMsg) {
         let Some(queue) = st.pending.get_mut(peer) else {
             return;
         };
@@ -427,6 +450,10 @@ impl<P: ShardPolicy> Core<P> {
             directory_bytes,
             rejects: self.ingest.rejects().clone(),
             pinned_core: self.pinned_core,
+            promotions: st.promo.rounds,
+            hubs_reported: st.promo.reported,
+            hubs_heard: st.promo.heard,
+            promoting: st.promo.pending(),
             ring_backlog: self.clients_in.iter().map(|r| r.len()).sum::<usize>()
                 + self.peers_in.iter().map(|r| r.len()).sum::<usize>(),
             pending_peer_msgs: st.pending.iter().map(VecDeque::len).sum(),

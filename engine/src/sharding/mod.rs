@@ -36,6 +36,7 @@
 //! [`ShardIndex`]: crate::index::ShardIndex
 
 pub mod adaptive;
+pub mod choice;
 pub mod fixed_depth;
 pub mod ingest;
 pub mod promote;

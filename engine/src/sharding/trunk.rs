@@ -145,3 +145,32 @@ mod tests {
         );
     }
 }
+
+/// loom model of the publication: a reader that sees a version loads a snapshot at least
+/// that new, whatever the interleaving with the writer.
+#[cfg(all(test, kvengine_loom))]
+mod loom_tests {
+    use super::*;
+
+    #[test]
+    fn a_seen_version_is_never_older_than_the_snapshot_loaded() {
+        loom::model(|| {
+            let cell = Arc::new(TrunkCell::new());
+            let writer = {
+                let cell = cell.clone();
+                loom::thread::spawn(move || {
+                    let t1 = cell.load().promoted(&[SeqHash(1)], &[], ShardId(0));
+                    cell.publish(t1);
+                })
+            };
+            let seen = cell.version();
+            let snap = cell.load();
+            assert!(snap.version() >= seen);
+            if seen == 1 {
+                assert!(snap.contains(SeqHash(1)));
+            }
+            writer.join().unwrap();
+            assert_eq!(cell.version(), 1);
+        });
+    }
+}

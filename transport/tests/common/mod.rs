@@ -4,6 +4,7 @@
 
 use engine::runtime::{Runtime, RuntimeConfig};
 use engine::sched::SchedulerConfig;
+use engine::sharding::choice::Sharding;
 use std::sync::Arc;
 use transport::http::{HttpConfig, router, serve_http};
 use transport::hub::{Hub, HubConfig, start_engine};
@@ -20,7 +21,7 @@ pub fn hub(cores: usize) -> (Arc<Hub>, Runtime) {
     let config = HubConfig {
         scheduler: SchedulerConfig::default(),
     };
-    let (hub, runtime) = start_engine(config, cores, 2, engine).unwrap();
+    let (hub, runtime) = start_engine(config, Sharding::adaptive(cores).unwrap(), engine).unwrap();
     (Arc::new(hub), runtime)
 }
 

@@ -1,0 +1,287 @@
+//! Promoting a hub into the trunk while the cores run: a short freeze coordinated by core 0.
+//!
+//! `sharding::promote` requires that no operation routed by the old trunk is in flight
+//! when the new one is published. The single-threaded engine gets that for free; here the
+//! cores agree on it by message:
+//!
+//! 1. A core whose shard makes a block branch past the policy's hub threshold sends
+//!    `Hub` to the coordinator (core 0), which queues it and runs one round at a time.
+//! 2. The coordinator sends `Freeze` to every core and freezes itself. A frozen core takes
+//!    no more messages from ingest clients (queries and peers are still served) and sends
+//!    `Drained` to every other core, behind everything it sent them before.
+//! 3. The core that holds the hub, once it has `Drained` from every other core (so every
+//!    operation for its shard from before the freeze is applied), exports the hub's path
+//!    and sends it (`Graft`) to every other core. Each grafts it and tells the coordinator
+//!    (`Grafted`).
+//! 4. When every other shard has grafted, the coordinator publishes the new trunk and sends
+//!    `Thaw`; each core picks up the trunk and takes events again.
+//!
+//! Queries keep flowing: before the publication they are routed by the old trunk to the
+//! shard that has the whole path, after it by the new one to shards that have grafted it.
+//!
+//! # Invariants
+//! 1. A core takes no ingest-client message between its `Freeze` and its `Thaw`.
+//! 2. The export happens after the exporter has applied every operation sent to it before
+//!    any core froze (rings are FIFO and each core's `Drained` follows its operations).
+//! 3. The trunk is published only after every shard has grafted the path.
+//! 4. Shutdown: the coordinator starts no round once its clients are gone; a core that has
+//!    closed its peer rings ignores `Freeze`; a core never closes its peer rings while
+//!    frozen; and the coordinator abandons a round (thawing everyone, publishing nothing)
+//!    if a peer ring closes under it.
+//!
+//! # Concurrency
+//! Each core's [`Promo`] is its own; the coordinator's also holds the queue and the round.
+
+use super::msg::PeerMsg;
+use super::shard_loop::{Core, State};
+use crate::ids::SeqHash;
+use crate::sharding::promote::Promotion;
+use crate::sharding::{ShardId, ShardPolicy};
+use hashbrown::HashMap;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// The core that runs the rounds.
+const COORDINATOR: usize = 0;
+
+/// The round a core is frozen for.
+#[derive(Clone, Copy, Debug)]
+struct Round {
+    epoch: u64,
+    from: ShardId,
+    tip: SeqHash,
+    exported: bool,
+}
+
+/// The coordinator's view of the round in progress.
+#[derive(Debug)]
+struct Active {
+    epoch: u64,
+    /// Cores that grafted the path.
+    grafted: usize,
+    /// Whether the coordinator knows the promotion (exported it or received its `Graft`).
+    known: bool,
+    promotion: Option<Arc<Promotion>>,
+}
+
+/// One core's part in promotions.
+#[derive(Debug, Default)]
+pub(crate) struct Promo {
+    frozen: Option<Round>,
+    /// `Drained` markers received per epoch (they may arrive before the `Freeze`).
+    drained: HashMap<u64, usize>,
+    queue: VecDeque<(ShardId, SeqHash)>,
+    active: Option<Active>,
+    next_epoch: u64,
+    /// Promotions this core published (coordinator) or grafted.
+    pub(crate) rounds: u64,
+    /// Hubs this core reported to the coordinator.
+    pub(crate) reported: u64,
+    /// Coordinator: hub reports it has taken (queued, or dropped as already promoted).
+    pub(crate) heard: u64,
+}
+
+impl Promo {
+    /// Is this core frozen (invariant 1)?
+    pub(crate) fn frozen(&self) -> bool {
+        self.frozen.is_some()
+    }
+
+    /// Is a round in progress or waiting here (a core must not close its rings then)?
+    pub(crate) fn busy(&self) -> bool {
+        self.frozen.is_some() || self.active.is_some()
+    }
+
+    /// Is a round in progress or queued (coordinator)?
+    pub(crate) fn pending(&self) -> bool {
+        self.busy() || !self.queue.is_empty()
+    }
+}
+
+impl<P: ShardPolicy> Core<P> {
+    fn coordinator(&self) -> bool {
+        self.me().idx() == COORDINATOR
+    }
+
+    /// Sends `msg` to every other core whose ring is still open.
+    fn broadcast(&mut self, st: &mut State, msg: impl Fn() -> PeerMsg) {
+        for p in 0..self.cores() {
+            if p != self.me().idx() && matches!(self.peers_out.get(p), Some(Some(_))) {
+                self.send_peer(st, p, msg());
+            }
+        }
+    }
+
+    /// After this core's shard changed: report a new hub to the coordinator.
+    pub(crate) fn note_hub(&mut self, st: &mut State) {
+        let Some((tip, fanout)) = self.shard.take_branch() else {
+            return;
+        };
+        if !self.ingest.policy().is_hub(tip, fanout) {
+            return;
+        }
+        let from = self.me();
+        st.promo.reported += 1;
+        if self.coordinator() {
+            self.queue_hub(st, from, tip);
+        } else {
+            self.send_peer(st, COORDINATOR, PeerMsg::Hub { from, tip });
+        }
+    }
+
+    /// Handles a promotion message from a peer; false if `msg` is not one.
+    pub(crate) fn handle_promotion(&mut self, st: &mut State, msg: PeerMsg) -> bool {
+        match msg {
+            PeerMsg::Hub { from, tip } => self.queue_hub(st, from, tip),
+            PeerMsg::Freeze { epoch, from, tip } => {
+                if !st.closed_peers {
+                    self.freeze(st, epoch, from, tip);
+                }
+            }
+            PeerMsg::Drained { epoch } => {
+                *st.promo.drained.entry(epoch).or_insert(0) += 1;
+                self.maybe_export(st);
+            }
+            PeerMsg::Graft { epoch, promotion } => self.graft(st, epoch, promotion),
+            PeerMsg::Grafted { epoch } => {
+                if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
+                    a.grafted += 1;
+                }
+                self.maybe_finish(st);
+            }
+            PeerMsg::Thaw { epoch } => self.thaw(st, epoch),
+            PeerMsg::Ops(_) | PeerMsg::Fence { .. } => return false,
+        }
+        true
+    }
+
+    fn queue_hub(&mut self, st: &mut State, from: ShardId, tip: SeqHash) {
+        st.promo.heard += 1;
+        let known = st.promo.queue.iter().any(|&(_, t)| t == tip);
+        if !st.clients_gone && !known && !self.ingest.policy().in_trunk(tip) {
+            st.promo.queue.push_back((from, tip));
+        }
+        self.maybe_start(st);
+    }
+
+    fn maybe_start(&mut self, st: &mut State) {
+        if st.promo.active.is_some() || st.clients_gone || st.closed_peers {
+            return;
+        }
+        let Some((from, tip)) = st.promo.queue.pop_front() else {
+            return;
+        };
+        st.promo.next_epoch += 1;
+        let epoch = st.promo.next_epoch;
+        st.promo.active = Some(Active {
+            epoch,
+            grafted: 0,
+            known: false,
+            promotion: None,
+        });
+        self.broadcast(st, || PeerMsg::Freeze { epoch, from, tip });
+        self.freeze(st, epoch, from, tip);
+    }
+
+    fn freeze(&mut self, st: &mut State, epoch: u64, from: ShardId, tip: SeqHash) {
+        st.promo.frozen = Some(Round {
+            epoch,
+            from,
+            tip,
+            exported: false,
+        });
+        self.broadcast(st, || PeerMsg::Drained { epoch });
+        self.maybe_export(st);
+    }
+
+    /// The hub's core exports once every other core has drained into it (invariant 2).
+    fn maybe_export(&mut self, st: &mut State) {
+        let Some(round) = st
+            .promo
+            .frozen
+            .filter(|r| r.from == self.me() && !r.exported)
+        else {
+            return;
+        };
+        let drained = st.promo.drained.get(&round.epoch).copied().unwrap_or(0);
+        if drained + 1 < self.cores() {
+            return;
+        }
+        if let Some(r) = st.promo.frozen.as_mut() {
+            r.exported = true;
+        }
+        let policy = self.ingest.policy();
+        let promotion = self
+            .shard
+            .export(round.tip, |s| policy.in_trunk(s))
+            .map(Arc::new);
+        let epoch = round.epoch;
+        self.broadcast(st, || PeerMsg::Graft {
+            epoch,
+            promotion: promotion.clone(),
+        });
+        if self.coordinator() {
+            if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
+                a.known = true;
+                a.promotion = promotion;
+            }
+            self.maybe_finish(st);
+        }
+    }
+
+    fn graft(&mut self, st: &mut State, epoch: u64, promotion: Option<Arc<Promotion>>) {
+        if let Some(p) = &promotion {
+            self.shard.import(p);
+            st.promo.rounds += 1;
+        }
+        if self.coordinator() {
+            if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
+                a.grafted += 1;
+                a.known = true;
+                a.promotion = promotion;
+            }
+            self.maybe_finish(st);
+        } else {
+            self.send_peer(st, COORDINATOR, PeerMsg::Grafted { epoch });
+        }
+    }
+
+    /// Publishes and thaws once every other shard grafted the path (invariant 3).
+    fn maybe_finish(&mut self, st: &mut State) {
+        let Some(a) = st.promo.active.as_ref() else {
+            return;
+        };
+        if !a.known || a.grafted + 1 < self.cores() {
+            return;
+        }
+        let epoch = a.epoch;
+        if let Some(p) = a.promotion.clone() {
+            self.ingest.policy_mut().promote(&p.seqs(), &p.pins, p.from);
+            st.promo.rounds += 1;
+        }
+        st.promo.active = None;
+        self.broadcast(st, || PeerMsg::Thaw { epoch });
+        self.thaw(st, epoch);
+        self.maybe_start(st);
+    }
+
+    fn thaw(&mut self, st: &mut State, epoch: u64) {
+        if st.promo.frozen.is_some_and(|r| r.epoch == epoch) {
+            st.promo.frozen = None;
+        }
+        st.promo.drained.remove(&epoch);
+        self.ingest.policy_mut().refresh();
+    }
+
+    /// Coordinator: a peer ring closed during a round (shutdown): thaw everyone, publish
+    /// nothing (invariant 4).
+    pub(crate) fn abandon_round(&mut self, st: &mut State) {
+        let Some(a) = st.promo.active.take() else {
+            return;
+        };
+        st.promo.queue.clear();
+        let epoch = a.epoch;
+        self.broadcast(st, || PeerMsg::Thaw { epoch });
+        self.thaw(st, epoch);
+    }
+}
