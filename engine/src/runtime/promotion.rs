@@ -4,8 +4,9 @@
 //! when the new one is published. The single-threaded engine gets that for free; here the
 //! cores agree on it by message:
 //!
-//! 1. A core whose shard makes a block branch past the policy's hub threshold sends
-//!    `Hub` to the coordinator (core 0), which queues it and runs one round at a time.
+//! 1. A core that routes enough stores under one block (or whose shard makes a block branch
+//!    past the policy's hub threshold) sends `Hub` to the coordinator (core 0), which
+//!    queues it and runs one round at a time.
 //! 2. The coordinator sends `Freeze` to every core and freezes itself. A frozen core takes
 //!    no more messages from ingest clients (queries and peers are still served) and sends
 //!    `Drained` to every other core, behind everything it sent them before.
@@ -112,20 +113,22 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    /// After this core's shard changed: report a new hub to the coordinator.
+    /// After this core routed events or its shard changed: report new hubs (seen by the
+    /// ingest as it routed stores, or by the shard as it branched) to the coordinator.
     pub(crate) fn note_hub(&mut self, st: &mut State) {
-        let Some((tip, fanout)) = self.shard.take_branch() else {
-            return;
-        };
-        if !self.ingest.policy().is_hub(tip, fanout) {
-            return;
+        let mut hubs = self.ingest.take_hubs();
+        if let Some((tip, fanout)) = self.shard.take_branch()
+            && self.ingest.policy().is_hub(tip, fanout)
+        {
+            hubs.push((self.me(), tip));
         }
-        let from = self.me();
-        st.promo.reported += 1;
-        if self.coordinator() {
-            self.queue_hub(st, from, tip);
-        } else {
-            self.send_peer(st, COORDINATOR, PeerMsg::Hub { from, tip });
+        for (from, tip) in hubs {
+            st.promo.reported += 1;
+            if self.coordinator() {
+                self.queue_hub(st, from, tip);
+            } else {
+                self.send_peer(st, COORDINATOR, PeerMsg::Hub { from, tip });
+            }
         }
     }
 

@@ -157,6 +157,35 @@ impl fmt::Debug for Placed {
     }
 }
 
+/// Counts the stores that continue each block placed in one shard, to report hubs as soon
+/// as the router sees them (the shard holding the block would see them only after they
+/// crossed a ring, behind whatever is queued there).
+///
+/// Bounded: when it holds [`HubWatch::CAPACITY`] parents it starts over, so only parents
+/// that many stores continue in a row are reported; the shards' own branch reports catch
+/// the rest.
+#[derive(Debug, Default)]
+struct HubWatch {
+    counts: hashbrown::HashMap<SeqHash, u32>,
+    found: Vec<(ShardId, SeqHash)>,
+}
+
+impl HubWatch {
+    const CAPACITY: usize = 1 << 14;
+
+    fn saw<P: ShardPolicy>(&mut self, policy: &P, parent: SeqHash, shard: ShardId) {
+        if self.counts.len() >= Self::CAPACITY {
+            self.counts = hashbrown::HashMap::new();
+        }
+        let n = self.counts.entry(parent).or_insert(0);
+        *n += 1;
+        if policy.is_hub(parent, *n) {
+            self.counts.remove(&parent);
+            self.found.push((shard, parent));
+        }
+    }
+}
+
 /// The outbox as the directories see it: each block goes to the queues of its placement,
 /// except that blocks of the `local` shard (if any) are applied to it at once.
 struct OutboxSink<'a, P> {
@@ -164,6 +193,7 @@ struct OutboxSink<'a, P> {
     outbox: &'a mut Outbox,
     local: Option<&'a mut Shard>,
     scratch: &'a mut Vec<SeqHash>,
+    hubs: &'a mut HubWatch,
 }
 
 impl<P: ShardPolicy> OutboxSink<'_, P> {
@@ -193,6 +223,11 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
         seqs: &[SeqHash],
         out: &mut Vec<Placed>,
     ) -> Result<()> {
+        if let Some(p) = parent
+            && let Placement::Shard(x) = self.policy.placement(p.seq(), p.route())
+        {
+            self.hubs.saw(self.policy, p.seq(), x);
+        }
         let mut prev = parent.map(|p| (p.seq(), p.route()));
         let mut trunk = 0usize;
         let mut owner = None;
@@ -259,6 +294,7 @@ pub struct Ingest<P> {
     policy: P,
     dirs: Directories<Placed>,
     scratch: Vec<SeqHash>,
+    hubs: HubWatch,
 }
 
 impl<P: ShardPolicy> Ingest<P> {
@@ -268,12 +304,18 @@ impl<P: ShardPolicy> Ingest<P> {
             policy,
             dirs: Directories::new(),
             scratch: Vec::new(),
+            hubs: HubWatch::default(),
         }
     }
 
     /// The sharding policy.
     pub fn policy(&self) -> &P {
         &self.policy
+    }
+
+    /// Hubs seen routing stores since the last call: (shard holding it, block).
+    pub fn take_hubs(&mut self) -> Vec<(ShardId, SeqHash)> {
+        std::mem::take(&mut self.hubs.found)
     }
 
     /// The sharding policy, mutably (to refresh or promote).
@@ -289,6 +331,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
+            hubs: &mut self.hubs,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -307,6 +350,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: Some(local),
             scratch: &mut self.scratch,
+            hubs: &mut self.hubs,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -318,6 +362,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
+            hubs: &mut self.hubs,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -329,6 +374,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
+            hubs: &mut self.hubs,
         };
         self.dirs.remove_worker(worker, &mut sink)
     }

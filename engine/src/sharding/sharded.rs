@@ -64,8 +64,11 @@ impl<P: ShardPolicy> ShardedIndex<P> {
                 hubs.push((shard.id(), tip));
             }
         }
+        hubs.extend(self.ingest.take_hubs());
         for (from, tip) in hubs {
-            self.promote(from, tip);
+            if !self.ingest.policy().in_trunk(tip) {
+                self.promote(from, tip);
+            }
         }
     }
 
