@@ -103,6 +103,10 @@ pub struct IndexerArgs {
     /// report gives every figure's median, and its min / median / max under `range`.
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_REPEAT")]
     pub repeat: usize,
+    /// dynamo-w1 .. dynamo-w4 only: untimed runs before the timed ones (the first run in a
+    /// process pays for every page the allocator gets from the OS); reported apart.
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_WARMUP")]
+    pub warmup: usize,
     /// Write the JSON report here.
     #[arg(long, env = "KVENGINE_BENCH_JSON")]
     pub json: Option<PathBuf>,
@@ -195,6 +199,7 @@ impl IndexerArgs {
     /// How to run an anchor plan.
     pub fn anchor_options(&self) -> AnchorOptions {
         AnchorOptions {
+            warmup: self.warmup,
             repeat: self.repeat,
             progress: !self.quiet,
         }

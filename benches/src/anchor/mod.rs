@@ -15,8 +15,14 @@
 //!
 //! Before the runs it measures the machine's memory latency once ([`crate::calibrate`]);
 //! each run reads resident memory before the indexer exists, after phase 1 and after
-//! phase 5. The report ([`report::AnchorReport`]) has each figure's median over runs at
-//! the top level, min / median / max under `range`, and every run under `runs`.
+//! phase 5. `warmup` untimed runs come first (same phases, same checks, reported under
+//! `warmup`): the first run in a process pays for every page the allocator gets from the
+//! OS, which measured 3-4x slower than the runs after it, so speed figures are the
+//! steady state. The report ([`report::AnchorReport`]) has each speed figure's median over
+//! the timed runs at the top level, min / median / max under `range`, and every run under
+//! `runs`; the resident-memory figures at the top level are the first run's (warm-up or
+//! not), the only one whose memory comes fresh from the OS (later runs reuse pages the
+//! allocator kept).
 //!
 //! # Invariants
 //! 1. The plan is generated once, before the first indexer exists, and shared by the runs.
@@ -42,6 +48,8 @@ use report::{AnchorParams, AnchorReport, summarize};
 /// How to run an anchor plan.
 #[derive(Clone, Copy, Debug)]
 pub struct AnchorOptions {
+    /// Untimed runs before the timed ones (their figures are reported apart).
+    pub warmup: usize,
     /// Runs, each on a fresh indexer (at least 1).
     pub repeat: usize,
     /// Print one line per phase to stderr.
@@ -51,6 +59,7 @@ pub struct AnchorOptions {
 impl Default for AnchorOptions {
     fn default() -> Self {
         Self {
+            warmup: 0,
             repeat: 1,
             progress: false,
         }
@@ -78,21 +87,32 @@ pub fn run(
             mem.mb_128
         );
     }
+    let mut warmup = Vec::with_capacity(opts.warmup);
     let mut runs = Vec::with_capacity(opts.repeat);
     let mut first = None;
-    for i in 0..opts.repeat {
+    for i in 0..opts.warmup + opts.repeat {
         let out = phases::run_once(make, plan, opts.progress)?;
         if opts.progress {
-            eprintln!("run {}/{} on {} done", i + 1, opts.repeat, out.indexer);
+            let kind = if i < opts.warmup {
+                "warm-up run"
+            } else {
+                "run"
+            };
+            eprintln!("{kind} {} on {} done", i + 1, out.indexer);
         }
         first.get_or_insert((out.indexer, out.cores, out.mixed_mode));
-        runs.push(out.report);
+        if i < opts.warmup {
+            warmup.push(out.report);
+        } else {
+            runs.push(out.report);
+        }
     }
     let Some((indexer, cores, mixed_mode)) = first else {
         bail!("no run completed");
     };
-    let problems: Vec<String> = runs
+    let problems: Vec<String> = warmup
         .iter()
+        .chain(&runs)
         .enumerate()
         .flat_map(|(i, r)| {
             r.checks
@@ -101,12 +121,16 @@ pub fn run(
                 .map(move |p| format!("run {}: {p}", i + 1))
         })
         .collect();
-    let (figures, range) = summarize(&runs);
+    let (mut figures, range) = summarize(&runs);
+    if let Some(cold) = warmup.first().or(runs.first()) {
+        figures.take_memory_from(&cold.figures);
+    }
     Ok(AnchorReport {
         workload: plan.spec.kind,
         indexer,
         cores,
         mixed_mode,
+        warmup_runs: opts.warmup,
         repeat: opts.repeat,
         figures,
         range,
@@ -117,6 +141,7 @@ pub fn run(
             shape: plan.shape.clone(),
         },
         mem_latency_ns: mem,
+        warmup,
         runs,
         machine: Machine::detect(),
         date: utc_now(),

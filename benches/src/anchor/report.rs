@@ -183,6 +183,17 @@ pub struct RunReport {
     pub checks: AnchorChecks,
 }
 
+impl Figures {
+    /// Takes the resident-memory figures of `cold` (the first run in the process).
+    pub fn take_memory_from(&mut self, cold: &Figures) {
+        self.bytes_per_block = cold.bytes_per_block;
+        self.rss_before_bytes = cold.rss_before_bytes;
+        self.rss_built_bytes = cold.rss_built_bytes;
+        self.rss_after_remove_bytes = cold.rss_after_remove_bytes;
+        self.residual_after_remove = cold.residual_after_remove;
+    }
+}
+
 /// `{key: [min, median, max]}` over runs, in [`Figures::KEYS`] order.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Range(pub Vec<(&'static str, [f64; 3])>);
@@ -253,9 +264,12 @@ pub struct AnchorReport {
     /// How phase 4 ran: `interleaved` (one thread, a query after every store event) or
     /// `concurrent` (a streaming thread beside a querying one).
     pub mixed_mode: MixedMode,
-    /// Runs.
+    /// Untimed runs before the timed ones.
+    pub warmup_runs: usize,
+    /// Timed runs.
     pub repeat: usize,
-    /// Medians over runs.
+    /// Medians over the timed runs (resident-memory figures: the first run's, see
+    /// [`super`]).
     #[serde(flatten)]
     pub figures: Figures,
     /// `[min, median, max]` of every figure.
@@ -268,7 +282,9 @@ pub struct AnchorReport {
     pub params: AnchorParams,
     /// Random-access memory latency, ns per load, by buffer size.
     pub mem_latency_ns: MemLatency,
-    /// Every run in full.
+    /// The warm-up runs in full.
+    pub warmup: Vec<RunReport>,
+    /// Every timed run in full.
     pub runs: Vec<RunReport>,
     /// Where it ran.
     pub machine: Machine,

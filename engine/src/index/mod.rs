@@ -92,6 +92,10 @@ pub struct ShardIndex {
     sets: SetSlab,
     slots: WorkerSlots,
     by_seq: SeqIndex,
+    /// Blocks of live nodes (held or structural).
+    stored: usize,
+    /// Blocks pruned since the seq_hash table was last rebuilt (its stale entries).
+    dead: usize,
     blocks: usize,
     entries: u64,
     branch: Option<(Pos, u32)>,
@@ -117,7 +121,13 @@ impl ShardIndex {
     /// The position of the live block `seq`.
     #[inline]
     pub fn find(&self, seq: SeqHash) -> Option<Pos> {
-        self.by_seq.find(seq, &self.runs)
+        self.by_seq.find(seq, |p| self.is_live(p, seq))
+    }
+
+    /// Is the block at `pos` live and named `seq`?
+    #[inline]
+    pub fn is_live(&self, pos: Pos, seq: SeqHash) -> bool {
+        self.runs.seq(pos) == Some(seq) && self.locate(pos).is_some()
     }
 
     /// Does `key` hold the block at `pos`?

@@ -7,15 +7,20 @@
 //! storage), so it costs 5 bytes a bucket (value + control byte) instead of 13.
 //!
 //! # Invariants
-//! 1. The table holds the position of every live block of the tree, once.
-//! 2. A lookup compares the stored block's seq_hash, so it never returns a block with a
-//!    different seq_hash. (Two live blocks with one seq_hash, which needs an XXH3 collision,
-//!    would make lookups return one of them: the engine then counts an inconsistency rather
-//!    than corrupt anything.)
-//! 3. The table never rehashes by itself: every insert is preceded by [`SeqIndex::reserve`],
-//!    and growing or shrinking is a rebuild by the tree, which re-inserts its blocks in run
-//!    order. hashbrown's own rehash would re-read every key through its position, one random
-//!    memory access per block per doubling: measured, that tripled the cost of a store.
+//! 1. The table holds the position of every live block of the tree, and may still hold
+//!    positions of blocks that died since the last rebuild: deletion is lazy, because
+//!    erasing an entry is a random memory access per removed block, while the tree's
+//!    rebuild (invariant 3) re-inserts only live blocks, in run order.
+//! 2. A lookup accepts an entry only if the block at its position is live and has the
+//!    seq_hash asked for (the caller's check), so stale entries are never returned. (Two
+//!    live blocks with one seq_hash, which needs an XXH3 collision, would make lookups
+//!    return one of them: the engine then counts an inconsistency rather than corrupt
+//!    anything.)
+//! 3. The table never rehashes by itself: every insert is preceded by a room check
+//!    ([`SeqIndex::has_room`]), and growing or shrinking is a rebuild by the tree, which
+//!    re-inserts its live blocks in run order. hashbrown's own rehash would re-read every
+//!    key through its position, one random memory access per block per doubling: measured,
+//!    that tripled the cost of a store.
 
 use super::pos::{Pos, RunId};
 use super::runs::Runs;
@@ -35,11 +40,12 @@ pub struct SeqIndex {
 }
 
 impl SeqIndex {
-    /// The position of `seq`.
+    /// The position of `seq`: the first entry for it that `accept` (the block at the
+    /// position is live and has this seq_hash) takes.
     #[inline]
-    pub fn find(&self, seq: SeqHash, runs: &Runs) -> Option<Pos> {
+    pub fn find(&self, seq: SeqHash, accept: impl Fn(Pos) -> bool) -> Option<Pos> {
         self.table
-            .find(hash(seq), |&p| runs.seq(Pos::from_raw(p)) == Some(seq))
+            .find(hash(seq), |&p| accept(Pos::from_raw(p)))
             .map(|&p| Pos::from_raw(p))
     }
 
@@ -47,15 +53,6 @@ impl SeqIndex {
     #[inline]
     pub fn has_room(&self, n: usize) -> bool {
         self.table.capacity() - self.table.len() >= n
-    }
-
-    /// Should the table be rebuilt smaller (it is mostly empty)?
-    #[inline]
-    pub fn too_big(&self) -> bool {
-        // Not `capacity()`: erased slots may become tombstones, which hashbrown subtracts
-        // from the capacity, so an emptied table can report none. A bucket is 5 bytes.
-        let (len, buckets) = (self.table.len(), self.table.allocation_size() / 5);
-        (len == 0 && buckets > 0) || (buckets >= 1024 && len * 8 < buckets)
     }
 
     /// An empty table with room for `n` blocks, to be filled with [`SeqIndex::record_range`].
@@ -84,20 +81,7 @@ impl SeqIndex {
         }
     }
 
-    /// Forgets blocks `start..start + len` of run `run` (still stored in `runs`).
-    pub fn forget_range(&mut self, runs: &Runs, run: RunId, start: usize, len: usize) {
-        let seqs = runs.slice(run, start, len);
-        for (off, &seq) in (start..).zip(seqs) {
-            let Some(pos) = Pos::new(run, off) else {
-                continue;
-            };
-            if let Ok(e) = self.table.find_entry(hash(seq), |&p| p == pos.raw()) {
-                e.remove();
-            }
-        }
-    }
-
-    /// Blocks recorded.
+    /// Entries (live blocks, and dead ones since the last rebuild).
     pub fn len(&self) -> usize {
         self.table.len()
     }

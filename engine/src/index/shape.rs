@@ -225,11 +225,13 @@ impl ShardIndex {
                 return;
             };
             self.drop_child(node.parent(), seq);
-            self.by_seq
-                .forget_range(&self.runs, node.run, node.start(), node.len());
+            // The seq_hash table forgets lazily (seq_index invariant 1): rebuilt once dead
+            // entries outnumber live blocks, which also gives memory back.
+            self.stored -= node.len();
+            self.dead += node.len();
             self.runs.drop_view(node.run, cur);
             self.nodes.remove(cur);
-            if self.by_seq.too_big() {
+            if self.dead > self.stored {
                 self.rebuild_seq_index();
             }
             match node.parent() {

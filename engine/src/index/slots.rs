@@ -8,6 +8,9 @@
 //! 2. A slot is released only when its worker key holds no entry in the index, so no holder
 //!    set ever names a released slot.
 //! 3. `blocks[s]` is the number of distinct seq hashes slot `s` holds (count > 0).
+//! 4. `by_rank` lists the live slots in the order of their worker keys (answers list keys in
+//!    that order without sorting); it is rebuilt when a slot is minted or released, which
+//!    happens when a worker key first stores or last drops a block, not per event.
 
 use crate::error::{EngineError, Result};
 use crate::ids::WorkerKey;
@@ -35,6 +38,8 @@ pub struct WorkerSlots {
     keys: Vec<Option<WorkerKey>>,
     blocks: Vec<u64>,
     free: Vec<Slot>,
+    by_rank: Vec<Slot>,
+    rank: Vec<u32>,
 }
 
 impl WorkerSlots {
@@ -65,7 +70,35 @@ impl WorkerSlots {
             *k = Some(key);
         }
         self.by_key.insert(key, slot);
+        self.rerank();
         Ok(slot)
+    }
+
+    fn rerank(&mut self) {
+        self.by_rank.clear();
+        self.by_rank.extend(self.by_key.values().copied());
+        let keys = &self.keys;
+        self.by_rank
+            .sort_unstable_by_key(|s| keys.get(s.idx()).copied().flatten());
+        self.rank.clear();
+        self.rank.resize(self.keys.len(), u32::MAX);
+        for (r, s) in self.by_rank.iter().enumerate() {
+            if let Some(x) = self.rank.get_mut(s.idx()) {
+                *x = r as u32;
+            }
+        }
+    }
+
+    /// `slot`'s position in [`WorkerSlots::by_rank`].
+    #[inline]
+    pub fn rank(&self, slot: Slot) -> u32 {
+        self.rank.get(slot.idx()).copied().unwrap_or(u32::MAX)
+    }
+
+    /// Live slots in worker-key order (invariant 4).
+    #[inline]
+    pub fn by_rank(&self) -> &[Slot] {
+        &self.by_rank
     }
 
     /// Forgets `key` and frees its slot for reuse.
@@ -83,6 +116,7 @@ impl WorkerSlots {
             *self = Self::default();
         } else {
             self.free.push(slot);
+            self.rerank();
         }
     }
 
@@ -141,5 +175,7 @@ impl WorkerSlots {
             + self.keys.capacity() * size_of::<Option<WorkerKey>>()
             + self.blocks.capacity() * size_of::<u64>()
             + self.free.capacity() * size_of::<Slot>()
+            + self.by_rank.capacity() * size_of::<Slot>()
+            + self.rank.capacity() * size_of::<u32>()
     }
 }

@@ -115,8 +115,14 @@ impl ShardIndex {
                 ));
             }
         }
-        if self.by_seq.len() != self.blocks_stored(&seen) {
-            return Err("seq index holds blocks of dead nodes".into());
+        let stored = self.blocks_stored(&seen);
+        if stored != self.stored || self.by_seq.len() != stored + self.dead {
+            return Err(format!(
+                "seq index: {} entries for {stored} live and {} dead blocks (recorded {} live)",
+                self.by_seq.len(),
+                self.dead,
+                self.stored
+            ));
         }
         Ok(())
     }

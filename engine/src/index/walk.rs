@@ -16,8 +16,9 @@
 //! parent), so it costs one probe per query; it makes the answer exact for any sequence of
 //! seq_hashes.
 //!
-//! `Active` is a single slot while only one key is left (the usual case past a shared
-//! prefix) and a bitset over slots otherwise.
+//! Keys leave in groups of increasing depth. Each group is pushed in descending key order
+//! (walking the slot table's key ranking, not sorting), so reversing the list once at the
+//! end gives [`Matches`]' order: deepest first, then by key.
 
 use super::ShardIndex;
 use super::holders::{Holders, word_bit};
@@ -27,9 +28,51 @@ use super::slots::Slot;
 use crate::ids::SeqHash;
 use crate::matches::Matches;
 
+/// Words of a slot bitset kept inline (256 slots); wider clusters spill to the heap.
+const INLINE_WORDS: usize = 4;
+
+/// A bitset over slots that does not allocate for up to 256 slots.
+#[derive(Clone)]
+enum Bits {
+    Inline([u64; INLINE_WORDS], usize),
+    Heap(Vec<u64>),
+}
+
+impl Bits {
+    fn from_slice(words: &[u64]) -> Self {
+        if words.len() <= INLINE_WORDS {
+            let mut a = [0u64; INLINE_WORDS];
+            a.get_mut(..words.len())
+                .map(|dst| dst.copy_from_slice(words));
+            Bits::Inline(a, words.len())
+        } else {
+            Bits::Heap(words.to_vec())
+        }
+    }
+
+    fn words(&self) -> &[u64] {
+        match self {
+            Bits::Inline(a, n) => a.get(..*n).unwrap_or(&[]),
+            Bits::Heap(v) => v,
+        }
+    }
+
+    fn words_mut(&mut self) -> &mut [u64] {
+        match self {
+            Bits::Inline(a, n) => a.get_mut(..*n).unwrap_or(&mut []),
+            Bits::Heap(v) => v,
+        }
+    }
+
+    fn contains(&self, slot: Slot) -> bool {
+        let (w, b) = word_bit(slot);
+        self.words().get(w).is_some_and(|x| x & b != 0)
+    }
+}
+
 enum Active {
     One(Slot),
-    Many { bits: Vec<u64>, len: u32 },
+    Many { bits: Bits, len: u32 },
 }
 
 impl Active {
@@ -44,14 +87,18 @@ impl Active {
 impl ShardIndex {
     /// The overlap of every worker key holding `seqs[0]` (see [`Matches`]).
     ///
-    /// `seqs` is a request's chain of seq_hashes (each continues the one before): the walk
-    /// follows the tree, so a block stored under another prefix never matches.
+    /// `seqs` is a request's chain of seq_hashes (each continues the one before); the answer
+    /// is exact for any sequence (see the module docs).
     pub fn find_matches(&self, seqs: &[SeqHash]) -> Matches {
         let mut out = Matches::default();
         let mut at = seqs.first().and_then(|&s| match self.root.get(s) {
             Some(n) => Some((n, 0)),
             None => self.anywhere(s),
         });
+        if at.is_none() {
+            return out;
+        }
+        out.depth_counts.reserve(seqs.len());
         let mut active: Option<Active> = None;
         let mut depth = 0usize;
         while let Some((n, o)) = at {
@@ -87,8 +134,7 @@ impl ShardIndex {
         if let Some(a) = active {
             self.leave_all(&a, depth as u32, &mut out);
         }
-        out.overlaps
-            .sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        out.overlaps.reverse();
         out
     }
 
@@ -105,7 +151,7 @@ impl ShardIndex {
             Holders::Set(i) => {
                 let set = self.sets.get(i)?;
                 Some(Active::Many {
-                    bits: set.bits.clone(),
+                    bits: Bits::from_slice(&set.bits),
                     len: set.len,
                 })
             }
@@ -135,31 +181,40 @@ impl ShardIndex {
                 }
             }
             (Active::Many { bits, len }, Holders::Single(s)) => {
-                let (w, b) = word_bit(s);
-                let kept = bits.get(w).is_some_and(|x| x & b != 0);
-                let many = Active::Many { bits, len };
-                if kept {
-                    self.leave_except(&many, s, depth, out);
+                if bits.contains(s) {
+                    let mut gone = bits;
+                    let (w, b) = word_bit(s);
+                    if let Some(x) = gone.words_mut().get_mut(w) {
+                        *x &= !b;
+                    }
+                    self.leave_group(&gone, len - 1, depth, out);
                     Some(Active::One(s))
                 } else {
-                    self.leave_all(&many, depth, out);
+                    self.leave_group(&bits, len, depth, out);
                     None
                 }
             }
-            (Active::Many { mut bits, .. }, Holders::Set(i)) => {
+            (Active::Many { mut bits, len }, Holders::Set(i)) => {
                 let set_bits: &[u64] = self.sets.get(i).map_or(&[], |s| &s.bits);
-                let mut len = 0u32;
-                for (w, word) in bits.iter_mut().enumerate() {
+                let mut gone = bits.clone();
+                let (mut kept, mut left) = (0u32, 0u32);
+                for (w, (word, g)) in bits
+                    .words_mut()
+                    .iter_mut()
+                    .zip(gone.words_mut())
+                    .enumerate()
+                {
                     let keep = *word & set_bits.get(w).copied().unwrap_or(0);
-                    let mut gone = *word & !keep;
-                    while gone != 0 {
-                        self.leave(Slot(w as u32 * 64 + gone.trailing_zeros()), depth, out);
-                        gone &= gone - 1;
-                    }
+                    *g = *word & !keep;
                     *word = keep;
-                    len += keep.count_ones();
+                    kept += keep.count_ones();
+                    left += g.count_ones();
                 }
-                (len > 0).then_some(Active::Many { bits, len })
+                debug_assert_eq!(kept + left, len);
+                if left > 0 {
+                    self.leave_group(&gone, left, depth, out);
+                }
+                (kept > 0).then_some(Active::Many { bits, len: kept })
             }
         }
     }
@@ -172,32 +227,42 @@ impl ShardIndex {
         }
     }
 
-    fn leave_except(&self, active: &Active, keep: Slot, depth: u32, out: &mut Matches) {
-        match active {
-            Active::One(a) if *a != keep => self.leave(*a, depth, out),
-            Active::One(_) => {}
-            Active::Many { bits, .. } => for_each_slot(bits, |s| {
-                if s != keep {
+    /// Pushes the `len` slots of `bits` with overlap `depth`, in descending key order.
+    fn leave_group(&self, bits: &Bits, len: u32, depth: u32, out: &mut Matches) {
+        if depth == 0 || len == 0 {
+            return;
+        }
+        out.overlaps.reserve(len as usize);
+        let ranked = self.slots.by_rank();
+        if (len as usize) * 8 >= ranked.len() {
+            // A large share of the keys: walk the ranking once.
+            for &s in ranked.iter().rev() {
+                if bits.contains(s) {
                     self.leave(s, depth, out);
                 }
-            }),
+            }
+            return;
+        }
+        // A few keys: sort them by rank.
+        let mut few: Vec<(u32, Slot)> = Vec::with_capacity(len as usize);
+        for (w, &word) in bits.words().iter().enumerate() {
+            let mut rest = word;
+            while rest != 0 {
+                let s = Slot(w as u32 * 64 + rest.trailing_zeros());
+                few.push((self.slots.rank(s), s));
+                rest &= rest - 1;
+            }
+        }
+        few.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        for (_, s) in few {
+            self.leave(s, depth, out);
         }
     }
 
     fn leave_all(&self, active: &Active, depth: u32, out: &mut Matches) {
         match active {
             Active::One(a) => self.leave(*a, depth, out),
-            Active::Many { bits, .. } => for_each_slot(bits, |s| self.leave(s, depth, out)),
-        }
-    }
-}
-
-fn for_each_slot(bits: &[u64], mut f: impl FnMut(Slot)) {
-    for (w, &word) in bits.iter().enumerate() {
-        let mut rest = word;
-        while rest != 0 {
-            f(Slot(w as u32 * 64 + rest.trailing_zeros()));
-            rest &= rest - 1;
+            Active::Many { bits, len } => self.leave_group(bits, *len, depth, out),
         }
     }
 }

@@ -77,9 +77,23 @@ impl Shard {
             return;
         }
         self.positions.clear();
+        let mut prev: Option<Pos> = None;
         for &s in seqs {
-            match self.index.find(s) {
-                Some(p) => self.positions.push(p),
+            // A removal lists a stored chain's blocks in order (forwards or backwards), and
+            // a chain's blocks sit side by side in a run: try the neighbours of the last
+            // block found before the seq_hash table.
+            let near = prev.and_then(|p| {
+                [p.off().checked_add(1), p.off().checked_sub(1)]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|o| Pos::new(p.run(), o))
+                    .find(|&q| self.index.is_live(q, s))
+            });
+            match near.or_else(|| self.index.find(s)) {
+                Some(p) => {
+                    self.positions.push(p);
+                    prev = Some(p);
+                }
                 None => self.inconsistencies += 1,
             }
         }
