@@ -96,6 +96,10 @@ impl Model {
     }
 }
 
+fn real_tokens_hash(t: u64) -> TokensHash {
+    engine::hash::tokens_hash(&[t as u32], engine::hash::BASE_SEED)
+}
+
 fn engine(s: u64) -> EngineHash {
     EngineHash(s ^ 0x5555)
 }
@@ -242,6 +246,8 @@ fn run(mut ix: impl Target, ops: Vec<Op>) {
                 let mut prev = parent.map(SeqHash);
                 let mut blocks = Vec::new();
                 for &t in &tokens {
+                    // Real XXH3 token hashes, so first blocks land on every shard.
+                    let t = real_tokens_hash(t).0;
                     let s = seq_hash(prev, TokensHash(t));
                     m.parents.entry(s.0).or_insert(prev.map(|p| p.0));
                     blocks.push(StoredBlock {
@@ -298,7 +304,7 @@ fn run(mut ix: impl Target, ops: Vec<Op>) {
                     q.reverse();
                 }
                 for t in extra {
-                    q.push(seq_hash(q.last().copied(), TokensHash(t)));
+                    q.push(seq_hash(q.last().copied(), real_tokens_hash(t)));
                 }
                 assert_eq!(ix.find_matches(&q), m.matches(&q), "query {q:?}");
             }
@@ -413,5 +419,110 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         run(Threaded::start(shards, fanout), ops);
+    }
+}
+
+/// Streams `events` into a fresh runtime in bulk (many ingest messages queued while
+/// promotions run), settles, and checks every query against `KvIndex` fed the same events.
+fn bulk_equals_kv_index(
+    cores: usize,
+    fanout: u32,
+    events: &[(WorkerKey, KvEvent)],
+    queries: &[Vec<SeqHash>],
+) {
+    let mut kv = engine::kv_index::KvIndex::new();
+    for (k, ev) in events {
+        kv.apply(*k, ev).unwrap();
+    }
+    let config = RuntimeConfig {
+        ring_capacity: 256,
+        pin_cores: false,
+        ingest_handles: 1,
+        query_handles: 1,
+    };
+    let mut st = engine::runtime::start(Adaptive::new(cores, fanout).unwrap(), config).unwrap();
+    let (mut ing, mut q) = (st.ingest.remove(0), st.query.remove(0));
+    ing.send(&std::sync::Arc::from(events.to_vec())).unwrap();
+    ing.settle().unwrap();
+    for query in queries {
+        assert_eq!(
+            q.find_matches(query).unwrap(),
+            kv.find_matches(query),
+            "{cores} cores"
+        );
+    }
+    let cores_stats = ing.core_stats().unwrap();
+    assert!(cores_stats.iter().all(|c| c.inconsistencies == 0));
+    assert!(
+        cores_stats.iter().any(|c| c.promotions > 0),
+        "nothing was promoted"
+    );
+    drop((ing, q));
+    st.runtime.join().unwrap();
+}
+
+/// The shape of the old `shared-prefix` workload: one 32-block prompt shared by 16 workers
+/// (each stores it once), a private 96-block tail per sequence, everything streamed at
+/// once. Streamed in bulk, several ingest messages wait at each core while the prompt's
+/// promotion runs (this caught a core routing one more slice after it had frozen itself).
+/// Token hashes are real XXH3 values, so the prompt lands on any shard, not only core 0.
+#[test]
+fn streamed_events_with_promotions_answer_like_the_one_shard_index() {
+    let chain =
+        |parent: Option<SeqHash>, tokens: std::ops::Range<u64>| -> Vec<(SeqHash, TokensHash)> {
+            let mut prev = parent;
+            tokens
+                .map(|t| {
+                    let th = engine::hash::tokens_hash(
+                        &[t as u32, (t >> 32) as u32],
+                        engine::hash::BASE_SEED,
+                    );
+                    let s = seq_hash(prev, th);
+                    prev = Some(s);
+                    (s, th)
+                })
+                .collect()
+        };
+    for (cores, seed) in [2usize, 3]
+        .into_iter()
+        .flat_map(|c| (0..8u64).map(move |s| (c, s)))
+    {
+        let base = seed * 1_000_000;
+        let prompt = chain(None, base..base + 32);
+        let last = prompt.last().map(|x| x.0);
+        let blocks = |seqs: &[(SeqHash, TokensHash)], w: u64| -> Vec<StoredBlock> {
+            seqs.iter()
+                .map(|&(s, t)| StoredBlock {
+                    engine_hash: EngineHash(s.0 ^ w),
+                    tokens_hash: t,
+                })
+                .collect()
+        };
+        let (mut events, mut queries) = (Vec::new(), Vec::new());
+        let mut stored = std::collections::HashSet::new();
+        for k in 0..128u64 {
+            let w = k % 16;
+            let key = WorkerKey::new(w, 0);
+            let tail = chain(last, base + 10_000 + k * 100..base + 10_000 + k * 100 + 96);
+            if stored.insert(w) {
+                events.push((
+                    key,
+                    KvEvent::Stored {
+                        parent: None,
+                        blocks: blocks(&prompt, w),
+                    },
+                ));
+            }
+            let parent = last.map(|s| EngineHash(s.0 ^ w));
+            events.push((
+                key,
+                KvEvent::Stored {
+                    parent,
+                    blocks: blocks(&tail, w),
+                },
+            ));
+            queries.push(prompt.iter().chain(&tail).map(|x| x.0).collect());
+        }
+        bulk_equals_kv_index(cores, Adaptive::DEFAULT_HUB_FANOUT, &events, &queries);
     }
 }

@@ -42,8 +42,9 @@ impl Bits {
     fn from_slice(words: &[u64]) -> Self {
         if words.len() <= INLINE_WORDS {
             let mut a = [0u64; INLINE_WORDS];
-            a.get_mut(..words.len())
-                .map(|dst| dst.copy_from_slice(words));
+            if let Some(dst) = a.get_mut(..words.len()) {
+                dst.copy_from_slice(words);
+            }
             Bits::Inline(a, words.len())
         } else {
             Bits::Heap(words.to_vec())
@@ -253,7 +254,7 @@ impl ShardIndex {
                 rest &= rest - 1;
             }
         }
-        few.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        few.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
         for (_, s) in few {
             self.leave(s, depth, out);
         }

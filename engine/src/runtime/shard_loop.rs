@@ -149,17 +149,20 @@ impl<P: ShardPolicy> Core<P> {
             let n = self.clients_in.len();
             let ingest = self.ingest_clients.min(n);
             // While frozen for a promotion, or while peers are backed up, take no events.
-            let backlog = st.pending.iter().any(|q| !q.is_empty()) || st.promo.frozen();
             for i in (ingest..n).chain(0..ingest) {
-                if i < ingest && backlog {
-                    continue;
-                }
                 let burst = if i < ingest {
                     INGEST_BURST
                 } else {
                     QUERY_BURST
                 };
                 for _ in 0..burst {
+                    // Checked before every ingest message, not once per round: handling one
+                    // can freeze this core (the coordinator starts a promotion when the
+                    // events it routed make a hub), and then the next must wait.
+                    let blocked = st.pending.iter().any(|q| !q.is_empty()) || st.promo.frozen();
+                    if i < ingest && blocked {
+                        break;
+                    }
                     let Some(inbox) = self.clients_in.get_mut(i) else {
                         break;
                     };
