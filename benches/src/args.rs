@@ -202,6 +202,7 @@ impl IndexerArgs {
             warmup: self.warmup,
             repeat: self.repeat,
             progress: !self.quiet,
+            release_memory: None,
         }
     }
 

@@ -403,6 +403,7 @@ fn run_anchor(
         warmup: usize::from(repeat > 1),
         repeat,
         progress: false,
+        release_memory: None,
     };
     let report = anchor::run(&mut make, plan, &opts).unwrap();
     assert!(report.checks_passed, "{:?}", report.problems);

@@ -54,6 +54,11 @@ pub struct AnchorOptions {
     pub repeat: usize,
     /// Print one line per phase to stderr.
     pub progress: bool,
+    /// Called before each resident-memory reading to have the allocator return free
+    /// memory to the OS (the binary passes mimalloc's collect): otherwise a reading taken
+    /// right after a phase counts pages the allocator holds on to for a while, such as the
+    /// tables a growing index left behind.
+    pub release_memory: Option<fn()>,
 }
 
 impl Default for AnchorOptions {
@@ -62,6 +67,7 @@ impl Default for AnchorOptions {
             warmup: 0,
             repeat: 1,
             progress: false,
+            release_memory: None,
         }
     }
 }
@@ -91,7 +97,7 @@ pub fn run(
     let mut runs = Vec::with_capacity(opts.repeat);
     let mut first = None;
     for i in 0..opts.warmup + opts.repeat {
-        let out = phases::run_once(make, plan, opts.progress)?;
+        let out = phases::run_once(make, plan, opts.progress, opts.release_memory)?;
         if opts.progress {
             let kind = if i < opts.warmup {
                 "warm-up run"
@@ -131,6 +137,7 @@ pub fn run(
         cores,
         mixed_mode,
         warmup_runs: opts.warmup,
+        memory_released: opts.release_memory.is_some(),
         repeat: opts.repeat,
         figures,
         range,

@@ -76,7 +76,14 @@ pub fn run_once(
     make: &mut dyn FnMut() -> Result<Box<dyn IndexerUnderTest>>,
     plan: &AnchorPlan,
     progress: bool,
+    release_memory: Option<fn()>,
 ) -> Result<RunOutcome> {
+    let rss = || {
+        if let Some(release) = release_memory {
+            release();
+        }
+        rss_bytes().unwrap_or(0)
+    };
     let note = |line: String| {
         if progress {
             eprintln!("{line}");
@@ -85,7 +92,7 @@ pub fn run_once(
     let expect_hit = |k| plan.expected_hit(k);
     let expect_prefix = |g| plan.expected_prefix(g);
     let mixed_list = vec![plan.hit_queries.clone()];
-    let rss_before = rss_bytes().unwrap_or(0);
+    let rss_before = rss();
     let mut ix = make()?;
     let before = ix.stats()?;
     if before.live_entries != 0 {
@@ -105,7 +112,7 @@ pub fn run_once(
     let t = Instant::now();
     ix.apply_all(&plan.base.streams)?;
     let store_s = t.elapsed().as_secs_f64();
-    let rss_built = rss_bytes().unwrap_or(0);
+    let rss_built = rss();
     let built = ix.stats()?;
     let base_blocks = plan.base.stored_blocks;
     note(format!(
@@ -164,7 +171,7 @@ pub fn run_once(
     let t = Instant::now();
     ix.apply_all(&plan.remove.streams)?;
     let remove_s = t.elapsed().as_secs_f64();
-    let rss_after = rss_bytes().unwrap_or(0);
+    let rss_after = rss();
     note(format!(
         "  5 remove: {} events, {} blocks in {remove_s:.3} s",
         plan.remove.events, plan.remove.removed_blocks

@@ -266,6 +266,9 @@ pub struct AnchorReport {
     pub mixed_mode: MixedMode,
     /// Untimed runs before the timed ones.
     pub warmup_runs: usize,
+    /// Whether the allocator was asked to return free memory before each resident-memory
+    /// reading (see [`super::AnchorOptions::release_memory`]).
+    pub memory_released: bool,
     /// Timed runs.
     pub repeat: usize,
     /// Medians over the timed runs (resident-memory figures: the first run's, see

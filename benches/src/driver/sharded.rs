@@ -1,5 +1,5 @@
-//! [`IndexerUnderTest`] for [`ShardedIndex`] with the [`FixedDepth`] policy: N shards
-//! behind one ingest, all in the caller's thread.
+//! [`IndexerUnderTest`] for [`ShardedIndex`] with a [`Sharding`] policy (the adaptive trunk by
+//! default, or fixed depth): N shards behind one ingest, all in the caller's thread.
 //!
 //! It measures what sharding costs and how evenly a workload spreads (`shard_ops` from
 //! [`Shard::applied`]), not parallel speed-up: `cores` reports the shard count, but one
