@@ -58,21 +58,20 @@ pub(crate) enum PeerMsg {
     Fence { client: usize, n: u64 },
     /// To the coordinator: `tip`, in shard `from`, has become a hub.
     Hub { from: ShardId, tip: SeqHash },
-    /// From the coordinator: stop taking events for promotion round `epoch` of `tip`
-    /// (exported by `from`).
+    /// From the coordinator: stop taking events for promotion round `epoch` of `hubs`
+    /// (each exported by the shard named with it).
     Freeze {
         epoch: u64,
-        from: ShardId,
-        tip: SeqHash,
+        hubs: Arc<[(ShardId, SeqHash)]>,
     },
     /// Everything this core produced before it froze for `epoch` precedes this marker.
     Drained { epoch: u64 },
-    /// From the exporting core: the path to graft (`None`: nothing to promote after all).
+    /// From an exporting core: the paths of its hubs in round `epoch` (possibly none).
     Graft {
         epoch: u64,
-        promotion: Option<Arc<Promotion>>,
+        promotions: Arc<[Promotion]>,
     },
-    /// To the coordinator: this core grafted the path of `epoch`.
+    /// To the coordinator: this core grafted every path of `epoch`.
     Grafted { epoch: u64 },
     /// From the coordinator: the new trunk is published (or the round was abandoned);
     /// take events again.

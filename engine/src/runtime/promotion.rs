@@ -1,4 +1,4 @@
-//! Promoting a hub into the trunk while the cores run: a short freeze coordinated by core 0.
+//! Promoting hubs into the trunk while the cores run: a short freeze coordinated by core 0.
 //!
 //! `sharding::promote` requires that no operation routed by the old trunk is in flight
 //! when the new one is published. The single-threaded engine gets that for free; here the
@@ -6,25 +6,27 @@
 //!
 //! 1. A core that routes enough stores under one block (or whose shard makes a block branch
 //!    past the policy's hub threshold) sends `Hub` to the coordinator (core 0), which
-//!    queues it and runs one round at a time.
-//! 2. The coordinator sends `Freeze` to every core and freezes itself. A frozen core takes
-//!    no more messages from ingest clients (queries and peers are still served) and sends
-//!    `Drained` to every other core, behind everything it sent them before.
-//! 3. The core that holds the hub, once it has `Drained` from every other core (so every
-//!    operation for its shard from before the freeze is applied), exports the hub's path
-//!    and sends it (`Graft`) to every other core. Each grafts it and tells the coordinator
-//!    (`Grafted`).
-//! 4. When every other shard has grafted, the coordinator publishes the new trunk and sends
+//!    queues it and runs one round at a time, for every hub queued when the round starts
+//!    (a workload's first hubs tend to appear together: one freeze for all of them).
+//! 2. The coordinator sends `Freeze` with the round's hubs to every core and freezes
+//!    itself. A frozen core takes no more messages from ingest clients (queries and peers
+//!    are still served) and sends `Drained` to every other core, behind everything it sent
+//!    them before.
+//! 3. Each core holding some of the hubs (an *exporter*), once it has `Drained` from every
+//!    other core (so every operation for its shard from before the freeze is applied),
+//!    exports their paths and sends them (`Graft`) to every other core. A core that has
+//!    grafted what every other exporter sent tells the coordinator (`Grafted`).
+//! 4. When every core has grafted, the coordinator publishes the new trunk and sends
 //!    `Thaw`; each core picks up the trunk and takes events again.
 //!
 //! Queries keep flowing: before the publication they are routed by the old trunk to the
-//! shard that has the whole path, after it by the new one to shards that have grafted it.
+//! shards that have the whole paths, after it by the new one to shards that grafted them.
 //!
 //! # Invariants
 //! 1. A core takes no ingest-client message between its `Freeze` and its `Thaw`.
-//! 2. The export happens after the exporter has applied every operation sent to it before
+//! 2. An export happens after the exporter has applied every operation sent to it before
 //!    any core froze (rings are FIFO and each core's `Drained` follows its operations).
-//! 3. The trunk is published only after every shard has grafted the path.
+//! 3. The trunk is published only after every shard has grafted every path of the round.
 //! 4. Shutdown: the coordinator starts no round once its clients are gone; a core that has
 //!    closed its peer rings ignores `Freeze`; a core never closes its peer rings while
 //!    frozen; and the coordinator abandons a round (thawing everyone, publishing nothing)
@@ -39,30 +41,33 @@ use crate::ids::SeqHash;
 use crate::sharding::promote::Promotion;
 use crate::sharding::{ShardId, ShardPolicy};
 use hashbrown::HashMap;
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// The core that runs the rounds.
 const COORDINATOR: usize = 0;
 
 /// The round a core is frozen for.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Round {
     epoch: u64,
-    from: ShardId,
-    tip: SeqHash,
+    hubs: Arc<[(ShardId, SeqHash)]>,
+    /// Distinct shards among `hubs`.
+    exporters: usize,
+    /// This core exported its hubs (if it has any).
     exported: bool,
+    /// `Graft`s received from other exporters.
+    grafts: usize,
+    /// This core told the coordinator it grafted everything.
+    grafted: bool,
 }
 
 /// The coordinator's view of the round in progress.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Active {
     epoch: u64,
-    /// Cores that grafted the path.
+    /// Cores (the coordinator included) that grafted every path.
     grafted: usize,
-    /// Whether the coordinator knows the promotion (exported it or received its `Graft`).
-    known: bool,
-    promotion: Option<Arc<Promotion>>,
+    promotions: Vec<Arc<[Promotion]>>,
 }
 
 /// One core's part in promotions.
@@ -71,7 +76,7 @@ pub(crate) struct Promo {
     frozen: Option<Round>,
     /// `Drained` markers received per epoch (they may arrive before the `Freeze`).
     drained: HashMap<u64, usize>,
-    queue: VecDeque<(ShardId, SeqHash)>,
+    queue: Vec<(ShardId, SeqHash)>,
     active: Option<Active>,
     next_epoch: u64,
     /// Promotions this core published (coordinator) or grafted.
@@ -88,7 +93,7 @@ impl Promo {
         self.frozen.is_some()
     }
 
-    /// Is a round in progress or waiting here (a core must not close its rings then)?
+    /// Is a round in progress here (a core must not close its rings then)?
     pub(crate) fn busy(&self) -> bool {
         self.frozen.is_some() || self.active.is_some()
     }
@@ -136,16 +141,16 @@ impl<P: ShardPolicy> Core<P> {
     pub(crate) fn handle_promotion(&mut self, st: &mut State, msg: PeerMsg) -> bool {
         match msg {
             PeerMsg::Hub { from, tip } => self.queue_hub(st, from, tip),
-            PeerMsg::Freeze { epoch, from, tip } => {
+            PeerMsg::Freeze { epoch, hubs } => {
                 if !st.closed_peers {
-                    self.freeze(st, epoch, from, tip);
+                    self.freeze(st, epoch, hubs);
                 }
             }
             PeerMsg::Drained { epoch } => {
                 *st.promo.drained.entry(epoch).or_insert(0) += 1;
                 self.maybe_export(st);
             }
-            PeerMsg::Graft { epoch, promotion } => self.graft(st, epoch, promotion),
+            PeerMsg::Graft { epoch, promotions } => self.graft(st, epoch, promotions),
             PeerMsg::Grafted { epoch } => {
                 if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
                     a.grafted += 1;
@@ -162,7 +167,7 @@ impl<P: ShardPolicy> Core<P> {
         st.promo.heard += 1;
         let known = st.promo.queue.iter().any(|&(_, t)| t == tip);
         if !st.clients_gone && !known && !self.ingest.policy().in_trunk(tip) {
-            st.promo.queue.push_back((from, tip));
+            st.promo.queue.push((from, tip));
         }
         self.maybe_start(st);
     }
@@ -171,77 +176,109 @@ impl<P: ShardPolicy> Core<P> {
         if st.promo.active.is_some() || st.clients_gone || st.closed_peers {
             return;
         }
-        let Some((from, tip)) = st.promo.queue.pop_front() else {
+        let policy = self.ingest.policy();
+        let hubs: Arc<[(ShardId, SeqHash)]> = std::mem::take(&mut st.promo.queue)
+            .into_iter()
+            .filter(|&(_, tip)| !policy.in_trunk(tip))
+            .collect();
+        if hubs.is_empty() {
             return;
-        };
+        }
         st.promo.next_epoch += 1;
         let epoch = st.promo.next_epoch;
         st.promo.active = Some(Active {
             epoch,
-            grafted: 0,
-            known: false,
-            promotion: None,
+            ..Active::default()
         });
-        self.broadcast(st, || PeerMsg::Freeze { epoch, from, tip });
-        self.freeze(st, epoch, from, tip);
+        self.broadcast(st, || PeerMsg::Freeze {
+            epoch,
+            hubs: hubs.clone(),
+        });
+        self.freeze(st, epoch, hubs);
     }
 
-    fn freeze(&mut self, st: &mut State, epoch: u64, from: ShardId, tip: SeqHash) {
+    fn freeze(&mut self, st: &mut State, epoch: u64, hubs: Arc<[(ShardId, SeqHash)]>) {
+        let mut shards: Vec<ShardId> = hubs.iter().map(|h| h.0).collect();
+        shards.sort_unstable();
+        shards.dedup();
+        let exports_here = shards.contains(&self.me());
         st.promo.frozen = Some(Round {
             epoch,
-            from,
-            tip,
-            exported: false,
+            hubs,
+            exporters: shards.len(),
+            exported: !exports_here,
+            grafts: 0,
+            grafted: false,
         });
         self.broadcast(st, || PeerMsg::Drained { epoch });
         self.maybe_export(st);
+        self.maybe_grafted(st);
     }
 
-    /// The hub's core exports once every other core has drained into it (invariant 2).
+    /// An exporter exports once every other core has drained into it (invariant 2).
     fn maybe_export(&mut self, st: &mut State) {
-        let Some(round) = st
-            .promo
-            .frozen
-            .filter(|r| r.from == self.me() && !r.exported)
-        else {
+        let Some(round) = st.promo.frozen.as_ref().filter(|r| !r.exported) else {
             return;
         };
         let drained = st.promo.drained.get(&round.epoch).copied().unwrap_or(0);
         if drained + 1 < self.cores() {
             return;
         }
+        let (epoch, hubs) = (round.epoch, round.hubs.clone());
         if let Some(r) = st.promo.frozen.as_mut() {
             r.exported = true;
         }
         let policy = self.ingest.policy();
-        let promotion = self
-            .shard
-            .export(round.tip, |s| policy.in_trunk(s))
-            .map(Arc::new);
-        let epoch = round.epoch;
+        let me = self.me();
+        let promotions: Arc<[Promotion]> = hubs
+            .iter()
+            .filter(|h| h.0 == me)
+            .filter_map(|&(_, tip)| self.shard.export(tip, |s| policy.in_trunk(s)))
+            .collect();
         self.broadcast(st, || PeerMsg::Graft {
             epoch,
-            promotion: promotion.clone(),
+            promotions: promotions.clone(),
         });
-        if self.coordinator() {
-            if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
-                a.known = true;
-                a.promotion = promotion;
-            }
-            self.maybe_finish(st);
+        if self.coordinator()
+            && let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch)
+        {
+            a.promotions.push(promotions);
         }
+        self.maybe_grafted(st);
     }
 
-    fn graft(&mut self, st: &mut State, epoch: u64, promotion: Option<Arc<Promotion>>) {
-        if let Some(p) = &promotion {
+    fn graft(&mut self, st: &mut State, epoch: u64, promotions: Arc<[Promotion]>) {
+        for p in promotions.iter() {
             self.shard.import(p);
             st.promo.rounds += 1;
+        }
+        if let Some(r) = st.promo.frozen.as_mut().filter(|r| r.epoch == epoch) {
+            r.grafts += 1;
+        }
+        if self.coordinator()
+            && let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch)
+        {
+            a.promotions.push(promotions);
+        }
+        self.maybe_grafted(st);
+    }
+
+    /// A core that exported (if it had to) and grafted every other exporter's paths says so.
+    fn maybe_grafted(&mut self, st: &mut State) {
+        let Some(r) = st.promo.frozen.as_ref() else {
+            return;
+        };
+        let others = r.exporters - usize::from(r.hubs.iter().any(|h| h.0 == self.me()));
+        if r.grafted || !r.exported || r.grafts < others {
+            return;
+        }
+        let epoch = r.epoch;
+        if let Some(r) = st.promo.frozen.as_mut() {
+            r.grafted = true;
         }
         if self.coordinator() {
             if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
                 a.grafted += 1;
-                a.known = true;
-                a.promotion = promotion;
             }
             self.maybe_finish(st);
         } else {
@@ -249,16 +286,17 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    /// Publishes and thaws once every other shard grafted the path (invariant 3).
+    /// Publishes and thaws once every core grafted every path (invariant 3).
     fn maybe_finish(&mut self, st: &mut State) {
         let Some(a) = st.promo.active.as_ref() else {
             return;
         };
-        if !a.known || a.grafted + 1 < self.cores() {
+        if a.grafted < self.cores() {
             return;
         }
         let epoch = a.epoch;
-        if let Some(p) = a.promotion.clone() {
+        let promotions: Vec<Arc<[Promotion]>> = a.promotions.clone();
+        for p in promotions.iter().flat_map(|ps| ps.iter()) {
             self.ingest.policy_mut().promote(&p.seqs(), &p.pins, p.from);
             st.promo.rounds += 1;
         }
@@ -269,7 +307,7 @@ impl<P: ShardPolicy> Core<P> {
     }
 
     fn thaw(&mut self, st: &mut State, epoch: u64) {
-        if st.promo.frozen.is_some_and(|r| r.epoch == epoch) {
+        if st.promo.frozen.as_ref().is_some_and(|r| r.epoch == epoch) {
             st.promo.frozen = None;
         }
         st.promo.drained.remove(&epoch);

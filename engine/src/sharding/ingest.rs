@@ -228,22 +228,31 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
         {
             self.hubs.saw(self.policy, p.seq(), x);
         }
+        // Blocks are placed one by one only while the chain is replicated; once a block
+        // lands in a shard, every later one does too (the policy's invariant 3), so the rest
+        // of the chain takes its route without asking the policy per block.
         let mut prev = parent.map(|p| (p.seq(), p.route()));
         let mut trunk = 0usize;
-        let mut owner = None;
+        let mut owner: Option<(ShardId, crate::sharding::Route)> = None;
         for &s in seqs {
-            let r = self.policy.place(prev, s);
-            match self.policy.placement(s, r) {
-                Placement::Everywhere if owner.is_none() => trunk += 1,
-                Placement::Everywhere => {}
-                Placement::Shard(x) => owner = owner.or(Some(x)),
-            }
+            let r = match owner {
+                Some((_, r)) => r,
+                None => {
+                    let r = self.policy.place(prev, s);
+                    match self.policy.placement(s, r) {
+                        Placement::Everywhere => trunk += 1,
+                        Placement::Shard(x) => owner = Some((x, r)),
+                    }
+                    r
+                }
+            };
             out.push(Placed {
                 seq: s.0,
                 route: r.0,
             });
             prev = Some((s, r));
         }
+        let owner = owner.map(|o| o.0);
         let parent = parent.map(|p| p.seq());
         for shard in 0..self.outbox.shards() {
             let k = if owner.map(ShardId::idx) == Some(shard) {

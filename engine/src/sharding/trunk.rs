@@ -30,12 +30,39 @@ use super::ShardId;
 use crate::ids::SeqHash;
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 use hashbrown::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// seq_hashes are XXH3 outputs, already uniform: they are their own hash (placement asks
+/// the trunk about blocks on the hot path).
+#[derive(Clone, Copy, Debug, Default)]
+struct SeqHasher(u64);
+
+impl Hasher for SeqHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type BySeq = BuildHasherDefault<SeqHasher>;
 
 /// One version of the trunk.
 #[derive(Clone, Debug, Default)]
 pub struct Trunk {
-    members: HashSet<SeqHash>,
-    pins: HashMap<SeqHash, ShardId>,
+    members: HashSet<SeqHash, BySeq>,
+    pins: HashMap<SeqHash, ShardId, BySeq>,
     version: u64,
 }
 
