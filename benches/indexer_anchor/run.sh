@@ -27,7 +27,9 @@ print(f'{r["workload"]} {r["indexer"].split("(")[0]}x{r["cores"]}: '
       f'store {f("store_blocks_per_s")} M/s, remove {f("remove_blocks_per_s")} M/s, '
       f'hit p99 {f("hit_p99_us", 1)} us, qps1 {f("hit_qps_1", 1e3)} k, '
       f'B/block {r["bytes_per_block"]:.1f} (computed {r["bytes_per_block_entry"]:.1f}), '
-      f'balance {f("shard_balance", 1)}, mem {r["mem_latency_ns"]["128MB"]:.0f} ns, '
+      f'balance {f("shard_balance", 1)}, '
+      f'mem 16/128 MB {r["mem_latency_ns"]["16MB"]:.0f}/{r["mem_latency_ns"]["128MB"]:.0f} ns '
+      f'(after runs, 16 MB: {"/".join(str(round(x["mem_latency_ns"]["16MB"])) for x in r["runs"])}), '
       f'checks {r["checks_passed"]}')
 PY
   done

@@ -444,7 +444,7 @@ fn check_report(r: &serde_json::Value, plan: &AnchorPlan, repeat: usize) {
     for key in ["store_blocks_per_s", "hit_qps_1", "hit_qps_2", "hit_p50_us"] {
         assert!(r[key].as_f64().unwrap() > 0.0, "{key}");
     }
-    for size in ["1MB", "128MB"] {
+    for size in ["1MB", "4MB", "16MB", "128MB"] {
         assert!(r["mem_latency_ns"][size].as_f64().unwrap() > 0.0, "{size}");
     }
     let runs = r["runs"].as_array().unwrap();
@@ -453,6 +453,7 @@ fn check_report(r: &serde_json::Value, plan: &AnchorPlan, repeat: usize) {
         for key in KEYS {
             assert!(run[key].is_number(), "run: missing {key}");
         }
+        assert!(run["mem_latency_ns"]["16MB"].as_f64().unwrap() > 0.0);
         let c = &run["checks"];
         assert_eq!(c["entries_after_base"], plan.shape.entries_after_base);
         for key in [

@@ -84,12 +84,14 @@ pub fn run(
     let mem = mem_latency();
     if opts.progress {
         eprintln!(
-            "{}: N = {}, E = {}, P = {}; memory latency {:.1} ns (1 MB), {:.1} ns (128 MB)",
+            "{}: N = {}, E = {}, P = {}; memory latency {:.1} / {:.1} / {:.1} / {:.1} ns (1 / 4 / 16 / 128 MB)",
             plan.spec.kind.name(),
             plan.shape.base_sequences,
             plan.shape.extra_sequences,
             plan.shape.prefix_blocks,
             mem.mb_1,
+            mem.mb_4,
+            mem.mb_16,
             mem.mb_128
         );
     }
@@ -97,7 +99,8 @@ pub fn run(
     let mut runs = Vec::with_capacity(opts.repeat);
     let mut first = None;
     for i in 0..opts.warmup + opts.repeat {
-        let out = phases::run_once(make, plan, opts.progress, opts.release_memory)?;
+        let mut out = phases::run_once(make, plan, opts.progress, opts.release_memory)?;
+        out.report.mem_latency_ns = Some(mem_latency());
         if opts.progress {
             let kind = if i < opts.warmup {
                 "warm-up run"

@@ -241,6 +241,7 @@ pub fn run_once(
             figures,
             details,
             checks,
+            mem_latency_ns: None,
         },
         indexer,
         cores,

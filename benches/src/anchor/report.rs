@@ -181,6 +181,10 @@ pub struct RunReport {
     pub details: RunDetails,
     /// Self-checks.
     pub checks: AnchorChecks,
+    /// The machine's memory latency measured right after this run: a run that is slow
+    /// beside its siblings usually shows it here, in the 4-16 MB band.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mem_latency_ns: Option<MemLatency>,
 }
 
 impl Figures {
@@ -331,6 +335,7 @@ mod tests {
             },
             details: RunDetails::default(),
             checks: AnchorChecks::default(),
+            mem_latency_ns: None,
         };
         let (med, range) = summarize(&[run(1.0), run(5.0), run(3.0)]);
         assert_eq!(med.hit_qps_1, 3.0);
