@@ -169,12 +169,7 @@ pub fn run(ix: &mut dyn IndexerUnderTest, plan: &Plan, opts: &RunOptions) -> Res
     note(opts, || line("remove", &remove));
 
     let end = ix.stats()?;
-    let shard_ops: Vec<u64> = end
-        .shard_ops
-        .iter()
-        .zip(before.shard_ops.iter().chain(std::iter::repeat(&0)))
-        .map(|(e, b)| e.saturating_sub(*b))
-        .collect();
+    let shard_ops = end.shard_ops_since(&before);
     let checks = Checks {
         expected_entries_after_build: plan.shape.entries_after_build,
         entries_after_build: live,

@@ -182,12 +182,7 @@ pub fn run_once(
     let (indexer, cores, mixed_mode) = (ix.name(), ix.cores(), ix.mixed_mode());
     drop(ix);
 
-    let shard_ops: Vec<u64> = end
-        .shard_ops
-        .iter()
-        .zip(before.shard_ops.iter().chain(std::iter::repeat(&0)))
-        .map(|(e, b)| e.saturating_sub(*b))
-        .collect();
+    let shard_ops = end.shard_ops_since(&before);
     let grown = rss_built as f64 - rss_before as f64;
     let figures = Figures {
         store_blocks_per_s: rate(base_blocks, store_s),

@@ -159,6 +159,18 @@ pub struct IndexerStats {
     pub anomalies: u64,
 }
 
+impl IndexerStats {
+    /// Block operations each shard applied since `before` (shards `before` did not know
+    /// start at 0).
+    pub fn shard_ops_since(&self, before: &IndexerStats) -> Vec<u64> {
+        self.shard_ops
+            .iter()
+            .zip(before.shard_ops.iter().chain(std::iter::repeat(&0)))
+            .map(|(now, then)| now.saturating_sub(*then))
+            .collect()
+    }
+}
+
 /// A latency histogram in nanoseconds, 1 ns to 1 hour, 3 significant digits.
 pub fn latency_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("constant bounds are valid")

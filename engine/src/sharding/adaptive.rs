@@ -148,14 +148,7 @@ mod tests {
     use crate::hash::{BASE_SEED, seq_hashes};
 
     fn routes(p: &Adaptive, seqs: &[SeqHash]) -> Vec<Placement> {
-        let mut parent = None;
-        seqs.iter()
-            .map(|&s| {
-                let r = p.place(parent, s);
-                parent = Some((s, r));
-                p.placement(s, r)
-            })
-            .collect()
+        crate::sharding::chain_placements(p, seqs)
     }
 
     #[test]

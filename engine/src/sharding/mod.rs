@@ -121,3 +121,16 @@ pub trait ShardPolicy: Send + Sync + fmt::Debug {
 pub fn shard_of(hash: u64, shards: usize) -> ShardId {
     ShardId(((u128::from(hash) * shards as u128) >> 64) as u16)
 }
+
+/// Test helper: the placement of every block of one chain, each placed after its parent.
+#[cfg(test)]
+pub(crate) fn chain_placements(p: &dyn ShardPolicy, seqs: &[SeqHash]) -> Vec<Placement> {
+    let mut parent = None;
+    seqs.iter()
+        .map(|&s| {
+            let r = p.place(parent, s);
+            parent = Some((s, r));
+            p.placement(s, r)
+        })
+        .collect()
+}
