@@ -14,6 +14,7 @@
 
 mod bench;
 mod demo;
+mod disagg_args;
 mod publish;
 mod serve;
 mod sim;

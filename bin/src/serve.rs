@@ -20,7 +20,7 @@ use engine::runtime::RuntimeConfig;
 use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
-use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_cluster};
+use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -33,6 +33,8 @@ use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
+
+use crate::disagg_args::DisaggArgs;
 
 /// Router settings.
 #[derive(Debug, Args)]
@@ -144,6 +146,15 @@ pub struct ServeArgs {
     /// KV-cache blocks of each simulated worker.
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]
     pub sim_kv_blocks: Option<u32>,
+    /// Of the --sim-workers, this many are prefill workers (ids 1..), the next
+    /// --sim-decode-workers decode workers; they speak --disagg-protocol.
+    #[arg(long, env = "KVENGINE_SIM_PREFILL_WORKERS", default_value_t = 0)]
+    pub sim_prefill_workers: u16,
+    /// Of the --sim-workers, this many are decode workers (after the prefill ones).
+    #[arg(long, env = "KVENGINE_SIM_DECODE_WORKERS", default_value_t = 0)]
+    pub sim_decode_workers: u16,
+    #[command(flatten)]
+    pub disagg: DisaggArgs,
 }
 
 fn parse_mode(s: &str) -> Result<RouteMode, String> {
@@ -161,6 +172,7 @@ impl ServeArgs {
             block_size: self.kv_cache_block_size,
             mode: self.router_mode,
             overlap_weight: self.kv_overlap_score_weight,
+            decode_overlap_weight: self.disagg.decode_overlap_weight,
             temperature: self.router_temperature,
             busy: BusyThresholds {
                 max_waiting: self.busy_max_waiting,
@@ -169,9 +181,10 @@ impl ServeArgs {
             request_timeout: Duration::from_secs(self.request_timeout_secs),
             seed: 0,
         };
-        config
-            .validate()
-            .context("--router-temperature, --kv-overlap-score-weight or --busy-threshold")?;
+        config.validate().context(
+            "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight or \
+                 --busy-threshold",
+        )?;
         Ok(config)
     }
 }
@@ -197,6 +210,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             "--quic needs --ingest-token (or KVENGINE_INGEST_TOKEN): publishers must authenticate"
         );
     }
+    if u32::from(args.sim_prefill_workers) + u32::from(args.sim_decode_workers)
+        > u32::from(args.sim_workers)
+    {
+        bail!("--sim-prefill-workers plus --sim-decode-workers exceed --sim-workers");
+    }
+    args.disagg.config()?;
     if args.sim_workers > 0 && !(args.sim_speedup.is_finite() && args.sim_speedup > 0.0) {
         bail!("--sim-speedup must be a finite number above 0");
     }
@@ -307,6 +326,14 @@ async fn serve(
         None => None,
     };
     let sims = start_sim_workers(&hub, &subs, args, tokenizer.clone()).await?;
+    for r in &args.disagg.worker_roles {
+        hub.register(Registration {
+            role: Some(r.role),
+            bootstrap_port: r.bootstrap_port,
+            ..Registration::new(r.worker)
+        })?;
+        println!("kvengine: worker {} is a {} worker", r.worker, r.role);
+    }
 
     let quic = match args.quic {
         Some(listen) => {
@@ -370,6 +397,7 @@ async fn serve(
         ProxyConfig {
             tokenizer,
             max_body_bytes: args.max_body_bytes,
+            disagg: args.disagg.config()?,
             ..ProxyConfig::default()
         },
     ));
@@ -435,22 +463,37 @@ async fn start_sim_workers(
     if let Some(blocks) = args.sim_kv_blocks {
         base.engine.kv_blocks = blocks;
     }
-    let workers = spawn_cluster(usize::from(args.sim_workers), base, tokenizer)
+    let (p, d) = (
+        usize::from(args.sim_prefill_workers),
+        usize::from(args.sim_decode_workers),
+    );
+    let roles: Vec<SimRole> = (0..usize::from(args.sim_workers))
+        .map(|i| match i {
+            i if i < p => SimRole::Prefill,
+            i if i < p + d => SimRole::Decode,
+            _ => SimRole::Aggregated,
+        })
+        .collect();
+    let workers = spawn_mixed_cluster(&roles, base, tokenizer)
         .await
         .context("--sim-workers")?;
     for (i, w) in workers.iter().enumerate() {
         let id = WorkerId(i as u64 + 1);
         let (zmq, replay) = (w.zmq_endpoint().to_owned(), w.replay_endpoint().to_owned());
+        let role = w.role();
         hub.register(Registration {
             url: Some(w.url()),
             zmq: (!args.no_kv_events).then(|| zmq.clone()),
             replay: (!args.no_kv_events).then(|| replay.clone()),
+            role: Some(role),
+            // A simulated SGLang prefill worker serves its bootstrap on its HTTP port.
+            bootstrap_port: Some(w.http_addr().port()),
             ..Registration::new(id)
         })?;
         if !args.no_kv_events {
             subscribe(hub, subs, ZmqSource::new(id, &zmq, Some(&replay))?);
         }
-        println!("kvengine: simulated worker {id} at {}", w.url());
+        println!("kvengine: simulated worker {id} ({role}) at {}", w.url());
     }
     Ok(workers)
 }

@@ -5,6 +5,11 @@
 //! `--zmq-port + 2i` (replay on `+ 2i + 1`); port 0 means any free port. Prints each worker's
 //! URL and the `--zmq-worker` flag that points kvengine at it, then runs until SIGINT or
 //! SIGTERM. Every engine constant is a flag (and a `KVENGINE_SIM_*` variable).
+//!
+//! `--role prefill|decode|aggregated` makes them the prefill or decode workers of a
+//! disaggregated deployment (vLLM, SGLang and TensorRT-LLM hand-offs; see
+//! `sim::server::disagg`), with the KV-transfer model `--kv-bytes-per-token`, `--link-gbps`
+//! and `--transfer-latency-ms`. Run one `kvengine sim` per role.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -12,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::sim::engine::{EngineConfig, TimingModel};
-use ::sim::server::{SimWorkerConfig, spawn_cluster};
+use ::sim::server::{SimRole, SimWorkerConfig, TransferModel, spawn_cluster};
 use anyhow::{Context, Result};
 use clap::Args;
 use transport::openai::tokenize::PromptTokenizer;
@@ -71,6 +76,32 @@ pub struct SimArgs {
     /// Event batches each worker keeps for replay.
     #[arg(long, env = "KVENGINE_SIM_REPLAY_BUFFER", default_value_t = 4096)]
     pub replay_buffer: usize,
+
+    /// The workers' role in a disaggregated deployment: aggregated, prefill or decode.
+    #[arg(long, env = "KVENGINE_SIM_ROLE", default_value_t = SimRole::Aggregated)]
+    pub role: SimRole,
+    /// KV transfer: bytes of KV per token (default: Llama-3-8B in fp16, 32 layers x 8 KV
+    /// heads x 128 dims x K,V x 2 bytes).
+    #[arg(
+        long,
+        env = "KVENGINE_SIM_KV_BYTES_PER_TOKEN",
+        default_value_t = 131_072
+    )]
+    pub kv_bytes_per_token: u64,
+    /// KV transfer: link bandwidth between prefill and decode workers, in gigabits/s.
+    #[arg(long, env = "KVENGINE_SIM_LINK_GBPS", default_value_t = 100.0)]
+    pub link_gbps: f64,
+    /// KV transfer: fixed cost of each transfer, in milliseconds.
+    #[arg(long, env = "KVENGINE_SIM_TRANSFER_LATENCY_MS", default_value_t = 1.0)]
+    pub transfer_latency_ms: f64,
+    /// SGLang bootstrap (prefill workers): how long `GET /sim/bootstrap/{room}` waits for
+    /// the room's prefill, in seconds.
+    #[arg(
+        long,
+        env = "KVENGINE_SIM_BOOTSTRAP_TIMEOUT_SECS",
+        default_value_t = 30.0
+    )]
+    pub bootstrap_timeout_secs: f64,
 
     /// Timing: fixed cost of every step, in microseconds.
     #[arg(long, env = "KVENGINE_SIM_STEP_OVERHEAD_US", default_value_t = 1000.0,
@@ -157,10 +188,19 @@ impl SimArgs {
             zmq_pub: format!("tcp://{host}:{zmq_port}"),
             zmq_replay: format!("tcp://{host}:{replay_port}"),
             replay_buffer: self.replay_buffer,
+            role: self.role,
+            transfer: TransferModel {
+                bytes_per_token: self.kv_bytes_per_token,
+                link_gbps: self.link_gbps,
+                latency_ms: self.transfer_latency_ms,
+            },
+            bootstrap_timeout: Duration::try_from_secs_f64(self.bootstrap_timeout_secs)
+                .context("--bootstrap-timeout-secs")?,
             ..SimWorkerConfig::default()
         };
-        cfg.validate()
-            .context("--speedup, --model or an engine flag")?;
+        cfg.validate().context(
+            "--speedup, --model, an engine flag, a transfer flag or --bootstrap-timeout-secs",
+        )?;
         Ok(cfg)
     }
 }
@@ -214,9 +254,10 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "the built-in stand-in (run kvengine without --tokenizer)"
         };
         println!(
-            "kvengine sim: {} worker(s) of model {:?}, {}x real time, block size {}; prompts \
-             tokenized by {tokenization}",
+            "kvengine sim: {} {} worker(s) of model {:?}, {}x real time, block size {}; \
+             prompts tokenized by {tokenization}",
             workers.len(),
+            args.role,
             args.model,
             args.speedup,
             args.block_size
@@ -283,5 +324,43 @@ mod tests {
         assert!(config(&["--block-size", "0"]).is_err());
         assert!(config(&["--step-overhead-us", "-1"]).is_err());
         assert!(config(&["--port", "65000"]).is_err());
+    }
+
+    #[test]
+    fn role_and_transfer_flags() {
+        let plain = config(&[]).unwrap();
+        assert_eq!(plain.role, SimRole::Aggregated);
+        assert_eq!(plain.transfer, TransferModel::default());
+        let cfg = config(&[
+            "--role",
+            "decode",
+            "--kv-bytes-per-token",
+            "65536",
+            "--link-gbps",
+            "400",
+            "--transfer-latency-ms",
+            "0.5",
+            "--bootstrap-timeout-secs",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(cfg.role, SimRole::Decode);
+        assert_eq!(
+            cfg.transfer,
+            TransferModel {
+                bytes_per_token: 65_536,
+                link_gbps: 400.0,
+                latency_ms: 0.5,
+            }
+        );
+        assert_eq!(cfg.bootstrap_timeout, Duration::from_secs(2));
+        assert_eq!(
+            config(&["--role", "prefill"]).unwrap().role,
+            SimRole::Prefill
+        );
+        assert!(config(&["--role", "gpu"]).is_err());
+        assert!(config(&["--link-gbps", "0"]).is_err());
+        assert!(config(&["--transfer-latency-ms", "-1"]).is_err());
+        assert!(config(&["--bootstrap-timeout-secs", "-1"]).is_err());
     }
 }

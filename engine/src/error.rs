@@ -49,6 +49,12 @@ pub enum EngineError {
     /// A request or routing call named no usable worker.
     #[error("no worker available")]
     NoWorkers,
+    /// A routing call's pool has no registered worker (e.g. prefill with no prefill worker).
+    #[error("no {pool} worker available")]
+    NoWorkersInPool {
+        /// The pool's name.
+        pool: &'static str,
+    },
     /// A request id that is not active.
     #[error("unknown request {0}")]
     UnknownRequest(crate::ids::RequestId),

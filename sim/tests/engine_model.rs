@@ -34,6 +34,7 @@ fn request(id: u64, prompt: &[u32], max_tokens: u32, lora: Option<&str>) -> NewR
         prompt: prompt.to_vec(),
         max_tokens,
         lora_name: lora.map(str::to_owned),
+        remote_prefill: None,
     }
 }
 

@@ -22,6 +22,7 @@ use engine::hash::{lora_seed, seq_hashes};
 use engine::runtime::{CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{
     ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
+    WorkerRole,
 };
 use engine::sharding::choice::Sharding;
 use engine::{DpRank, EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
@@ -50,6 +51,12 @@ pub struct Registration {
     pub zmq: Option<String>,
     /// Its ZMQ replay endpoint.
     pub replay: Option<String>,
+    /// Its role in a disaggregated deployment (`None`: keep the registered one, aggregated
+    /// for a new worker).
+    pub role: Option<WorkerRole>,
+    /// SGLang prefill workers: the KV bootstrap port decode workers connect to
+    /// (`--disaggregation-bootstrap-port`).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl Registration {
@@ -61,7 +68,14 @@ impl Registration {
             url: None,
             zmq: None,
             replay: None,
+            role: None,
+            bootstrap_port: None,
         }
+    }
+
+    /// The role this registration routes with.
+    pub fn role(&self) -> WorkerRole {
+        self.role.unwrap_or_default()
     }
 }
 
@@ -285,14 +299,21 @@ impl Hub {
             config_error: None,
             events: 0,
         });
+        let role = reg.role.unwrap_or(entry.registration.role());
         let mut routing = lock(&self.routing);
-        for &r in &ranks {
+        // A changed role applies to every known rank, not only the ones named now.
+        let all: BTreeSet<DpRank> = ranks.union(&entry.ranks).copied().collect();
+        for &r in &all {
             if entry.healthy {
-                routing.scheduler.add_worker(key(reg.worker, r))?;
+                routing
+                    .scheduler
+                    .add_worker_with_role(key(reg.worker, r), role)?;
             }
             entry.ranks.insert(r);
         }
         let e = &mut entry.registration;
+        e.role = Some(role);
+        e.bootstrap_port = reg.bootstrap_port.or(e.bootstrap_port);
         e.url = reg.url.or(e.url.take());
         e.zmq = reg.zmq.or(e.zmq.take());
         e.replay = reg.replay.or(e.replay.take());
@@ -366,8 +387,11 @@ impl Hub {
         entry.healthy = healthy;
         let mut routing = lock(&self.routing);
         if healthy {
+            let role = entry.registration.role();
             for &r in &entry.ranks {
-                routing.scheduler.add_worker(key(worker, r))?;
+                routing
+                    .scheduler
+                    .add_worker_with_role(key(worker, r), role)?;
             }
         } else {
             routing.scheduler.remove_worker(worker);
@@ -393,6 +417,27 @@ impl Hub {
         self.registry_read()
             .get(&worker)
             .and_then(|e| e.registration.url.clone())
+    }
+
+    /// A registered worker's registration.
+    pub fn registration(&self, worker: WorkerId) -> Option<Registration> {
+        self.registry_read()
+            .get(&worker)
+            .map(|e| e.registration.clone())
+    }
+
+    /// Healthy workers per role, indexed by [`WorkerRole::index`].
+    pub fn role_counts(&self) -> [usize; 3] {
+        let mut n = [0; 3];
+        for e in self.registry_read().values().filter(|e| e.healthy) {
+            n[e.registration.role().index()] += 1;
+        }
+        n
+    }
+
+    /// The load routed requests put on `key` now.
+    pub fn active_load(&self, key: WorkerKey) -> Option<ActiveLoad> {
+        lock(&self.routing).scheduler.active_load(key)
     }
 
     /// Every registered worker, by id.

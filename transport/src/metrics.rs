@@ -93,6 +93,12 @@ pub struct Metrics {
     pub resyncs: AtomicU64,
     /// Publisher restarts detected (live seq went backwards).
     pub restarts: AtomicU64,
+    /// Disaggregated requests whose prefill went to a prefill worker.
+    pub disagg_remote: AtomicU64,
+    /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
+    pub disagg_local: AtomicU64,
+    /// Prefill or decode halves that failed and were served elsewhere.
+    pub disagg_fallbacks: AtomicU64,
     drops: [AtomicU64; TRANSPORT_DROPS.len()],
     decisions: [AtomicU64; RouteMode::ALL.len()],
     /// Seconds between a batch's publisher timestamp and its arrival.
@@ -114,6 +120,9 @@ impl Default for Metrics {
             replayed_batches: AtomicU64::new(0),
             resyncs: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
+            disagg_remote: AtomicU64::new(0),
+            disagg_local: AtomicU64::new(0),
+            disagg_fallbacks: AtomicU64::new(0),
             drops: Default::default(),
             decisions: Default::default(),
             ingest_lag: Histogram::new(&LAG_BUCKETS),

@@ -17,6 +17,7 @@ use std::time::Duration;
 use crate::error::{EngineError, Result};
 use crate::hash::DEFAULT_BLOCK_SIZE;
 use crate::ids::WorkerId;
+use crate::sched::role::Pool;
 
 /// How a worker is chosen.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -128,6 +129,10 @@ pub struct SchedulerConfig {
     pub mode: RouteMode,
     /// Weight of prefill blocks against decode blocks in the logit (default 1.0).
     pub overlap_weight: f64,
+    /// The same weight when choosing a decode worker of a disaggregated request (default
+    /// 0.1): there the "prefill blocks" are blocks to transfer from the prefill worker, far
+    /// cheaper than computing them, so load decides and overlap breaks near-ties.
+    pub decode_overlap_weight: f64,
     /// Softmax temperature; 0 picks the minimum logit (default 0.0).
     pub temperature: f64,
     /// When a worker key is skipped as busy.
@@ -144,6 +149,7 @@ impl Default for SchedulerConfig {
             block_size: DEFAULT_BLOCK_SIZE as u32,
             mode: RouteMode::Kv,
             overlap_weight: 1.0,
+            decode_overlap_weight: 0.1,
             temperature: 0.0,
             busy: BusyThresholds::default(),
             request_timeout: Duration::from_secs(300),
@@ -162,6 +168,7 @@ impl SchedulerConfig {
             });
         }
         check_weight(self.overlap_weight)?;
+        check_weight(self.decode_overlap_weight)?;
         check_temperature(self.temperature)?;
         if let Some(max) = self.busy.max_kv_usage
             && !(0.0..=1.0).contains(&max)
@@ -186,6 +193,8 @@ pub struct RouteOverrides {
     pub overlap_weight: Option<f64>,
     /// Temperature for this call.
     pub temperature: Option<f64>,
+    /// The workers this call chooses among (default: those serving whole requests).
+    pub pool: Pool,
 }
 
 /// The settings one routing call runs with, after overrides.
@@ -199,7 +208,11 @@ pub(crate) struct Effective {
 
 /// Applies `overrides` to `config`, rejecting values outside invariant 2.
 pub(crate) fn resolve(config: &SchedulerConfig, overrides: &RouteOverrides) -> Result<Effective> {
-    let overlap_weight = overrides.overlap_weight.unwrap_or(config.overlap_weight);
+    let configured = match overrides.pool {
+        Pool::Decode => config.decode_overlap_weight,
+        Pool::Whole | Pool::Prefill => config.overlap_weight,
+    };
+    let overlap_weight = overrides.overlap_weight.unwrap_or(configured);
     check_weight(overlap_weight)?;
     let temperature = overrides.temperature.unwrap_or(config.temperature);
     check_temperature(temperature)?;

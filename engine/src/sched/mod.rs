@@ -13,6 +13,8 @@
 //! * `candidates`: gathering and scoring one call's candidates (crate-private).
 //! * [`policy`]: the trait every mode implements; one mode per file: [`kv`],
 //!   [`round_robin`], [`random`], [`direct`].
+//! * [`disagg`]: conditional disaggregation (prefill remotely or on the decode worker).
+//! * [`role`]: worker roles of a disaggregated deployment and the pool a call chooses from.
 //! * [`scheduler`]: the [`Scheduler`] tying them together.
 //!
 //! # Invariants
@@ -26,9 +28,11 @@ mod candidates;
 pub mod config;
 pub mod cost;
 pub mod direct;
+pub mod disagg;
 pub mod kv;
 pub mod policy;
 pub mod random;
+pub mod role;
 pub mod round_robin;
 pub mod scheduler;
 mod workers;
@@ -36,5 +40,7 @@ mod workers;
 pub use active::ActiveLoad;
 pub use config::{BusyThresholds, RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad};
 pub use cost::CandidateScore;
+pub use disagg::{Split, SplitConfig, SplitMode};
 pub use policy::{Policy, Scope, SelectionInput};
+pub use role::{Pool, WorkerRole};
 pub use scheduler::{Decision, RouteRequest, Scheduler, WorkerRemoval};

@@ -31,6 +31,7 @@ use crate::sched::direct::Direct;
 use crate::sched::kv::KvPolicy;
 use crate::sched::policy::{Policy, Scope, SelectionInput};
 use crate::sched::random::RandomPolicy;
+use crate::sched::role::{Pool, WorkerRole};
 use crate::sched::round_robin::RoundRobin;
 use crate::sched::workers::WorkerTable;
 
@@ -54,6 +55,8 @@ pub struct Decision {
     pub worker: WorkerKey,
     /// The mode that chose it.
     pub mode: RouteMode,
+    /// The pool it was chosen from.
+    pub pool: Pool,
     /// Blocks of the request the chosen key already caches.
     pub overlap_blocks: u32,
     /// The largest overlap among the candidates (what `kv` mode could have had).
@@ -113,9 +116,20 @@ impl Scheduler {
         &self.config
     }
 
-    /// Registers `key`; returns false if it was already registered.
+    /// Registers `key` as an aggregated worker; returns false if it was already registered.
     pub fn add_worker(&mut self, key: WorkerKey) -> Result<bool> {
-        Ok(self.workers.add(key)?.is_some())
+        self.add_worker_with_role(key, WorkerRole::Aggregated)
+    }
+
+    /// Registers `key` with `role`; returns false if it was already registered (its role then
+    /// becomes `role`, for requests routed from now on).
+    pub fn add_worker_with_role(&mut self, key: WorkerKey, role: WorkerRole) -> Result<bool> {
+        Ok(self.workers.add(key, role)?.is_some())
+    }
+
+    /// The role `key` is registered with.
+    pub fn role(&self, key: WorkerKey) -> Option<WorkerRole> {
+        self.workers.slot(key).map(|s| self.workers.role(s))
     }
 
     /// Unregisters every rank of `worker`, dropping their loads and active requests.
@@ -178,7 +192,14 @@ impl Scheduler {
             }
         };
         let scope = match policy.scope() {
-            Scope::All => workers.all(),
+            Scope::All => match workers.pool(request.overrides.pool) {
+                [] => {
+                    return Err(EngineError::NoWorkersInPool {
+                        pool: request.overrides.pool.as_str(),
+                    });
+                }
+                keys => keys,
+            },
             Scope::Worker(w) => match workers.ranks(w) {
                 [] => return Err(EngineError::UnknownWorker { worker: w }),
                 ranks => ranks,
@@ -235,6 +256,7 @@ impl Scheduler {
         Ok(Decision {
             worker,
             mode: eff.mode,
+            pool: request.overrides.pool,
             overlap_blocks,
             best_available_overlap_blocks: candidates
                 .iter()

@@ -11,12 +11,15 @@
 //! 2. `loads[s]` is `None` for every free slot and for keys that never reported.
 //! 3. A released slot goes on `free` and is reused before a new one is minted, so slot numbers
 //!    stay below the peak number of registered keys.
+//! 4. `by_role[r]` holds exactly the entries of `order` whose role is `r`, in the same
+//!    (key) order; `roles[s]` is the role of the key on slot `s`.
 
 use hashbrown::HashMap;
 
 use crate::error::{EngineError, Result};
 use crate::ids::{WorkerId, WorkerKey};
 use crate::sched::config::WorkerLoad;
+use crate::sched::role::{Pool, WorkerRole};
 
 /// A registered worker key's dense number inside one scheduler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -36,7 +39,22 @@ pub(crate) struct WorkerTable {
     order: Vec<(WorkerKey, WorkerSlot)>,
     slot_of: HashMap<WorkerKey, WorkerSlot>,
     loads: Vec<Option<WorkerLoad>>,
+    roles: Vec<WorkerRole>,
+    by_role: [Vec<(WorkerKey, WorkerSlot)>; 3],
     free: Vec<WorkerSlot>,
+}
+
+/// Inserts `entry` into the key-sorted `list`.
+fn insert_sorted(list: &mut Vec<(WorkerKey, WorkerSlot)>, entry: (WorkerKey, WorkerSlot)) {
+    let at = list.partition_point(|(k, _)| *k < entry.0);
+    list.insert(at, entry);
+}
+
+/// Removes `key`'s entry from the key-sorted `list`, if present.
+fn remove_sorted(list: &mut Vec<(WorkerKey, WorkerSlot)>, key: WorkerKey) {
+    if let Ok(at) = list.binary_search_by_key(&key, |(k, _)| *k) {
+        list.remove(at);
+    }
 }
 
 impl WorkerTable {
@@ -62,6 +80,21 @@ impl WorkerTable {
         self.order.get(lo..hi).unwrap_or(&[])
     }
 
+    /// The keys a call routed to `pool` chooses among: the first non-empty role list of
+    /// [`Pool::roles`] (empty if none is).
+    pub(crate) fn pool(&self, pool: Pool) -> &[(WorkerKey, WorkerSlot)] {
+        pool.roles()
+            .iter()
+            .map(|r| self.by_role[r.index()].as_slice())
+            .find(|l| !l.is_empty())
+            .unwrap_or(&[])
+    }
+
+    /// The role of the key on `slot`.
+    pub(crate) fn role(&self, slot: WorkerSlot) -> WorkerRole {
+        self.roles.get(slot.idx()).copied().unwrap_or_default()
+    }
+
     /// The slot of `key`, if registered.
     #[inline]
     pub(crate) fn slot(&self, key: WorkerKey) -> Option<WorkerSlot> {
@@ -74,9 +107,18 @@ impl WorkerTable {
         self.loads.get(slot.idx()).and_then(Option::as_ref)
     }
 
-    /// Registers `key`. Returns its new slot, or `None` if it was already registered.
-    pub(crate) fn add(&mut self, key: WorkerKey) -> Result<Option<WorkerSlot>> {
-        if self.slot_of.contains_key(&key) {
+    /// Registers `key` with `role`. Returns its new slot, or `None` if it was already
+    /// registered (its role then becomes `role`).
+    pub(crate) fn add(&mut self, key: WorkerKey, role: WorkerRole) -> Result<Option<WorkerSlot>> {
+        if let Some(slot) = self.slot(key) {
+            let old = self.role(slot);
+            if old != role {
+                remove_sorted(&mut self.by_role[old.index()], key);
+                insert_sorted(&mut self.by_role[role.index()], (key, slot));
+                if let Some(r) = self.roles.get_mut(slot.idx()) {
+                    *r = role;
+                }
+            }
             return Ok(None);
         }
         let slot = match self.free.pop() {
@@ -84,12 +126,16 @@ impl WorkerTable {
             None => {
                 let n = u32::try_from(self.loads.len()).map_err(|_| EngineError::TooManyWorkers)?;
                 self.loads.push(None);
+                self.roles.push(WorkerRole::default());
                 WorkerSlot(n)
             }
         };
         self.slot_of.insert(key, slot);
-        let at = self.order.partition_point(|(k, _)| *k < key);
-        self.order.insert(at, (key, slot));
+        if let Some(r) = self.roles.get_mut(slot.idx()) {
+            *r = role;
+        }
+        insert_sorted(&mut self.order, (key, slot));
+        insert_sorted(&mut self.by_role[role.index()], (key, slot));
         Ok(Some(slot))
     }
 
@@ -103,6 +149,8 @@ impl WorkerTable {
         let removed: Vec<_> = self.order.drain(lo..hi).collect();
         for &(key, slot) in &removed {
             self.slot_of.remove(&key);
+            let role = self.role(slot);
+            remove_sorted(&mut self.by_role[role.index()], key);
             if let Some(l) = self.loads.get_mut(slot.idx()) {
                 *l = None;
             }
@@ -132,9 +180,17 @@ mod tests {
     fn order_is_sorted_and_slots_are_reused() {
         let mut t = WorkerTable::default();
         for (w, r) in [(2, 0), (1, 1), (1, 0), (3, 0)] {
-            assert!(t.add(WorkerKey::new(w, r)).unwrap().is_some());
+            assert!(
+                t.add(WorkerKey::new(w, r), WorkerRole::Aggregated)
+                    .unwrap()
+                    .is_some()
+            );
         }
-        assert!(t.add(WorkerKey::new(1, 0)).unwrap().is_none());
+        assert!(
+            t.add(WorkerKey::new(1, 0), WorkerRole::Aggregated)
+                .unwrap()
+                .is_none()
+        );
         let keys: Vec<_> = t.all().iter().map(|(k, _)| *k).collect();
         assert_eq!(
             keys,
@@ -147,9 +203,9 @@ mod tests {
         assert_eq!(removed.len(), 2);
         assert_eq!(t.len(), 2);
         assert_eq!(t.slot_bound(), 4);
-        t.add(WorkerKey::new(7, 0)).unwrap();
-        t.add(WorkerKey::new(8, 0)).unwrap();
-        t.add(WorkerKey::new(9, 0)).unwrap();
+        t.add(WorkerKey::new(7, 0), WorkerRole::Aggregated).unwrap();
+        t.add(WorkerKey::new(8, 0), WorkerRole::Aggregated).unwrap();
+        t.add(WorkerKey::new(9, 0), WorkerRole::Aggregated).unwrap();
         assert_eq!(t.slot_bound(), 5, "two freed slots reused before minting");
     }
 
@@ -165,7 +221,7 @@ mod tests {
             t.set_load(k, load),
             Err(EngineError::UnknownWorker { .. })
         ));
-        let slot = t.add(k).unwrap().unwrap();
+        let slot = t.add(k, WorkerRole::Aggregated).unwrap().unwrap();
         t.set_load(k, load).unwrap();
         assert_eq!(t.load(slot), Some(&load));
         let nan = WorkerLoad {
@@ -175,5 +231,43 @@ mod tests {
         assert!(t.set_load(k, nan).is_err());
         t.remove_worker(WorkerId(1));
         assert_eq!(t.load(slot), None);
+    }
+
+    #[test]
+    fn pools_follow_roles_and_role_changes() {
+        let mut t = WorkerTable::default();
+        let (p1, p2, d1, a1) = (
+            WorkerKey::new(1, 0),
+            WorkerKey::new(2, 0),
+            WorkerKey::new(3, 0),
+            WorkerKey::new(4, 0),
+        );
+        t.add(p2, WorkerRole::Prefill).unwrap();
+        t.add(p1, WorkerRole::Prefill).unwrap();
+        t.add(d1, WorkerRole::Decode).unwrap();
+        let keys = |l: &[(WorkerKey, WorkerSlot)]| l.iter().map(|(k, _)| *k).collect::<Vec<_>>();
+        assert_eq!(keys(t.pool(Pool::Prefill)), [p1, p2]);
+        assert_eq!(keys(t.pool(Pool::Decode)), [d1]);
+        // No aggregated worker: whole requests go to decode workers.
+        assert_eq!(keys(t.pool(Pool::Whole)), [d1]);
+        t.add(a1, WorkerRole::Aggregated).unwrap();
+        assert_eq!(keys(t.pool(Pool::Whole)), [a1]);
+        // Re-registering with another role moves the key.
+        assert!(t.add(p2, WorkerRole::Decode).unwrap().is_none());
+        assert_eq!(keys(t.pool(Pool::Prefill)), [p1]);
+        assert_eq!(keys(t.pool(Pool::Decode)), [p2, d1]);
+        t.remove_worker(WorkerId(3));
+        assert_eq!(keys(t.pool(Pool::Decode)), [p2]);
+        assert_eq!(t.all().len(), 3);
+        let slot = t
+            .add(WorkerKey::new(5, 0), WorkerRole::Prefill)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            t.role(slot),
+            WorkerRole::Prefill,
+            "a reused slot takes its new role"
+        );
+        assert_eq!(keys(t.pool(Pool::Prefill)), [p1, WorkerKey::new(5, 0)]);
     }
 }

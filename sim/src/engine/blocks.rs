@@ -80,18 +80,23 @@ impl KvCache {
 
     /// How many leading full blocks of `tokens` in the namespace `seed` are cached.
     pub(super) fn cached_prefix(&self, tokens: &[u32], seed: u64) -> u32 {
+        self.cached_prefix_pages(tokens, seed).len() as u32
+    }
+
+    /// The pages caching the leading cached full blocks of `tokens` in the namespace `seed`.
+    pub(super) fn cached_prefix_pages(&self, tokens: &[u32], seed: u64) -> Vec<BlockId> {
         let mut buf = Vec::new();
         let mut parent = None;
-        let mut n = 0;
+        let mut pages = Vec::new();
         for block in tokens.chunks_exact(self.block_size as usize) {
             let h = engine_hash(&mut buf, parent, seed, block);
-            if self.pool.lookup(h).is_none() {
+            let Some(page) = self.pool.lookup(h) else {
                 break;
-            }
+            };
+            pages.push(page);
             parent = Some(h);
-            n += 1;
         }
-        n
+        pages
     }
 
     /// Free pages left once `hits` are referenced (idle hits leave the free queue).

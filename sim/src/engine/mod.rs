@@ -15,7 +15,8 @@
 //! * `scheduler`: vLLM v1's scheduling: running requests first, then FIFO admission, chunked
 //!   prefill under a token budget, recompute preemption of the newest request.
 //! * `blocks`: the pages, the prefix cache ([`crate::worker`]'s block pool) and the events.
-//! * [`request`]: [`NewRequest`] and the synthetic output tokens ([`output_token`]).
+//! * [`request`]: [`NewRequest`], [`RemotePrefill`] and the synthetic output tokens
+//!   ([`output_token`]).
 //! * [`report`]: [`Output`], [`Step`], [`Load`], [`EngineStats`].
 //!
 //! # Model
@@ -28,7 +29,11 @@
 //! * Idle cached pages are evicted least recently used first, a sequence's tail before its
 //!   head.
 //! * A request stops after exactly `max_tokens` tokens ([`FinishReason::Length`]); output
-//!   token `i` of request `id` is [`output_token`]`(id, i)`.
+//!   token `i` of request `id` is [`output_token`]`(id, i)`, except a first token given by a
+//!   [`RemotePrefill`].
+//! * Disaggregated decode: a request with a [`RemotePrefill`] receives its prompt's KV at
+//!   admission (pages allocated, blocks cached and published, no prefill compute) and
+//!   computes only its last prompt token; see `scheduler`.
 //!
 //! # Invariants
 //! 1. Deterministic: the same calls with the same arguments give the same steps, outputs
@@ -60,7 +65,7 @@ mod scheduler;
 
 pub use config::EngineConfig;
 pub use report::{EngineStats, FinishReason, Load, Output, Step};
-pub use request::{NewRequest, output_token};
+pub use request::{NewRequest, RemotePrefill, output_token};
 pub use timing::{BatchShape, TimingModel};
 
 use std::collections::VecDeque;
@@ -199,6 +204,8 @@ impl SimEngine {
         s.cached_tokens += plan.new_cached_tokens;
         s.prefill_tokens += shape.prefill_tokens;
         s.decode_tokens += shape.decode_seqs;
+        s.remote_prefills += u64::from(plan.remote_admissions);
+        s.transferred_tokens += plan.received_tokens;
         s.preemptions += u64::from(plan.preempted);
         s.finished += u64::from(finished);
         s.output_tokens += outputs
@@ -258,6 +265,18 @@ impl SimEngine {
     /// a router's index should report as this engine's overlap. Changes nothing.
     pub fn cached_prefix_blocks(&self, prompt: &[u32], lora: Option<&str>) -> u32 {
         self.sched.cache.cached_prefix(prompt, lora_seed(lora))
+    }
+
+    /// The pages (their indices in the cache) holding the leading cached full blocks of
+    /// `prompt` under adapter `lora`: what vLLM reports as a prefill's `remote_block_ids`.
+    /// Changes nothing.
+    pub fn cached_prefix_pages(&self, prompt: &[u32], lora: Option<&str>) -> Vec<u32> {
+        self.sched
+            .cache
+            .cached_prefix_pages(prompt, lora_seed(lora))
+            .into_iter()
+            .map(|b| b.index() as u32)
+            .collect()
     }
 
     /// Forgets every cached block and publishes `AllBlocksCleared` (vLLM's

@@ -116,7 +116,12 @@ pub struct EngineStats {
     pub cached_tokens: u64,
     /// Tokens prefilled, recomputation after preemption included.
     pub prefill_tokens: u64,
-    /// Decode tokens computed.
+    /// Requests admitted with a remote prefill ([`super::RemotePrefill`]).
+    pub remote_prefills: u64,
+    /// Prompt tokens whose KV those requests received instead of computing (their cached
+    /// prefix and their last prompt token, computed here, excluded).
+    pub transferred_tokens: u64,
+    /// Decode tokens computed (the last prompt token of a remote prefill included).
     pub decode_tokens: u64,
     /// Tokens generated (outputs).
     pub output_tokens: u64,

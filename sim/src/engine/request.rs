@@ -12,6 +12,8 @@
 //! 4. `hashes[i]` is the engine hash of full block `i` of `tokens`, chained on `hashes[i -
 //!    1]` ([`crate::worker::hashing::engine_hash`] in the request's LoRA namespace). Tokens
 //!    never change, so hashes survive preemption.
+//! 5. `remote` is set only until the request's first admission: a remote prefill is received
+//!    once; a request preempted later recomputes its prompt here, as vLLM does.
 
 use engine::{EngineHash, RequestId};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -30,6 +32,37 @@ pub struct NewRequest {
     pub max_tokens: u32,
     /// The LoRA adapter (`None`: the base model). Blocks are never shared across adapters.
     pub lora_name: Option<String>,
+    /// `Some`: the prompt's KV was computed by another worker (disaggregated serving) and is
+    /// received at admission instead of prefilled here. `None`: an ordinary request.
+    pub remote_prefill: Option<RemotePrefill>,
+}
+
+impl NewRequest {
+    /// An ordinary request on the base model.
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            id,
+            prompt,
+            max_tokens,
+            lora_name: None,
+            remote_prefill: None,
+        }
+    }
+}
+
+/// A prompt prefilled by another worker, whose KV this engine receives (a decode worker of a
+/// disaggregated deployment).
+///
+/// At admission the request references its locally cached prefix, receives the KV of every
+/// other prompt token but the last (its pages are allocated and its full blocks cached and
+/// published as `BlockStored`, as a decode worker does when the transfer lands) without
+/// computing it, and computes the last prompt token in a decode-shaped step to produce its
+/// first output: no prefill work. The transfer's duration is the caller's to model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemotePrefill {
+    /// The first output token when the prefill worker already chose it (TensorRT-LLM's
+    /// `first_gen_tokens`); `None`: sampled here as usual ([`output_token`]).
+    pub first_token: Option<u32>,
 }
 
 /// The engine's state of one request (see the module invariants).
@@ -50,6 +83,10 @@ pub(super) struct Request {
     pub(super) hashes: Vec<EngineHash>,
     /// Prompt tokens served from the cache at its first admission; `None` before it.
     pub(super) cached_tokens: Option<u32>,
+    /// Its prompt's KV is to be received at admission (see invariant 5).
+    pub(super) remote: bool,
+    /// Output 0, if given by a remote prefill.
+    pub(super) first_token: Option<u32>,
 }
 
 impl Request {
@@ -67,6 +104,8 @@ impl Request {
             committed: 0,
             hashes: Vec::new(),
             cached_tokens: None,
+            remote: req.remote_prefill.is_some(),
+            first_token: req.remote_prefill.and_then(|r| r.first_token),
         }
     }
 
@@ -98,7 +137,11 @@ impl Request {
 
     /// Samples the next output token and appends it.
     pub(super) fn sample(&mut self) -> u32 {
-        let token = output_token(self.id, self.outputs());
+        let position = self.outputs();
+        let token = match self.first_token {
+            Some(t) if position == 0 => t,
+            _ => output_token(self.id, position),
+        };
         self.tokens.push(token);
         token
     }
@@ -138,12 +181,7 @@ mod tests {
     #[test]
     fn block_hashes_chain_and_stop_at_the_sequence_end() {
         let prompt: Vec<u32> = (0..10).collect();
-        let new = NewRequest {
-            id: RequestId(3),
-            prompt: prompt.clone(),
-            max_tokens: 4,
-            lora_name: None,
-        };
+        let new = NewRequest::new(RequestId(3), prompt.clone(), 4);
         let mut r = Request::new(new, lora_seed(None), 10);
         let mut buf = Vec::new();
         assert_eq!(r.block_hashes(10, 4, &mut buf).len(), 2);

@@ -16,6 +16,11 @@
 //!    logits), and prefills the rest chunk by chunk, the first chunk in this step.
 //! 3. Pages are allocated and newly full blocks cached when scheduled, as vLLM does, so a
 //!    request admitted later in the same step already hits them.
+//! 4. A remote-prefilled request ([`super::RemotePrefill`]) is admitted like any other, but
+//!    receives every prompt token but the last past its cached prefix (pages allocated, full
+//!    blocks cached and published, no compute, no budget) and computes only its last prompt
+//!    token, a decode-shaped step that yields its first output. It must find pages for its
+//!    whole prompt at once.
 //!
 //! After the forward pass ([`Scheduler::complete`]) every request whose whole sequence is
 //! computed samples one token; one that reached `max_tokens` finishes and frees its pages.
@@ -60,6 +65,9 @@ pub(super) struct Plan {
     pub(super) first_admissions: u32,
     pub(super) new_prompt_tokens: u64,
     pub(super) new_cached_tokens: u64,
+    /// Requests admitted with a remote prefill, and the prompt tokens they received.
+    pub(super) remote_admissions: u32,
+    pub(super) received_tokens: u64,
 }
 
 impl Plan {
@@ -153,7 +161,7 @@ impl Scheduler {
                     break 'running;
                 }
             }
-            if !self.run_chunk(id, n, &mut plan) {
+            if !self.run_chunk(id, n, false, &mut plan) {
                 break;
             }
             budget -= n;
@@ -174,12 +182,18 @@ impl Scheduler {
             let hashes = req.block_hashes(full, bs as usize, &mut self.buf);
             let hits = self.cache.prefix_hits(hashes);
             let computed = hits.len() as u32 * bs;
-            let n = (req.num_tokens() - computed).min(budget);
-            let need = pages_for(computed + n, bs) - hits.len() as u32;
+            // A remote prefill receives all but its last token and computes that one.
+            let (received, n) = if req.remote {
+                (req.num_tokens() - 1 - computed, 1)
+            } else {
+                (0, (req.num_tokens() - computed).min(budget))
+            };
+            let need = pages_for(computed + received + n, bs) - hits.len() as u32;
             if self.cache.free_after_touch(&hits) < need {
                 break;
             }
             self.cache.touch(&hits);
+            let remote = std::mem::take(&mut req.remote);
             req.committed = hits.len() as u32;
             req.blocks = hits;
             req.computed = computed;
@@ -191,7 +205,14 @@ impl Scheduler {
             }
             self.waiting.pop_front();
             self.running.push(id);
-            if !self.run_chunk(id, n, &mut plan) {
+            if remote {
+                if !self.fill(id, received) {
+                    break;
+                }
+                plan.remote_admissions += 1;
+                plan.received_tokens += u64::from(received);
+            }
+            if !self.run_chunk(id, n, remote, &mut plan) {
                 break;
             }
             budget -= n;
@@ -200,9 +221,33 @@ impl Scheduler {
     }
 
     /// Allocates the pages for `n` more tokens of `id`, marks them computed, caches the
-    /// blocks they fill and records the work. `false` (changing nothing) if the pages are
-    /// not free, which the callers rule out beforehand.
-    fn run_chunk(&mut self, id: RequestId, n: u32, plan: &mut Plan) -> bool {
+    /// blocks they fill and records the work (`received`: the last prompt token of a remote
+    /// prefill, decode-shaped). `false` (changing nothing) if the pages are not free, which
+    /// the callers rule out beforehand.
+    fn run_chunk(&mut self, id: RequestId, n: u32, received: bool, plan: &mut Plan) -> bool {
+        let Some(context) = self.requests.get(&id).map(|r| r.computed) else {
+            return false;
+        };
+        if !self.fill(id, n) {
+            return false;
+        }
+        let Some(req) = self.requests.get(&id) else {
+            return false;
+        };
+        let last = n == 1 && context + 1 == req.num_tokens();
+        plan.scheduled.push(Scheduled {
+            id,
+            tokens: n,
+            context,
+            decode: last && (req.outputs() > 0 || received),
+        });
+        true
+    }
+
+    /// Allocates the pages for `n` more tokens of `id`, marks them computed (or received)
+    /// and caches the full blocks they complete. `false` (changing nothing) if the request is
+    /// unknown or the pages are not free, which the callers rule out beforehand.
+    fn fill(&mut self, id: RequestId, n: u32) -> bool {
         let bs = self.block_size;
         let Some(req) = self.requests.get_mut(&id) else {
             return false;
@@ -213,7 +258,6 @@ impl Scheduler {
             return false;
         };
         req.blocks.extend(pages);
-        let context = req.computed;
         req.computed += n;
         let full = (req.computed / bs) as usize;
         req.block_hashes(full, bs as usize, &mut self.buf);
@@ -230,12 +274,6 @@ impl Scheduler {
                 .commit(page, hash, parent, tokens, req.lora_name.as_deref());
             req.committed = i as u32 + 1;
         }
-        plan.scheduled.push(Scheduled {
-            id,
-            tokens: n,
-            context,
-            decode: n == 1 && context + 1 == req.num_tokens() && req.outputs() > 0,
-        });
         true
     }
 

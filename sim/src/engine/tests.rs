@@ -26,6 +26,7 @@ fn req(id: u64, prompt: &[u32], max_tokens: u32) -> NewRequest {
         prompt: prompt.to_vec(),
         max_tokens,
         lora_name: None,
+        remote_prefill: None,
     }
 }
 
@@ -179,4 +180,157 @@ fn preemption_takes_the_newest_request_and_requeues_it_first() {
         engine_hash(&mut buf, None, lora_seed(None), &[1, 2])
     };
     assert!(e.sched.cache.prefix_hits(&[hashes]).len() <= 1);
+}
+
+fn remote(id: u64, prompt: &[u32], max_tokens: u32, first_token: Option<u32>) -> NewRequest {
+    NewRequest {
+        remote_prefill: Some(RemotePrefill { first_token }),
+        ..req(id, prompt, max_tokens)
+    }
+}
+
+/// Every block hash stored by the engine's pending event batches, in order.
+fn stored(e: &mut SimEngine) -> Vec<u64> {
+    let mut out = Vec::new();
+    while let Some(b) = e.poll_events() {
+        for ev in b.events {
+            if let WireEvent::Stored { block_hashes, .. } = ev {
+                out.extend(block_hashes);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_remote_prefill_receives_the_prompt_and_computes_no_prefill() {
+    // 40 tokens of 4-token blocks: 39 received (9 full blocks stored on admission), the last
+    // token computed in a decode-shaped step that completes and stores block 10.
+    let mut e = engine(64, 4, 4, 8);
+    let prompt: Vec<u32> = (100..140).collect();
+    e.add_request(remote(1, &prompt, 3, None)).unwrap();
+    let s = e.step(Duration::ZERO).unwrap();
+    e.check_invariants();
+    assert_eq!((s.prefill_tokens, s.decode_seqs), (0, 1));
+    let decode_step = TimingModel::default().step_duration(&{
+        let mut shape = BatchShape::default();
+        shape.add_decode(39);
+        shape
+    });
+    assert_eq!(s.duration, decode_step, "priced as one decode");
+    assert_eq!(
+        s.outputs,
+        vec![Output::FirstToken {
+            id: RequestId(1),
+            token: output_token(RequestId(1), 0),
+            prompt_tokens: 40,
+            cached_tokens: 0,
+        }]
+    );
+    let hashes = stored(&mut e);
+    assert_eq!(
+        hashes.len(),
+        10,
+        "every prompt block is published as stored"
+    );
+    assert_eq!(e.cached_prefix_blocks(&prompt, None), 10);
+    assert_eq!(e.cached_prefix_pages(&prompt, None).len(), 10);
+    while e.step(Duration::ZERO).is_some() {
+        e.check_invariants();
+    }
+    let st = e.stats();
+    assert_eq!((st.prefill_tokens, st.decode_tokens), (0, 3));
+    assert_eq!((st.remote_prefills, st.transferred_tokens), (1, 39));
+    assert_eq!((st.finished, st.output_tokens), (1, 3));
+    assert_eq!(e.sched.cache.referenced(), 0);
+}
+
+#[test]
+fn a_remote_prefill_reuses_the_local_prefix_and_takes_a_given_first_token() {
+    let mut e = engine(64, 4, 4, 64);
+    let prompt: Vec<u32> = (0..22).collect();
+    // 12 tokens cached locally by an ordinary request.
+    e.add_request(req(1, &prompt[..13], 1)).unwrap();
+    while e.step(Duration::ZERO).is_some() {}
+    let local = stored(&mut e);
+    assert_eq!(local.len(), 3);
+    e.add_request(remote(2, &prompt, 4, Some(4242))).unwrap();
+    let s = e.step(Duration::ZERO).unwrap();
+    assert_eq!(s.prefill_tokens, 0);
+    assert!(matches!(
+        s.outputs[0],
+        Output::FirstToken {
+            token: 4242,
+            cached_tokens: 12,
+            prompt_tokens: 22,
+            ..
+        }
+    ));
+    // Blocks 3 and 4 (tokens 12..20) arrive; the partial block 5 is not stored.
+    assert_eq!(stored(&mut e).len(), 2);
+    let mut tokens = Vec::new();
+    while let Some(s) = e.step(Duration::ZERO) {
+        e.check_invariants();
+        tokens.extend(s.outputs.iter().filter_map(|o| match o {
+            Output::Token { token, .. } => Some(*token),
+            _ => None,
+        }));
+    }
+    let later: Vec<u32> = (1..4).map(|i| output_token(RequestId(2), i)).collect();
+    assert_eq!(tokens, later, "later tokens are sampled as usual");
+    assert_eq!(e.stats().transferred_tokens, 21 - 12);
+}
+
+#[test]
+fn a_remote_prefill_waits_for_pages_for_its_whole_prompt() {
+    // 6 pages of 4 tokens: a 20-token remote prompt needs 5 at once (+1 for its outputs).
+    let mut e = engine(6, 4, 4, 64);
+    e.add_request(req(1, &(0..8).collect::<Vec<_>>(), 4))
+        .unwrap();
+    e.step(Duration::ZERO).unwrap();
+    e.add_request(remote(2, &(100..120).collect::<Vec<_>>(), 2, None))
+        .unwrap();
+    let s = e.step(Duration::ZERO).unwrap();
+    assert_eq!(s.scheduled_seqs, 1, "the remote request cannot fit yet");
+    while e.step(Duration::ZERO).is_some() {
+        e.check_invariants();
+    }
+    assert_eq!(e.stats().finished, 2);
+    assert_eq!(e.stats().remote_prefills, 1);
+}
+
+#[test]
+fn random_workloads_with_remote_prefills_keep_the_invariants() {
+    for seed in 0..30u64 {
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut e = engine(
+            rng.random_range(8..40),
+            rng.random_range(1..5),
+            rng.random_range(1..6),
+            rng.random_range(1..30),
+        );
+        let head: Vec<u32> = (0..6).map(|_| rng.random_range(0..20)).collect();
+        for id in 0..120u64 {
+            let mut prompt = head[..rng.random_range(0..head.len())].to_vec();
+            prompt.extend((0..rng.random_range(1..12)).map(|_| rng.random_range(0..20)));
+            let max_tokens = rng.random_range(1..8);
+            let r = if rng.random_bool(0.5) {
+                remote(id, &prompt, max_tokens, rng.random_bool(0.5).then_some(7))
+            } else {
+                req(id, &prompt, max_tokens)
+            };
+            let _ = e.add_request(r);
+            for _ in 0..rng.random_range(0..3) {
+                if let Some(s) = e.step(Duration::ZERO) {
+                    assert!(s.scheduled_tokens() <= e.config.max_num_batched_tokens);
+                }
+                e.check_invariants();
+            }
+        }
+        while e.step(Duration::ZERO).is_some() {
+            e.check_invariants();
+        }
+        assert_eq!(e.sched.cache.referenced(), 0);
+        assert_eq!(e.stats().finished, e.stats().requests);
+    }
 }

@@ -24,7 +24,7 @@ use engine::RequestId;
 use tokio::sync::{mpsc, oneshot, watch};
 use transport::zmq::VllmPublisher;
 
-use crate::engine::{EngineStats, Load, NewRequest, Output, SimEngine};
+use crate::engine::{EngineStats, Load, NewRequest, Output, RemotePrefill, SimEngine};
 use crate::error::Result;
 
 /// What the driver is asked to do.
@@ -37,6 +37,8 @@ pub enum Command {
         prompt: Vec<u32>,
         /// Tokens to generate.
         max_tokens: u32,
+        /// `Some`: its prompt was prefilled by another worker (disaggregated decode).
+        remote_prefill: Option<RemotePrefill>,
         /// Where its outputs go.
         out: mpsc::UnboundedSender<Delivery>,
         /// The id it got, or why it was refused.
@@ -44,6 +46,14 @@ pub enum Command {
     },
     /// Drop a request (its client went away). Unknown ids are ignored.
     Abort(RequestId),
+    /// Tell which pages hold the leading cached full blocks of `prompt` (base model), in
+    /// order ([`SimEngine::cached_prefix_pages`]).
+    Lookup {
+        /// The prompt's token ids.
+        prompt: Vec<u32>,
+        /// The pages' indices.
+        ack: oneshot::Sender<Vec<u32>>,
+    },
 }
 
 /// One output of one request, as its HTTP handler sees it.
@@ -179,6 +189,7 @@ impl Driver {
             Command::Add {
                 prompt,
                 max_tokens,
+                remote_prefill,
                 out,
                 ack,
             } => {
@@ -188,6 +199,7 @@ impl Driver {
                     prompt,
                     max_tokens,
                     lora_name: None,
+                    remote_prefill,
                 });
                 let reply = match added {
                     Ok(()) => {
@@ -203,6 +215,10 @@ impl Driver {
                 }
             }
             Command::Abort(id) => self.abort(id),
+            Command::Lookup { prompt, ack } => {
+                // The asker may have gone away: nothing to undo.
+                let _ = ack.send(self.engine.cached_prefix_pages(&prompt, None));
+            }
         }
     }
 

@@ -1,10 +1,16 @@
 //! A worker's OpenAI-compatible HTTP server (axum): `/health`, `/v1/models`, `/load`,
 //! `/v1/completions` and `/v1/chat/completions`, answered whole or streamed as server-sent
-//! events, one chunk per token as the driver produces it.
+//! events, one chunk per token as the driver produces it; and SGLang's simulated bootstrap,
+//! `GET /sim/bootstrap/{room}` ([`super::bootstrap`]).
+//!
+//! A disaggregated request ([`super::disagg`]) goes through [`super::handoff`]: a decode
+//! side first receives its prompt's KV, a prefill side generates one token and its answer
+//! carries what the decode side needs.
 //!
 //! # Invariants
 //! 1. Every malformed request gets a 4xx OpenAI error; only a worker that is shutting down
-//!    answers 503.
+//!    answers 503, and only a decode side whose prefill cannot be reached answers 502
+//!    (before any token).
 //! 2. A request whose client goes away (its response future or stream dropped) is aborted in
 //!    the engine: its output channel closes and an abort command is sent.
 
@@ -15,7 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Json, Response};
@@ -24,8 +30,12 @@ use engine::RequestId;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use super::bootstrap::{self, RoomGuard};
+use super::disagg::{Disagg, Side};
 use super::driver::{Command, Delivery, Snapshot};
+use super::handoff::{self, Handoff};
 use super::openai::{Api, Envelope, OpenAiError, Usage, parse};
+use super::role::SimRole;
 use super::tokens::{Prompter, token_text};
 use crate::error::SimError;
 
@@ -36,6 +46,8 @@ pub(super) struct AppState {
     pub(super) snapshot: watch::Receiver<Snapshot>,
     pub(super) model: String,
     pub(super) prompter: Prompter,
+    pub(super) role: SimRole,
+    pub(super) handoff: Handoff,
 }
 
 /// The worker's routes.
@@ -46,6 +58,7 @@ pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/load", get(load))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/sim/bootstrap/{room}", get(bootstrap_room))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
 }
@@ -67,17 +80,27 @@ async fn load(State(s): State<Arc<AppState>>) -> Json<Value> {
         "num_requests_waiting": l.num_requests_waiting,
         "num_requests_running": l.num_requests_running,
         "kv_usage": l.kv_usage,
+        "role": s.role.as_str(),
         "sim_time_secs": snap.sim_time.as_secs_f64(),
         "requests": st.requests,
         "finished": st.finished,
         "aborted": st.aborted,
         "prompt_tokens": st.prompt_tokens,
         "cached_tokens": st.cached_tokens,
+        "prefill_tokens": st.prefill_tokens,
+        "decode_tokens": st.decode_tokens,
+        "remote_prefills": st.remote_prefills,
+        "transferred_tokens": st.transferred_tokens,
         "output_tokens": st.output_tokens,
         "preemptions": st.preemptions,
         "cached_blocks": st.cached_blocks,
         "kv_blocks": st.kv_blocks,
+        "stored_blocks": st.stored_blocks,
     }))
+}
+
+async fn bootstrap_room(State(s): State<Arc<AppState>>, Path(room): Path<String>) -> Response {
+    bootstrap::serve(s.handoff.rooms.as_deref(), &room).await
 }
 
 async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -127,11 +150,34 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    let side = parsed.disagg.side(s.role);
+    // A decode side first receives the prompt's KV (502 if its prefill cannot be reached).
+    let remote_prefill = match side {
+        Side::Decode => match handoff::receive(s, &parsed).await {
+            Ok(r) => Some(r),
+            Err(e) => return e.into_response(),
+        },
+        Side::Whole | Side::Prefill => None,
+    };
+    let max_tokens = match side {
+        Side::Prefill => 1,
+        Side::Whole | Side::Decode => parsed.max_tokens,
+    };
+    // Before the request is queued, so that any refusal fails the room.
+    let room = match (&parsed.disagg, &s.handoff.rooms, side) {
+        (Disagg::Sglang(b), Some(rooms), Side::Prefill) => {
+            Some(RoomGuard::new(rooms.clone(), b.room))
+        }
+        _ => None,
+    };
+    let needs_prompt = matches!(parsed.disagg, Disagg::VllmPrefill);
+    let prompt = needs_prompt.then(|| parsed.prompt.clone());
     let (out, rx) = mpsc::unbounded_channel();
     let (ack, acked) = oneshot::channel();
     let add = Command::Add {
         prompt: parsed.prompt,
-        max_tokens: parsed.max_tokens,
+        max_tokens,
+        remote_prefill,
         out,
         ack,
     };
@@ -162,20 +208,43 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
         model: s.model.clone(),
     };
     if parsed.stream {
-        stream(env, rx, guard, parsed.include_usage)
-    } else {
-        whole(env, rx, guard).await
+        return stream(env, rx, guard, parsed.include_usage, room);
     }
+    let got = match whole(rx, guard, room).await {
+        Ok(got) => got,
+        Err(e) => return e.into_response(),
+    };
+    let mut answer = env.answer(got.text, &got.usage);
+    let done = handoff::Prefilled {
+        id,
+        first_token: got.first_token,
+        prompt,
+    };
+    if let Err(e) = handoff::annotate(s, &parsed.disagg, done, &mut answer).await {
+        return e.into_response();
+    }
+    Json(answer).into_response()
+}
+
+/// A whole answer's parts.
+struct Collected {
+    text: String,
+    usage: Usage,
+    /// The first generated token.
+    first_token: u32,
 }
 
 /// Waits for the whole answer.
 async fn whole(
-    env: Envelope,
     mut rx: mpsc::UnboundedReceiver<Delivery>,
     mut guard: AbortGuard,
-) -> Response {
-    let mut text = String::new();
-    let mut usage = Usage::default();
+    mut room: Option<RoomGuard>,
+) -> Result<Collected, OpenAiError> {
+    let mut got = Collected {
+        text: String::new(),
+        usage: Usage::default(),
+        first_token: 0,
+    };
     while let Some(d) = rx.recv().await {
         match d {
             Delivery::First {
@@ -183,19 +252,25 @@ async fn whole(
                 prompt_tokens,
                 cached_tokens,
             } => {
-                usage.prompt_tokens = prompt_tokens;
-                usage.cached_tokens = cached_tokens;
-                text.push_str(&token_text(token));
+                if let Some(room) = &mut room {
+                    room.done(prompt_tokens);
+                }
+                got.usage.prompt_tokens = prompt_tokens;
+                got.usage.cached_tokens = cached_tokens;
+                got.first_token = token;
+                got.text.push_str(&token_text(token));
             }
-            Delivery::Token(token) => text.push_str(&token_text(token)),
+            Delivery::Token(token) => got.text.push_str(&token_text(token)),
             Delivery::Finished { output_tokens } => {
                 guard.armed = false;
-                usage.completion_tokens = output_tokens;
-                return Json(env.answer(text, &usage)).into_response();
+                got.usage.completion_tokens = output_tokens;
+                return Ok(got);
             }
         }
     }
-    OpenAiError::unavailable("the simulated worker is shutting down").into_response()
+    Err(OpenAiError::unavailable(
+        "the simulated worker is shutting down",
+    ))
 }
 
 /// The state of one event stream.
@@ -207,6 +282,8 @@ struct Streaming {
     usage: Usage,
     pending: VecDeque<Event>,
     done: bool,
+    /// An SGLang prefill's room, marked done at the first token.
+    room: Option<RoomGuard>,
 }
 
 fn event(v: &Value) -> Event {
@@ -222,6 +299,9 @@ impl Streaming {
                 prompt_tokens,
                 cached_tokens,
             } => {
+                if let Some(room) = &mut self.room {
+                    room.done(prompt_tokens);
+                }
                 self.usage.prompt_tokens = prompt_tokens;
                 self.usage.cached_tokens = cached_tokens;
                 if let Some(role) = self.env.role_chunk() {
@@ -255,6 +335,7 @@ fn stream(
     rx: mpsc::UnboundedReceiver<Delivery>,
     guard: AbortGuard,
     include_usage: bool,
+    room: Option<RoomGuard>,
 ) -> Response {
     let state = Streaming {
         env,
@@ -264,6 +345,7 @@ fn stream(
         usage: Usage::default(),
         pending: VecDeque::new(),
         done: false,
+        room,
     };
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {

@@ -8,10 +8,20 @@
 //!   the outputs to each request's channel and publishes the step's KV events with a
 //!   [`VllmPublisher`] (ZMQ PUB plus the replay ROUTER);
 //! * the HTTP server (`http.rs`): `GET /health`, `GET /v1/models`, `GET /load` (the engine's
-//!   `num_requests_waiting`, `num_requests_running`, `kv_usage` and counters),
-//!   `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole or streamed
-//!   (SSE, one chunk per token, flushed as produced);
+//!   `num_requests_waiting`, `num_requests_running`, `kv_usage`, the worker's `role` and
+//!   counters), `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole
+//!   or streamed (SSE, one chunk per token, flushed as produced), and SGLang's simulated
+//!   bootstrap `GET /sim/bootstrap/{room}` (`bootstrap.rs`);
 //! * the publisher's replay task.
+//!
+//! # Disaggregated serving
+//! A worker has a [`SimRole`] and a KV [`TransferModel`]. It recognises the prefill and
+//! decode requests of vLLM (`kv_transfer_params`), SGLang (`bootstrap_*`, side chosen by the
+//! role) and TensorRT-LLM (`disaggregated_params`) from their bodies ([`disagg`]); a prefill
+//! side generates one token and answers what the decode side needs, a decode side waits for
+//! the prefill and the transfer, then holds the prompt's blocks (publishing `BlockStored`
+//! for them, as the engines' decode workers do) and decodes without prefilling
+//! ([`crate::engine::RemotePrefill`]). Every role also serves ordinary requests.
 //!
 //! Prompts are tokenized with the model's tokenizer when one is given, else with a built-in
 //! deterministic fallback ([`tokens`]); a router must tokenize the same way for its prefix
@@ -27,11 +37,20 @@
 //! 3. Dropping a [`SimWorkerHandle`] stops its worker (without waiting);
 //!    [`SimWorkerHandle::shutdown`] stops it and waits.
 
+pub mod disagg;
 pub mod driver;
 pub mod openai;
+pub mod role;
 pub mod tokens;
+pub mod transfer;
 
+mod bootstrap;
+mod handoff;
 mod http;
+
+pub use bootstrap::{MAX_ROOMS, ROOM_RETENTION};
+pub use role::SimRole;
+pub use transfer::TransferModel;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -52,6 +71,8 @@ use tokens::Prompter;
 const COMMAND_QUEUE: usize = 4096;
 /// How long [`SimWorkerHandle::shutdown`] lets open HTTP connections close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// [`SimWorkerConfig::bootstrap_timeout`]'s default.
+pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One simulated worker's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -73,6 +94,13 @@ pub struct SimWorkerConfig {
     pub replay_buffer: usize,
     /// Request bodies larger than this are refused with 413.
     pub max_body_bytes: usize,
+    /// Which side of disaggregated requests it serves (SGLang's side comes from it).
+    pub role: SimRole,
+    /// How long receiving a prompt's KV from a prefill worker takes.
+    pub transfer: TransferModel,
+    /// How long SGLang's bootstrap (`GET /sim/bootstrap/{room}`, on prefill workers) waits
+    /// for a room's prefill before answering 404: at least 1 ms, at most a day.
+    pub bootstrap_timeout: Duration,
 }
 
 impl Default for SimWorkerConfig {
@@ -86,6 +114,9 @@ impl Default for SimWorkerConfig {
             zmq_replay: "tcp://127.0.0.1:0".into(),
             replay_buffer: 4096,
             max_body_bytes: 64 << 20,
+            role: SimRole::Aggregated,
+            transfer: TransferModel::default(),
+            bootstrap_timeout: DEFAULT_BOOTSTRAP_TIMEOUT,
         }
     }
 }
@@ -106,6 +137,14 @@ impl SimWorkerConfig {
                 reason: "must not be empty",
             });
         }
+        self.transfer.validate()?;
+        let timeout = Duration::from_millis(1)..=Duration::from_secs(86_400);
+        if !timeout.contains(&self.bootstrap_timeout) {
+            return Err(SimError::InvalidConfig {
+                name: "bootstrap_timeout",
+                reason: "must be within 1 ms and a day",
+            });
+        }
         Ok(())
     }
 }
@@ -117,6 +156,8 @@ pub struct SimWorkerHandle {
     zmq_pub: String,
     zmq_replay: String,
     model: String,
+    role: SimRole,
+    engine_id: String,
     snapshot: watch::Receiver<Snapshot>,
     shutdown: watch::Sender<bool>,
     driver: Option<JoinHandle<()>>,
@@ -147,6 +188,17 @@ impl SimWorkerHandle {
     /// The served model's name.
     pub fn model(&self) -> &str {
         &self.model
+    }
+
+    /// Its role.
+    pub fn role(&self) -> SimRole {
+        self.role
+    }
+
+    /// Its engine id: the `remote_engine_id` of its vLLM prefill answers
+    /// (`kvengine-sim-HOST:PORT`).
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
     }
 
     /// The value of kvengine's `--zmq-worker` flag for this worker under id `worker`:
@@ -229,11 +281,25 @@ pub async fn spawn_worker(
     };
     let driver = tokio::spawn(driver.run());
 
+    let engine_id = format!("kvengine-sim-{http}");
+    let handoff = handoff::Handoff {
+        transfer: cfg.transfer,
+        speedup: cfg.speedup,
+        block_size: cfg.engine.block_size,
+        engine_id: engine_id.clone(),
+        addr: http,
+        rooms: (cfg.role == SimRole::Prefill)
+            .then(|| Arc::new(bootstrap::Rooms::new(cfg.bootstrap_timeout))),
+        client: bootstrap::client(),
+        bootstrap_timeout: cfg.bootstrap_timeout,
+    };
     let state = Arc::new(http::AppState {
         commands: commands_tx,
         snapshot: snapshot.clone(),
         model: cfg.model.clone(),
         prompter: tokenizer.map_or(Prompter::Fallback, Prompter::Model),
+        role: cfg.role,
+        handoff,
     });
     let app = http::router(state, cfg.max_body_bytes);
     let mut stop = shutdown_rx;
@@ -248,12 +314,15 @@ pub async fn spawn_worker(
             tracing::error!("simulated worker HTTP server failed: {e}");
         }
     });
-    tracing::info!(%http, zmq = %zmq_pub, replay = %zmq_replay, "simulated worker up");
+    tracing::info!(%http, zmq = %zmq_pub, replay = %zmq_replay, role = %cfg.role,
+                   "simulated worker up");
     Ok(SimWorkerHandle {
         http,
         zmq_pub,
         zmq_replay,
         model: cfg.model,
+        role: cfg.role,
+        engine_id,
         snapshot,
         shutdown,
         driver: Some(driver),
@@ -299,24 +368,35 @@ pub fn cluster_member(base: &SimWorkerConfig, i: usize) -> Result<SimWorkerConfi
     Ok(cfg)
 }
 
-/// Starts `n` workers (see [`cluster_member`] for their ports), sharing one tokenizer. On a
-/// failure the workers already started are stopped.
+/// Starts `n` workers of `base`'s role (see [`cluster_member`] for their ports), sharing one
+/// tokenizer. On a failure the workers already started are stopped.
 pub async fn spawn_cluster(
     n: usize,
     base: SimWorkerConfig,
     tokenizer: Option<Arc<PromptTokenizer>>,
 ) -> Result<Vec<SimWorkerHandle>> {
-    if n == 0 {
+    let roles = vec![base.role; n];
+    spawn_mixed_cluster(&roles, base, tokenizer).await
+}
+
+/// Starts one worker per entry of `roles`, worker `i` with role `roles[i]` (a disaggregated
+/// deployment, e.g. `[Prefill, Prefill, Decode, Decode]`); otherwise as [`spawn_cluster`].
+pub async fn spawn_mixed_cluster(
+    roles: &[SimRole],
+    base: SimWorkerConfig,
+    tokenizer: Option<Arc<PromptTokenizer>>,
+) -> Result<Vec<SimWorkerHandle>> {
+    if roles.is_empty() {
         return Err(SimError::InvalidConfig {
             name: "workers",
             reason: "must be at least 1",
         });
     }
     base.validate()?;
-    let mut workers = Vec::with_capacity(n);
-    for i in 0..n {
+    let mut workers = Vec::with_capacity(roles.len());
+    for (i, &role) in roles.iter().enumerate() {
         let started = match cluster_member(&base, i) {
-            Ok(cfg) => spawn_worker(cfg, tokenizer.clone()).await,
+            Ok(cfg) => spawn_worker(SimWorkerConfig { role, ..cfg }, tokenizer.clone()).await,
             Err(e) => Err(e),
         };
         match started {
@@ -360,6 +440,44 @@ mod tests {
             ..SimWorkerConfig::default()
         };
         assert!(cluster_member(&bad, 0).is_err());
+    }
+
+    #[test]
+    fn transfer_and_bootstrap_timeout_are_validated() {
+        let bad_link = SimWorkerConfig {
+            transfer: TransferModel {
+                link_gbps: 0.0,
+                ..TransferModel::default()
+            },
+            ..SimWorkerConfig::default()
+        };
+        assert!(bad_link.validate().is_err());
+        for t in [Duration::ZERO, Duration::from_secs(86_401)] {
+            let cfg = SimWorkerConfig {
+                bootstrap_timeout: t,
+                ..SimWorkerConfig::default()
+            };
+            assert!(cfg.validate().is_err());
+        }
+        SimWorkerConfig::default().validate().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_mixed_cluster_gives_each_worker_its_role() {
+        let roles = [SimRole::Prefill, SimRole::Decode, SimRole::Aggregated];
+        let ws = spawn_mixed_cluster(&roles, SimWorkerConfig::default(), None)
+            .await
+            .unwrap();
+        assert_eq!(ws.iter().map(|w| w.role()).collect::<Vec<_>>(), roles);
+        assert_ne!(ws[0].engine_id(), ws[1].engine_id());
+        for w in ws {
+            w.shutdown().await;
+        }
+        assert!(
+            spawn_mixed_cluster(&[], SimWorkerConfig::default(), None)
+                .await
+                .is_err()
+        );
     }
 
     #[test]

@@ -4,11 +4,13 @@
 //!
 //! # Invariants
 //! 1. Any body parses to a request or an [`OpenAiError`] with status 400; nothing panics.
+//!    Disaggregation fields are parsed by [`super::disagg`].
 
 use serde_json::{Map, Value, json};
 pub use transport::openai::errors::OpenAiError;
 use transport::openai::prompt::{PromptSource, prompt_token_ids};
 
+use super::disagg::{Disagg, detect};
 use super::tokens::Prompter;
 
 /// `max_tokens` when a request gives none (vLLM's completions default).
@@ -36,6 +38,8 @@ pub struct Parsed {
     pub stream: bool,
     /// Send a usage chunk before `[DONE]` (streaming only).
     pub include_usage: bool,
+    /// Its disaggregated-serving fields ([`super::disagg`]).
+    pub disagg: Disagg,
 }
 
 fn object(body: &[u8]) -> Result<Map<String, Value>, OpenAiError> {
@@ -115,12 +119,14 @@ pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, OpenA
     };
     let prompt = prompt_token_ids(body, source, prompter.tokenizer())?;
     let max_tokens = max_tokens(&map, limits)?;
+    let disagg = detect(&map, stream)?;
     Ok(Parsed {
         api,
         prompt,
         max_tokens,
         stream,
         include_usage,
+        disagg,
     })
 }
 

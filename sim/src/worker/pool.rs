@@ -28,7 +28,6 @@ pub(crate) struct BlockId(u32);
 
 impl BlockId {
     /// Position in the pool's block array.
-    #[cfg(test)]
     pub(crate) fn index(self) -> usize {
         self.0 as usize
     }

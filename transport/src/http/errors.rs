@@ -88,7 +88,7 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let message = e.to_string();
         match e {
-            EngineError::NoWorkers => {
+            EngineError::NoWorkers | EngineError::NoWorkersInPool { .. } => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "no_workers", message)
             }
             EngineError::RuntimeStopped => {

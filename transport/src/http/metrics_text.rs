@@ -197,6 +197,21 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
         counter(m.restarts.load(Relaxed)),
     );
     reg.register(
+        "kvengine_disagg_remote_prefills",
+        "Disaggregated requests prefilled on a prefill worker",
+        counter(m.disagg_remote.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_disagg_local_prefills",
+        "Disaggregated requests prefilled on their decode worker (uncached part too short)",
+        counter(m.disagg_local.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_disagg_fallbacks",
+        "Prefill or decode halves that failed and were served elsewhere",
+        counter(m.disagg_fallbacks.load(Relaxed)),
+    );
+    reg.register(
         "kvengine_active_requests",
         "Routed requests not finished yet",
         gauge(hub.active_requests() as u64),

@@ -97,6 +97,7 @@ struct RouteResponse {
     worker_id: u64,
     dp_rank: u32,
     mode: &'static str,
+    pool: &'static str,
     blocks: usize,
     overlap_blocks: u32,
     best_available_overlap_blocks: u32,
@@ -118,6 +119,7 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
         worker: f.worker_id.map(WorkerId),
         overlap_weight: f.overlap_weight,
         temperature: f.temperature,
+        ..RouteOverrides::default()
     })
 }
 
@@ -140,6 +142,7 @@ pub(super) async fn route(State(st): State<AppState>, body: RawBody) -> Response
             worker_id: d.worker.worker.0,
             dp_rank: d.worker.dp_rank.0,
             mode: d.mode.as_str(),
+            pool: d.pool.as_str(),
             blocks: routed.blocks,
             overlap_blocks: d.overlap_blocks,
             best_available_overlap_blocks: d.best_available_overlap_blocks,

@@ -8,7 +8,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
-use engine::sched::WorkerLoad;
+use engine::sched::{WorkerLoad, WorkerRole};
 use engine::{DpRank, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +29,8 @@ pub(super) struct WorkerJson {
     url: Option<String>,
     zmq: Option<String>,
     replay: Option<String>,
+    role: &'static str,
+    bootstrap_port: Option<u16>,
     healthy: bool,
     resyncing: Vec<u32>,
     config_error: Option<String>,
@@ -39,12 +41,15 @@ pub(super) struct WorkerJson {
 impl From<WorkerInfo> for WorkerJson {
     fn from(w: WorkerInfo) -> Self {
         let r = w.registration;
+        let role = r.role().as_str();
         Self {
             worker_id: r.worker.0,
             dp_ranks: r.dp_ranks.iter().map(|d| d.0).collect(),
             url: r.url,
             zmq: r.zmq,
             replay: r.replay,
+            role,
+            bootstrap_port: r.bootstrap_port,
             healthy: w.healthy,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
             config_error: w.config_error,
@@ -89,6 +94,11 @@ struct RegisterBody {
     replay: Option<String>,
     #[serde(default)]
     dp_ranks: Option<Vec<u32>>,
+    /// `aggregated` (default), `prefill` or `decode`.
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    bootstrap_port: Option<u16>,
 }
 
 /// Accepts `http://host[:port][/path]` (what the health checker can reach).
@@ -133,6 +143,13 @@ pub(super) async fn register(
     if let Some(r) = &b.replay {
         check_endpoint("replay", r)?;
     }
+    let role = match b.role.as_deref() {
+        None => None,
+        Some(r) => Some(
+            r.parse::<WorkerRole>()
+                .map_err(|e| ApiError::invalid(e.to_string()))?,
+        ),
+    };
     let worker = WorkerId(b.worker_id);
     let new = hub.register(Registration {
         worker,
@@ -145,6 +162,8 @@ pub(super) async fn register(
         url: b.url.map(|u| u.trim_end_matches('/').to_owned()),
         zmq: b.zmq,
         replay: b.replay,
+        role,
+        bootstrap_port: b.bootstrap_port,
     })?;
     let Some(info) = hub
         .workers()

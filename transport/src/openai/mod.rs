@@ -4,10 +4,14 @@
 //! engine will compute for it: [`tokenize`] reproduces vLLM's prompt processing (chat
 //! template rendering and Hugging Face tokenization) from the model's tokenizer files, or
 //! uses a built-in stand-in ([`fallback`]) shared with the simulated workers. [`proxy`]
-//! routes each request and streams the chosen worker's answer back.
+//! routes each request and streams the chosen worker's answer back;
+//! [`disagg`] splits it between a prefill and a decode worker where the deployment has both.
 
+pub mod disagg;
 pub mod errors;
 pub mod fallback;
 pub mod prompt;
 pub mod proxy;
+mod relay;
 pub mod tokenize;
+mod usage;

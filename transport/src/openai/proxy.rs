@@ -17,9 +17,12 @@
 //!    mid-stream).
 //! 3. Malformed requests get OpenAI-style 400 errors and are never forwarded.
 
+use super::disagg::{self, DisaggConfig};
 use super::errors::{OpenAiError, openai_error};
 use super::prompt::{PromptSource, prompt_token_ids};
+use super::relay::{Active, Relay};
 use super::tokenize::PromptTokenizer;
+use super::usage::UsagePatch;
 use crate::hub::{Hub, RouteCall, Routed};
 use axum::Router;
 use axum::body::Body;
@@ -31,16 +34,14 @@ use bytes::Bytes;
 use engine::WorkerKey;
 use engine::sched::RouteOverrides;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Frame, Incoming};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// How the proxy is set up.
 #[derive(Clone, Debug)]
@@ -52,6 +53,8 @@ pub struct ProxyConfig {
     pub max_body_bytes: usize,
     /// Longest wait for a worker's response headers.
     pub upstream_timeout: Duration,
+    /// Disaggregated serving: used when both prefill and decode workers are registered.
+    pub disagg: DisaggConfig,
 }
 
 impl Default for ProxyConfig {
@@ -60,15 +63,16 @@ impl Default for ProxyConfig {
             tokenizer: None,
             max_body_bytes: 64 << 20,
             upstream_timeout: Duration::from_secs(600),
+            disagg: DisaggConfig::default(),
         }
     }
 }
 
 #[derive(Debug)]
-struct Proxy {
-    hub: Arc<Hub>,
-    cfg: ProxyConfig,
-    client: HttpClient,
+pub(crate) struct Proxy {
+    pub(crate) hub: Arc<Hub>,
+    pub(crate) cfg: ProxyConfig,
+    pub(crate) client: HttpClient,
 }
 
 /// The proxy's routes, to merge into the HTTP edge's router.
@@ -128,38 +132,11 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         .into_response()
 }
 
-/// Frees a routed request when dropped, unless already freed.
-#[derive(Debug)]
-struct Active {
-    hub: Arc<Hub>,
-    id: Option<String>,
-    prefilled: bool,
-}
-
-impl Active {
-    fn prefilled(&mut self) {
-        if !self.prefilled {
-            self.prefilled = true;
-            if let Some(id) = &self.id {
-                let _ = self.hub.prefilled(id);
-            }
-        }
-    }
-
-    fn finish(&mut self) {
-        if let Some(id) = self.id.take() {
-            let _ = self.hub.finish(&id);
-        }
-    }
-}
-
-impl Drop for Active {
-    fn drop(&mut self) {
-        self.finish();
-    }
-}
-
-fn route(hub: &Hub, tokens: &[u32], overrides: RouteOverrides) -> Result<Routed, OpenAiError> {
+pub(crate) fn route(
+    hub: &Hub,
+    tokens: &[u32],
+    overrides: RouteOverrides,
+) -> Result<Routed, OpenAiError> {
     let call = RouteCall {
         request_id: None,
         tokens,
@@ -171,7 +148,7 @@ fn route(hub: &Hub, tokens: &[u32], overrides: RouteOverrides) -> Result<Routed,
 }
 
 /// The next-best candidate of `decision` other than `failed`, by cost.
-fn runner_up(routed: &Routed, failed: WorkerKey) -> Option<WorkerKey> {
+pub(crate) fn runner_up(routed: &Routed, failed: WorkerKey) -> Option<WorkerKey> {
     routed
         .decision
         .candidates
@@ -181,7 +158,9 @@ fn runner_up(routed: &Routed, failed: WorkerKey) -> Option<WorkerKey> {
         .map(|c| c.key)
 }
 
-async fn send(
+/// Posts `body` to `key`'s worker at `path`; a connection failure, a timeout before the
+/// response headers or a 5xx is an error (worth a retry elsewhere).
+pub(crate) async fn send(
     p: &Proxy,
     key: WorkerKey,
     path: &str,
@@ -215,15 +194,14 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
             return e.into_response();
         }
     };
+    if disagg::applies(&p.hub) {
+        return disagg::forward(&p, path, &body, &tokens).await;
+    }
     let routed = match route(&p.hub, &tokens, RouteOverrides::default()) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let mut active = Active {
-        hub: p.hub.clone(),
-        id: Some(routed.request_id.clone()),
-        prefilled: false,
-    };
+    let mut active = Active::new(p.hub.clone(), routed.request_id.clone());
     let first = routed.decision.worker;
     let mut served_by = first;
     let resp = match send(&p, first, path, &body).await {
@@ -247,7 +225,7 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
                 Ok(r) => r,
                 Err(e) => return e.into_response(),
             };
-            active.id = Some(retry.request_id.clone());
+            active.replace(retry.request_id.clone());
             served_by = retry.decision.worker;
             match send(&p, served_by, path, &body).await {
                 Ok(r) => r,
@@ -264,6 +242,18 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
             }
         }
     };
+    respond(resp, active, served_by, None, None)
+}
+
+/// The client's response: the worker's status and body (relayed by a [`Relay`]), its content
+/// type, and headers naming the request and the workers that served it.
+pub(crate) fn respond(
+    resp: hyper::Response<Incoming>,
+    active: Active,
+    served_by: WorkerKey,
+    prefilled_by: Option<WorkerKey>,
+    cached_tokens: Option<u64>,
+) -> Response {
     let (parts, incoming) = resp.into_parts();
     let sse = parts
         .headers
@@ -276,7 +266,7 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
             headers.insert(name, v.clone());
         }
     }
-    if let Ok(v) = HeaderValue::from_str(active.id.as_deref().unwrap_or_default()) {
+    if let Ok(v) = HeaderValue::from_str(active.id().unwrap_or_default()) {
         headers.insert("x-kvengine-request-id", v);
     }
     headers.insert(
@@ -284,79 +274,15 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
         HeaderValue::from(served_by.worker.0),
     );
     headers.insert("x-kvengine-dp-rank", HeaderValue::from(served_by.dp_rank.0));
-    let body = Body::new(Relay {
-        inner: incoming,
-        active,
-        sse,
-        done: false,
-    });
-    let mut out = Response::new(body);
+    if let Some(p) = prefilled_by {
+        headers.insert(
+            "x-kvengine-prefill-worker-id",
+            HeaderValue::from(p.worker.0),
+        );
+    }
+    let patch = cached_tokens.map(|c| UsagePatch::new(c, sse));
+    let mut out = Response::new(Body::new(Relay::new(incoming, active, sse, patch)));
     *out.status_mut() = parts.status;
     *out.headers_mut() = headers;
     out
-}
-
-/// The worker's answer on its way to the client: marks the request prefilled at the first
-/// chunk, frees it at the end (or when dropped: the client went away), and turns a
-/// mid-stream failure into an SSE error event.
-struct Relay {
-    inner: Incoming,
-    active: Active,
-    sse: bool,
-    done: bool,
-}
-
-impl hyper::body::Body for Relay {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if self.done {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(frame))) => {
-                if frame.is_data() {
-                    self.active.prefilled();
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(None) => {
-                self.done = true;
-                self.active.finish();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                self.done = true;
-                self.active.finish();
-                tracing::warn!("worker failed mid-answer: {e}");
-                if self.sse {
-                    let error = OpenAiError {
-                        status: StatusCode::BAD_GATEWAY,
-                        kind: "upstream_error",
-                        message: format!("the worker failed mid-stream: {e}"),
-                        param: None,
-                        code: None,
-                    };
-                    let event = format!("data: {}\n\n", error.body());
-                    Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
-                } else {
-                    Poll::Ready(Some(Err(std::io::Error::other(e))))
-                }
-            }
-        }
-    }
-}
-
-impl std::fmt::Debug for Relay {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay")
-            .field("active", &self.active)
-            .field("sse", &self.sse)
-            .finish_non_exhaustive()
-    }
 }

@@ -1,0 +1,339 @@
+//! The two phases of one disaggregated request (see the parent module's invariants).
+//!
+//! 1. Route the decode half (decode pool, by load) and the prefill half (prefill pool, by
+//!    the KV cost); both become active in the load tracker.
+//! 2. Conditional disaggregation: a short uncached prompt is prefilled on the decode worker
+//!    (the prefill half is freed at once).
+//! 3. Sequential protocols send the prefill request, read its whole answer, then send the
+//!    decode request; SGLang sends both together and waits for the prefill answer before
+//!    answering the client (the decode worker cannot produce a token before then anyway).
+//! 4. A prefill failure (connection, timeout, 5xx, an answer without hand-off parameters)
+//!    retries once on the next-best prefill worker, then prefills on the decode worker; a
+//!    decode failure before its answer starts hands the whole request to the next-best decode
+//!    worker. A 4xx from either half is the client's error and is returned as is.
+
+use super::SGLANG_BOOTSTRAP_PORT;
+use super::handoff::{Body, Handoff, Pair};
+use crate::hub::Routed;
+use crate::openai::errors::{OpenAiError, openai_error};
+use crate::openai::proxy::{Proxy, respond, route, runner_up, send};
+use crate::openai::relay::Active;
+use crate::openai::usage::cached_tokens;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use engine::WorkerKey;
+use engine::sched::{Pool, RouteMode, RouteOverrides};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::Value;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// Prefill workers tried before prefilling on the decode worker.
+const PREFILL_ATTEMPTS: usize = 2;
+
+fn pool(pool: Pool) -> RouteOverrides {
+    RouteOverrides {
+        pool,
+        ..RouteOverrides::default()
+    }
+}
+
+fn direct(pool: Pool, key: WorkerKey) -> RouteOverrides {
+    RouteOverrides {
+        pool,
+        mode: Some(RouteMode::Direct),
+        worker: Some(key.worker),
+        ..RouteOverrides::default()
+    }
+}
+
+/// Why a phase failed.
+enum Failure {
+    /// The prefill half failed: worth another prefill worker.
+    Prefill(String),
+    /// The decode half failed before its answer started.
+    Decode(String),
+    /// The request itself was refused (a 4xx): the client's answer.
+    Client(Response),
+    /// The prefill answer finished the request: the client's answer.
+    Done(Value),
+}
+
+/// Serves one client request over a prefill and a decode worker.
+pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[u32]) -> Response {
+    let hub = &p.hub;
+    let client: Body = match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => m,
+        _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
+    };
+    let decode = match route(hub, tokens, pool(Pool::Decode)) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let d_key = decode.decision.worker;
+    let mut d_active = Active::new(hub.clone(), decode.request_id.clone());
+    let mut prefill = route(hub, tokens, pool(Pool::Prefill)).ok();
+    let mut p_active = prefill
+        .as_ref()
+        .map(|r| Active::new(hub.clone(), r.request_id.clone()));
+    let running = hub
+        .active_load(d_key)
+        .map_or(0, |l| l.active_requests.saturating_sub(1));
+    let split = match decode.decision.chosen() {
+        Some(d) => p.cfg.disagg.split.decide(
+            tokens.len() as u64,
+            hub.block_size(),
+            d,
+            running,
+            prefill.as_ref().and_then(|r| r.decision.chosen()),
+        ),
+        None => {
+            return openai_error(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "no decode worker",
+            );
+        }
+    };
+    let metrics = hub.metrics();
+    if !split.remote {
+        drop(p_active);
+        metrics.disagg_local.fetch_add(1, Relaxed);
+        return local(p, path, body, tokens, &decode, d_active).await;
+    }
+    metrics.disagg_remote.fetch_add(1, Relaxed);
+    let handoff = p.cfg.disagg.protocol.handoff();
+    for attempt in 0..PREFILL_ATTEMPTS {
+        let Some(routed) = prefill.take() else { break };
+        let p_key = routed.decision.worker;
+        let pair = pair(p, p_key, &routed.request_id, attempt);
+        let outcome = if handoff.concurrent() {
+            concurrent(p, path, &client, handoff, &pair, p_key, d_key).await
+        } else {
+            sequential(p, path, &client, handoff, &pair, p_key, d_key).await
+        };
+        if let Some(a) = p_active.as_mut() {
+            a.finish();
+        }
+        match outcome {
+            Ok((resp, cached)) => return respond(resp, d_active, d_key, Some(p_key), cached),
+            Err(Failure::Client(resp)) => return resp,
+            Err(Failure::Done(answer)) => return finished(answer, d_key, p_key),
+            Err(Failure::Decode(e)) => {
+                tracing::warn!(worker = %d_key.worker, "decode half failed: {e}");
+                metrics.disagg_fallbacks.fetch_add(1, Relaxed);
+                d_active.finish();
+                return next_decode(p, path, body, tokens, &decode, &e).await;
+            }
+            Err(Failure::Prefill(e)) => {
+                tracing::warn!(worker = %p_key.worker, attempt, "prefill half failed: {e}");
+                metrics.disagg_fallbacks.fetch_add(1, Relaxed);
+                if attempt + 1 < PREFILL_ATTEMPTS
+                    && let Some(next) = runner_up(&routed, p_key)
+                    && let Ok(r) = route(hub, tokens, direct(Pool::Prefill, next))
+                {
+                    p_active = Some(Active::new(hub.clone(), r.request_id.clone()));
+                    prefill = Some(r);
+                }
+            }
+        }
+    }
+    // No prefill worker could serve: prefill on the decode worker.
+    local(p, path, body, tokens, &decode, d_active).await
+}
+
+/// Where the two halves meet: the prefill worker's host and bootstrap port, and a fresh room.
+fn pair(p: &Proxy, p_key: WorkerKey, request_id: &str, attempt: usize) -> Pair {
+    let reg = p.hub.registration(p_key.worker);
+    let prefill_host = reg
+        .as_ref()
+        .and_then(|r| r.url.as_deref())
+        .and_then(|u| u.parse::<axum::http::Uri>().ok())
+        .and_then(|u| u.host().map(str::to_owned))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let bootstrap_port = reg
+        .and_then(|r| r.bootstrap_port)
+        .unwrap_or(SGLANG_BOOTSTRAP_PORT);
+    // Unique per process run and attempt; SGLang wants it below 2^63.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let seed = format!("{request_id}/{attempt}/{nanos}");
+    let room = xxhash_rust::xxh3::xxh3_64(seed.as_bytes()) & (u64::MAX >> 1);
+    Pair {
+        prefill_host,
+        bootstrap_port,
+        room,
+    }
+}
+
+fn to_bytes(b: &Body) -> Bytes {
+    // A map of JSON values always serializes.
+    Bytes::from(serde_json::to_vec(b).unwrap_or_default())
+}
+
+/// The prefill worker's whole answer, or why it is unusable.
+async fn prefill_answer(
+    p: &Proxy,
+    key: WorkerKey,
+    path: &str,
+    body: &Body,
+) -> Result<Value, Failure> {
+    let resp = send(p, key, path, &to_bytes(body))
+        .await
+        .map_err(Failure::Prefill)?;
+    let status = resp.status();
+    let bytes = tokio::time::timeout(p.cfg.upstream_timeout, resp.into_body().collect())
+        .await
+        .map_err(|_| Failure::Prefill("no whole answer in time".into()))?
+        .map_err(|e| Failure::Prefill(format!("answer broke off: {e}")))?
+        .to_bytes();
+    if status.is_client_error() {
+        let mut r = (status, bytes).into_response();
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        );
+        return Err(Failure::Client(r));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| Failure::Prefill(format!("answer is not JSON: {e}")))
+}
+
+type Started = (hyper::Response<Incoming>, Option<u64>);
+
+async fn sequential(
+    p: &Proxy,
+    path: &str,
+    client: &Body,
+    handoff: &dyn Handoff,
+    pair: &Pair,
+    p_key: WorkerKey,
+    d_key: WorkerKey,
+) -> Result<Started, Failure> {
+    let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
+    let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
+    if !stream && handoff.finished_in_prefill(&answer) {
+        return Err(Failure::Done(answer));
+    }
+    let body = handoff
+        .decode_body(client, pair, Some(&answer))
+        .map_err(Failure::Prefill)?;
+    let resp = send(p, d_key, path, &to_bytes(&body))
+        .await
+        .map_err(Failure::Decode)?;
+    Ok((resp, cached_tokens(&answer)))
+}
+
+async fn concurrent(
+    p: &Arc<Proxy>,
+    path: &str,
+    client: &Body,
+    handoff: &dyn Handoff,
+    pair: &Pair,
+    p_key: WorkerKey,
+    d_key: WorkerKey,
+) -> Result<Started, Failure> {
+    let d_body = to_bytes(
+        &handoff
+            .decode_body(client, pair, None)
+            .map_err(Failure::Prefill)?,
+    );
+    let (pp, d_path) = (p.clone(), path.to_owned());
+    // Aborting the task drops the decode request: the decode worker sees its client go.
+    let mut decode = AbortOnDrop(tokio::spawn(async move {
+        send(&pp, d_key, &d_path, &d_body).await
+    }));
+    let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
+    let resp = match (&mut decode.0).await {
+        Ok(r) => r.map_err(Failure::Decode)?,
+        Err(e) => return Err(Failure::Decode(e.to_string())),
+    };
+    Ok((resp, cached_tokens(&answer)))
+}
+
+/// A spawned request that is cancelled if its result is no longer wanted.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The prefill answer finished the request: it is the client's answer.
+fn finished(mut answer: Value, d_key: WorkerKey, p_key: WorkerKey) -> Response {
+    if let Some(c) = answer
+        .pointer_mut("/choices/0")
+        .and_then(Value::as_object_mut)
+    {
+        c.remove("disaggregated_params");
+    }
+    let mut r = axum::Json(answer).into_response();
+    r.headers_mut()
+        .insert("x-kvengine-worker-id", p_key.worker.0.into());
+    r.headers_mut()
+        .insert("x-kvengine-decode-worker-id", d_key.worker.0.into());
+    r
+}
+
+/// The whole request on the decode worker (no prefill worker, or none worth it).
+async fn local(
+    p: &Proxy,
+    path: &str,
+    body: &Bytes,
+    tokens: &[u32],
+    decode: &Routed,
+    mut d_active: Active,
+) -> Response {
+    let d_key = decode.decision.worker;
+    match send(p, d_key, path, body).await {
+        Ok(resp) => respond(resp, d_active, d_key, None, None),
+        Err(e) => {
+            tracing::warn!(worker = %d_key.worker, "decode worker failed: {e}");
+            d_active.finish();
+            next_decode(p, path, body, tokens, decode, &e).await
+        }
+    }
+}
+
+/// The whole request on the next-best decode worker, after `failed` failed.
+async fn next_decode(
+    p: &Proxy,
+    path: &str,
+    body: &Bytes,
+    tokens: &[u32],
+    decode: &Routed,
+    first_error: &str,
+) -> Response {
+    let failed = decode.decision.worker;
+    let gateway = |msg: String| openai_error(StatusCode::BAD_GATEWAY, "upstream_error", &msg);
+    let Some(next) = runner_up(decode, failed) else {
+        return gateway(format!("worker {} failed: {first_error}", failed.worker));
+    };
+    let retry = match route(&p.hub, tokens, direct(Pool::Decode, next)) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let active = Active::new(p.hub.clone(), retry.request_id.clone());
+    match send(p, next, path, body).await {
+        Ok(resp) => respond(resp, active, next, None, None),
+        Err(e) => gateway(format!(
+            "workers {} and {} failed: {first_error}; {e}",
+            failed.worker, next.worker
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Protocol;
+
+    #[test]
+    fn protocols_pick_their_flow() {
+        assert!(!Protocol::Vllm.handoff().concurrent());
+        assert!(Protocol::Sglang.handoff().concurrent());
+        assert!(!Protocol::Trtllm.handoff().concurrent());
+    }
+}

@@ -1,0 +1,102 @@
+//! Disaggregated serving at the front door: one client request, two workers.
+//!
+//! When both prefill and decode workers are registered ([`applies`]), a chat or completion
+//! request is split: a decode worker is chosen by load, a prefill worker by the KV cost
+//! function, conditional disaggregation ([`engine::sched::SplitConfig`]) decides whether the
+//! prefill is worth sending away, and the engine's own hand-off protocol ([`Protocol`], one
+//! file each: [`vllm`], [`sglang`], [`trtllm`]) carries the KV blocks from one to the other.
+//! The client sees one ordinary OpenAI answer: the decode worker's, with the prefill
+//! worker's `cached_tokens`. [`flow`] runs the two phases; docs/protocol.md records the wire
+//! details of each engine.
+//!
+//! # Invariants
+//! 1. Both routed requests are freed in the load tracker whatever happens: the prefill one
+//!    when its answer arrived or failed, the decode one when the client's answer ends.
+//! 2. A failure before the first token never reaches the client while another worker can
+//!    serve: a failed prefill retries on the next-best prefill worker, then prefills on the
+//!    decode worker; a failed decode worker hands the whole request to the next-best one.
+
+pub mod flow;
+pub mod handoff;
+pub mod sglang;
+pub mod trtllm;
+pub mod vllm;
+
+pub(crate) use flow::forward;
+
+use crate::hub::Hub;
+use engine::sched::{SplitConfig, WorkerRole};
+use handoff::Handoff;
+use std::fmt;
+use std::str::FromStr;
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
+/// The engines' hand-off protocols.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Protocol {
+    /// vLLM's KV connectors (NIXL and friends): `kv_transfer_params`.
+    #[default]
+    Vllm,
+    /// SGLang's PD disaggregation: bootstrap host, port and room on both requests.
+    Sglang,
+    /// TensorRT-LLM's `trtllm-serve`: context-only, then generation-only requests.
+    Trtllm,
+}
+
+impl Protocol {
+    /// The protocol's request rewriting.
+    pub(crate) fn handoff(self) -> &'static dyn Handoff {
+        match self {
+            Self::Vllm => &vllm::Vllm,
+            Self::Sglang => &sglang::Sglang,
+            Self::Trtllm => &trtllm::Trtllm,
+        }
+    }
+
+    /// The name used in flags.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Protocol {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            "trtllm" | "tensorrt-llm" | "trt-llm" => Ok(Self::Trtllm),
+            _ => Err(format!(
+                "unknown disaggregation protocol {s:?} (expected vllm, sglang or trtllm)"
+            )),
+        }
+    }
+}
+
+/// How the front door disaggregates.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DisaggConfig {
+    /// The workers' hand-off protocol.
+    pub protocol: Protocol,
+    /// When a prefill goes to a prefill worker.
+    pub split: SplitConfig,
+}
+
+/// Whether requests are disaggregated now: some healthy prefill and decode workers exist.
+pub fn applies(hub: &Hub) -> bool {
+    let n = hub.role_counts();
+    n[WorkerRole::Prefill.index()] > 0 && n[WorkerRole::Decode.index()] > 0
+}

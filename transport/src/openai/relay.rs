@@ -1,0 +1,178 @@
+//! A worker's answer on its way to the client, and the load-tracker entry it keeps alive.
+//!
+//! # Invariants
+//! 1. An [`Active`] frees its request exactly once: explicitly, or when dropped (the client
+//!    went away with the body unread).
+//! 2. A [`Relay`] marks its request prefilled at the first data frame and frees it at the
+//!    end of the body, on an upstream error, or when dropped.
+//! 3. With a [`UsagePatch`], every byte of the answer reaches the client, in order, with
+//!    only the `usage.prompt_tokens_details.cached_tokens` value replaced.
+
+use super::errors::OpenAiError;
+use super::usage::UsagePatch;
+use crate::hub::Hub;
+use axum::http::StatusCode;
+use bytes::Bytes;
+use hyper::body::{Frame, Incoming};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+/// Frees a routed request when dropped, unless already freed.
+#[derive(Debug)]
+pub(crate) struct Active {
+    hub: Arc<Hub>,
+    id: Option<String>,
+    prefilled: bool,
+}
+
+impl Active {
+    /// Tracks the routed request `id`.
+    pub(crate) fn new(hub: Arc<Hub>, id: String) -> Self {
+        Self {
+            hub,
+            id: Some(id),
+            prefilled: false,
+        }
+    }
+
+    /// The request id, until freed.
+    pub(crate) fn id(&self) -> Option<&str> {
+        self.id.as_deref()
+    }
+
+    /// Tracks `id` instead (a retry was routed); the old one must already be freed.
+    pub(crate) fn replace(&mut self, id: String) {
+        self.finish();
+        self.id = Some(id);
+        self.prefilled = false;
+    }
+}
+
+impl Active {
+    pub(crate) fn prefilled(&mut self) {
+        if !self.prefilled {
+            self.prefilled = true;
+            if let Some(id) = &self.id {
+                let _ = self.hub.prefilled(id);
+            }
+        }
+    }
+
+    pub(crate) fn finish(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.hub.finish(&id);
+        }
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// The worker's answer on its way to the client: marks the request prefilled at the first
+/// chunk, frees it at the end (or when dropped: the client went away), and turns a
+/// mid-stream failure into an SSE error event.
+pub(crate) struct Relay {
+    inner: Incoming,
+    active: Active,
+    sse: bool,
+    done: bool,
+    patch: Option<UsagePatch>,
+}
+
+impl Relay {
+    /// Relays `inner` (an SSE stream if `sse`), patching usage with `patch`.
+    pub(crate) fn new(
+        inner: Incoming,
+        active: Active,
+        sse: bool,
+        patch: Option<UsagePatch>,
+    ) -> Self {
+        Self {
+            inner,
+            active,
+            sse,
+            done: false,
+            patch,
+        }
+    }
+}
+
+impl hyper::body::Body for Relay {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        loop {
+            if self.done {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => {
+                    let frame = match (frame.into_data(), self.patch.as_mut()) {
+                        (Ok(data), Some(patch)) => {
+                            let out = patch.feed(&data);
+                            if out.is_empty() {
+                                // Held back until its event (or the whole answer) is complete.
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        (Ok(data), None) => Frame::data(data),
+                        (Err(other), _) => return Poll::Ready(Some(Ok(other))),
+                    };
+                    self.active.prefilled();
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    self.active.finish();
+                    let tail = self.patch.as_mut().map(UsagePatch::finish);
+                    return match tail {
+                        Some(t) if !t.is_empty() => Poll::Ready(Some(Ok(Frame::data(t)))),
+                        _ => Poll::Ready(None),
+                    };
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.done = true;
+                    self.active.finish();
+                    tracing::warn!("worker failed mid-answer: {e}");
+                    if !self.sse {
+                        return Poll::Ready(Some(Err(std::io::Error::other(e))));
+                    }
+                    let error = OpenAiError {
+                        status: StatusCode::BAD_GATEWAY,
+                        kind: "upstream_error",
+                        message: format!("the worker failed mid-stream: {e}"),
+                        param: None,
+                        code: None,
+                    };
+                    // What the patch held back goes out before the error event.
+                    let mut out = self
+                        .patch
+                        .as_mut()
+                        .map(|p| p.finish().to_vec())
+                        .unwrap_or_default();
+                    out.extend_from_slice(format!("data: {}\n\n", error.body()).as_bytes());
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("active", &self.active)
+            .field("sse", &self.sse)
+            .finish_non_exhaustive()
+    }
+}
