@@ -823,3 +823,76 @@ async fn health_checks_take_failing_workers_out_of_routing_and_back() {
     assert!(!healthy(3));
     task.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_split_route_calls_into_pools() {
+    let s = start(HttpConfig::default()).await;
+    let p = prompt(7, 64);
+    for (w, role) in [(1, "prefill"), (2, "prefill"), (3, "decode"), (4, "decode")] {
+        let (st, v) = s
+            .post(
+                "/v1/workers",
+                json!({"worker_id": w, "role": role, "bootstrap_port": 8998}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::CREATED, "{v}");
+        assert_eq!(v["role"], role);
+    }
+    // Prefill worker 2 holds the prompt: a prefill call goes there, among prefill workers only.
+    s.store(2, &p, 4, 10).await;
+    s.hub.sync().unwrap();
+    let (st, v) = s
+        .post("/v1/route", json!({"token_ids": p, "pool": "prefill"}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["worker_id"].clone(), v["pool"].clone()),
+        (json!(2), json!("prefill"))
+    );
+    let ids: Vec<&Value> = v["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| &c["worker_id"])
+        .collect();
+    assert_eq!(ids, [&json!(1), &json!(2)]);
+    // Decode and whole calls choose among decode workers (no aggregated worker exists).
+    for pool in ["decode", "whole"] {
+        let (_, v) = s
+            .post("/v1/route", json!({"token_ids": p, "pool": pool}))
+            .await;
+        let w = v["worker_id"].as_u64().unwrap();
+        assert!(w == 3 || w == 4, "{pool}: {v}");
+    }
+    let (st, v) = s
+        .post("/v1/route", json!({"token_ids": p, "pool": "gpu"}))
+        .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown pool"),
+        "{v}"
+    );
+    let (st, v) = s
+        .post("/v1/workers", json!({"worker_id": 5, "role": "gpu"}))
+        .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    // Turning the prefill workers into decode workers empties the prefill pool.
+    for w in [1, 2] {
+        s.post("/v1/workers", json!({"worker_id": w, "role": "decode"}))
+            .await;
+    }
+    let (st, v) = s
+        .post("/v1/route", json!({"token_ids": p, "pool": "prefill"}))
+        .await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no prefill worker"),
+        "{v}"
+    );
+}

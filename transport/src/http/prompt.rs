@@ -33,6 +33,8 @@ pub struct PromptFields {
     pub overlap_weight: Option<f64>,
     /// Temperature for this call (route only).
     pub temperature: Option<f64>,
+    /// `whole`, `prefill` or `decode`: the workers to choose among (route only).
+    pub pool: Option<String>,
 }
 
 /// Decodes a prompt body: its token ids into `tokens` (cleared first), the rest returned.
@@ -59,6 +61,7 @@ pub fn parse_prompt_serde(
         worker_id: slow.worker_id,
         overlap_weight: slow.overlap_weight,
         temperature: slow.temperature,
+        pool: slow.pool,
     })
 }
 
@@ -77,6 +80,8 @@ struct SlowPrompt {
     overlap_weight: Option<f64>,
     #[serde(default)]
     temperature: Option<f64>,
+    #[serde(default)]
+    pool: Option<String>,
 }
 
 /// A `Vec<u32>` filled straight from the JSON sequence, with the capacity hint used.
@@ -350,6 +355,10 @@ fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
             b"temperature" => {
                 f.temperature = c.serde_value()?;
                 64
+            }
+            b"pool" => {
+                f.pool = c.serde_value()?;
+                128
             }
             _ => {
                 let _: IgnoredAny = c.serde_value()?;

@@ -10,7 +10,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use engine::WorkerId;
-use engine::sched::{RouteMode, RouteOverrides};
+use engine::sched::{Pool, RouteMode, RouteOverrides};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::time::Instant;
@@ -119,7 +119,16 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
         worker: f.worker_id.map(WorkerId),
         overlap_weight: f.overlap_weight,
         temperature: f.temperature,
-        ..RouteOverrides::default()
+        pool: match f.pool.as_deref() {
+            None | Some("whole") => Pool::Whole,
+            Some("prefill") => Pool::Prefill,
+            Some("decode") => Pool::Decode,
+            Some(p) => {
+                return Err(ApiError::invalid(format!(
+                    "unknown pool {p:?}: expected whole, prefill or decode"
+                )));
+            }
+        },
     })
 }
 
