@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use engine::WorkerId;
-use engine::sched::{SplitConfig, SplitMode, WorkerRole};
+use engine::sched::{SplitConfig, SplitMode, TransferModel, WorkerRole};
 use transport::openai::disagg::{DisaggConfig, Protocol};
 
 /// A worker's role from the command line: `ID=ROLE[,bootstrap_port=PORT]`.
@@ -126,9 +126,11 @@ impl DisaggArgs {
             mode: self.disagg_mode,
             min_prefill_tokens: self.disagg_min_prefill_tokens,
             prefill_tokens_per_s: self.disagg_prefill_tokens_per_s,
-            kv_bytes_per_token: self.disagg_kv_bytes_per_token,
-            link_gbps: self.disagg_link_gbps,
-            transfer_latency_ms: self.disagg_transfer_latency_ms,
+            transfer: TransferModel {
+                bytes_per_token: self.disagg_kv_bytes_per_token,
+                link_gbps: self.disagg_link_gbps,
+                latency_ms: self.disagg_transfer_latency_ms,
+            },
         };
         split.validate().context("--disagg-* flags")?;
         Ok(DisaggConfig {

@@ -9,7 +9,7 @@
 //!   ```text
 //!   local  = uncached_on_decode / prefill_tps * (1 + running requests on the decode worker)
 //!   remote = (queued prefill tokens on the prefill worker + uncached_on_prefill) / prefill_tps
-//!          + transfer_latency + tokens_to_transfer * kv_bytes_per_token * 8 / link_bits_per_s
+//!          + transfer(tokens the decode worker lacks)          (see `super::transfer`)
 //!   ```
 //!   A local prefill stalls every request decoding on that worker for its duration (hence the
 //!   factor); a remote one costs the prefill worker's queue and the transfer of the blocks
@@ -21,6 +21,7 @@
 
 use crate::error::{EngineError, Result};
 use crate::sched::cost::CandidateScore;
+use crate::sched::transfer::TransferModel;
 
 /// How the split is decided.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,12 +57,8 @@ pub struct SplitConfig {
     pub min_prefill_tokens: u64,
     /// Prefill throughput of one worker, tokens per second (model mode).
     pub prefill_tokens_per_s: f64,
-    /// KV-cache bytes per token (all layers), what a transfer moves (model mode).
-    pub kv_bytes_per_token: u64,
-    /// Link bandwidth between prefill and decode workers, gigabits per second.
-    pub link_gbps: f64,
-    /// Fixed cost of one transfer, milliseconds.
-    pub transfer_latency_ms: f64,
+    /// What moving the blocks costs (model mode).
+    pub transfer: TransferModel,
 }
 
 impl Default for SplitConfig {
@@ -70,10 +67,7 @@ impl Default for SplitConfig {
             mode: SplitMode::Threshold,
             min_prefill_tokens: 512,
             prefill_tokens_per_s: 10_000.0,
-            // A Llama-3-8B-sized fp16 KV: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes.
-            kv_bytes_per_token: 131_072,
-            link_gbps: 100.0,
-            transfer_latency_ms: 1.0,
+            transfer: TransferModel::default(),
         }
     }
 }
@@ -101,25 +95,8 @@ impl SplitConfig {
                 reason: "must be a finite number above 0",
             });
         }
-        if !positive(self.link_gbps) {
-            return Err(EngineError::InvalidArgument {
-                name: "disagg_link_gbps",
-                reason: "must be a finite number above 0",
-            });
-        }
-        if !(self.transfer_latency_ms.is_finite() && self.transfer_latency_ms >= 0.0) {
-            return Err(EngineError::InvalidArgument {
-                name: "disagg_transfer_latency_ms",
-                reason: "must be a finite number, 0 or more",
-            });
-        }
+        self.transfer.validate()?;
         Ok(())
-    }
-
-    /// Seconds to move `tokens` tokens' KV blocks from a prefill to a decode worker.
-    pub fn transfer_s(&self, tokens: u64) -> f64 {
-        let bits = tokens as f64 * self.kv_bytes_per_token as f64 * 8.0;
-        self.transfer_latency_ms / 1e3 + bits / (self.link_gbps * 1e9)
     }
 
     /// Decides the split of a request of `input_tokens` prompt tokens (block size
@@ -155,8 +132,8 @@ impl SplitConfig {
                 split.local_s = uncached_on_decode as f64 / tps * (1 + decode_running) as f64;
                 // The prefill candidate's prefill_blocks already holds its queue plus this
                 // request's uncached tokens.
-                split.remote_s =
-                    prefill.prefill_blocks * bs as f64 / tps + self.transfer_s(uncached_on_decode);
+                split.remote_s = prefill.prefill_blocks * bs as f64 / tps
+                    + self.transfer.seconds(uncached_on_decode);
                 split.remote = split.remote_s < split.local_s;
             }
         }
@@ -196,26 +173,16 @@ mod tests {
     }
 
     #[test]
-    fn transfer_time_hand_computed() {
-        let cfg = SplitConfig {
-            kv_bytes_per_token: 1_000,
-            link_gbps: 8.0,
-            transfer_latency_ms: 2.0,
-            ..SplitConfig::default()
-        };
-        // 1,000 tokens x 1,000 bytes x 8 bits = 8e6 bits over 8e9 bit/s = 1 ms, + 2 ms.
-        assert!((cfg.transfer_s(1_000) - 0.003).abs() < 1e-12);
-    }
-
-    #[test]
     fn model_weighs_decode_interference_against_queue_and_transfer() {
         let cfg = SplitConfig {
             mode: SplitMode::Model,
             min_prefill_tokens: 1,
             prefill_tokens_per_s: 1_000.0,
-            kv_bytes_per_token: 1_000,
-            link_gbps: 8.0,
-            transfer_latency_ms: 0.0,
+            transfer: TransferModel {
+                bytes_per_token: 1_000,
+                link_gbps: 8.0,
+                latency_ms: 0.0,
+            },
         };
         // 1,600 uncached tokens: local 1.6 s x (1 + 0) running; remote: the prefill worker's
         // 100 blocks x 16 = 1.6 s plus 1.6 ms of transfer: local wins on an idle decoder.
@@ -243,11 +210,10 @@ mod tests {
                 ..SplitConfig::default()
             },
             SplitConfig {
-                link_gbps: f64::NAN,
-                ..SplitConfig::default()
-            },
-            SplitConfig {
-                transfer_latency_ms: -1.0,
+                transfer: TransferModel {
+                    link_gbps: f64::NAN,
+                    ..TransferModel::default()
+                },
                 ..SplitConfig::default()
             },
         ] {

@@ -15,6 +15,7 @@
 //!   [`round_robin`], [`random`], [`direct`].
 //! * [`disagg`]: conditional disaggregation (prefill remotely or on the decode worker).
 //! * [`role`]: worker roles of a disaggregated deployment and the pool a call chooses from.
+//! * [`transfer`]: the KV-transfer time model shared with the simulated workers.
 //! * [`scheduler`]: the [`Scheduler`] tying them together.
 //!
 //! # Invariants
@@ -35,6 +36,7 @@ pub mod random;
 pub mod role;
 pub mod round_robin;
 pub mod scheduler;
+pub mod transfer;
 mod workers;
 
 pub use active::ActiveLoad;
@@ -44,3 +46,4 @@ pub use disagg::{Split, SplitConfig, SplitMode};
 pub use policy::{Policy, Scope, SelectionInput};
 pub use role::{Pool, WorkerRole};
 pub use scheduler::{Decision, RouteRequest, Scheduler, WorkerRemoval};
+pub use transfer::TransferModel;

@@ -108,17 +108,29 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
     for attempt in 0..PREFILL_ATTEMPTS {
         let Some(routed) = prefill.take() else { break };
         let p_key = routed.decision.worker;
-        let pair = pair(p, p_key, &routed.request_id, attempt);
+        let halves = Attempt {
+            path,
+            client: &client,
+            handoff,
+            pair: pair(p, p_key, &routed.request_id, attempt),
+            p_key,
+            d_key,
+        };
         let outcome = if handoff.concurrent() {
-            concurrent(p, path, &client, handoff, &pair, p_key, d_key).await
+            concurrent(p, &halves).await
         } else {
-            sequential(p, path, &client, handoff, &pair, p_key, d_key).await
+            sequential(p, &halves).await
         };
         if let Some(a) = p_active.as_mut() {
             a.finish();
         }
         match outcome {
-            Ok((resp, cached)) => return respond(resp, d_active, d_key, Some(p_key), cached),
+            Ok((resp, cached)) => {
+                // The prompt was computed on the prefill worker: from now on the decode
+                // worker carries this request's blocks, not its prefill.
+                d_active.prefilled();
+                return respond(resp, d_active, d_key, Some(p_key), cached);
+            }
             Err(Failure::Client(resp)) => return resp,
             Err(Failure::Done(answer)) => return finished(answer, d_key, p_key),
             Err(Failure::Decode(e)) => {
@@ -203,15 +215,25 @@ async fn prefill_answer(
 
 type Started = (hyper::Response<Incoming>, Option<u64>);
 
-async fn sequential(
-    p: &Proxy,
-    path: &str,
-    client: &Body,
-    handoff: &dyn Handoff,
-    pair: &Pair,
+/// One try at serving a request over a prefill and a decode worker.
+struct Attempt<'a> {
+    path: &'a str,
+    client: &'a Body,
+    handoff: &'a dyn Handoff,
+    pair: Pair,
     p_key: WorkerKey,
     d_key: WorkerKey,
-) -> Result<Started, Failure> {
+}
+
+async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
+    let Attempt {
+        path,
+        client,
+        handoff,
+        ref pair,
+        p_key,
+        d_key,
+    } = *a;
     let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
     let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
     if !stream && handoff.finished_in_prefill(&answer) {
@@ -226,15 +248,15 @@ async fn sequential(
     Ok((resp, cached_tokens(&answer)))
 }
 
-async fn concurrent(
-    p: &Arc<Proxy>,
-    path: &str,
-    client: &Body,
-    handoff: &dyn Handoff,
-    pair: &Pair,
-    p_key: WorkerKey,
-    d_key: WorkerKey,
-) -> Result<Started, Failure> {
+async fn concurrent(p: &Arc<Proxy>, a: &Attempt<'_>) -> Result<Started, Failure> {
+    let Attempt {
+        path,
+        client,
+        handoff,
+        ref pair,
+        p_key,
+        d_key,
+    } = *a;
     let d_body = to_bytes(
         &handoff
             .decode_body(client, pair, None)

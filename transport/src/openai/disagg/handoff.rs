@@ -71,6 +71,16 @@ pub fn not_streamed(client: &Body) -> Body {
     b
 }
 
+/// A pair for tests that do not look at it.
+#[cfg(test)]
+pub(crate) fn test_pair() -> Pair {
+    Pair {
+        prefill_host: "p".into(),
+        bootstrap_port: 0,
+        room: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -67,13 +67,7 @@ impl Handoff for Trtllm {
 mod tests {
     use super::*;
 
-    fn pair() -> Pair {
-        Pair {
-            prefill_host: "p".into(),
-            bootstrap_port: 0,
-            room: 0,
-        }
-    }
+    use crate::openai::disagg::handoff::test_pair as pair;
 
     #[test]
     fn context_then_generation() {

@@ -53,13 +53,7 @@ impl Handoff for Vllm {
 mod tests {
     use super::*;
 
-    fn pair() -> Pair {
-        Pair {
-            prefill_host: "p".into(),
-            bootstrap_port: 0,
-            room: 0,
-        }
-    }
+    use crate::openai::disagg::handoff::test_pair as pair;
 
     #[test]
     fn params_go_out_and_come_back_unchanged() {
