@@ -4,24 +4,16 @@
 //! the modelled transfer time and reports its own cached tokens; bad parameters are 400s;
 //! an SGLang decode whose prefill worker is gone is a 502 before any token.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+mod common;
+
 use std::time::{Duration, Instant};
 
-use engine::runtime::RuntimeConfig;
-use engine::sched::SchedulerConfig;
-use engine::sharding::choice::Sharding;
-use engine::{DpRank, WorkerId, WorkerKey};
+use common::{SubscribedHub, call, ids, post_json};
 use serde_json::{Value, json};
 use sim::engine::EngineConfig;
 use sim::server::disagg::base64;
 use sim::server::tokens::token_text;
 use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, TransferModel, spawn_worker};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-use transport::hub::{HubConfig, Registration, start_engine};
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
 const SPEEDUP: f64 = 50.0;
 
@@ -40,61 +32,6 @@ async fn worker_with(role: SimRole, cfg: SimWorkerConfig) -> SimWorkerHandle {
 
 async fn worker(role: SimRole) -> SimWorkerHandle {
     worker_with(role, SimWorkerConfig::default()).await
-}
-
-/// Decodes a chunked transfer-encoded body.
-fn dechunk(mut raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = raw.windows(2).position(|w| w == b"\r\n").unwrap();
-        let size_text = std::str::from_utf8(&raw[..line_end]).unwrap();
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
-        raw = &raw[line_end + 2..];
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&raw[..size]);
-        raw = &raw[size + 2..];
-    }
-}
-
-/// One HTTP/1.1 exchange: the status, the content type and the (de-chunked) body.
-async fn call(addr: SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String, String) {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    req.extend_from_slice(body);
-    s.write_all(&req).await.unwrap();
-    let mut raw = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
-        .await
-        .expect("response timed out")
-        .unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let content_type = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-type: "))
-        .unwrap_or("")
-        .to_owned();
-    let rest = &raw[split + 4..];
-    let body = if head.contains("transfer-encoding: chunked") {
-        dechunk(rest)
-    } else {
-        rest.to_vec()
-    };
-    (status, content_type, String::from_utf8(body).unwrap())
-}
-
-async fn post(w: &SimWorkerHandle, path: &str, body: &Value) -> (u16, Value) {
-    let (status, _, text) = call(w.http_addr(), "POST", path, body.to_string().as_bytes()).await;
-    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
-    (status, v)
 }
 
 /// A streamed answer's JSON chunks (`[DONE]` checked and dropped).
@@ -127,10 +64,6 @@ fn streamed_text(chunks: &[Value]) -> Vec<String> {
                 .map(str::to_owned)
         })
         .collect()
-}
-
-fn ids(base: u32, n: u32) -> Vec<u32> {
-    (0..n).map(|i| base + i).collect()
 }
 
 fn words(v: &Value) -> usize {
@@ -174,7 +107,7 @@ async fn vllm_prefill_then_decode_whole_and_streamed() {
     let prompt = ids(5000, 100); // 6 full blocks of 16, 4 tokens over
     let prefill_body = json!({"prompt": prompt, "max_tokens": 1, "stream": false,
                               "kv_transfer_params": vllm_prefill_params()});
-    let (status, pre) = post(&p, "/v1/completions", &prefill_body).await;
+    let (status, pre) = post_json(&p, "/v1/completions", &prefill_body).await;
     assert_eq!(status, 200, "{pre}");
     assert_eq!(words(&pre), 1);
     assert_eq!(pre["choices"][0]["finish_reason"], "length");
@@ -195,7 +128,7 @@ async fn vllm_prefill_then_decode_whole_and_streamed() {
 
     // The decode request: the client's body plus the prefill's kv_transfer_params.
     let decode_body = json!({"prompt": prompt, "max_tokens": 5, "kv_transfer_params": params});
-    let (status, dec) = post(&d, "/v1/completions", &decode_body).await;
+    let (status, dec) = post_json(&d, "/v1/completions", &decode_body).await;
     assert_eq!(status, 200, "{dec}");
     assert_eq!(words(&dec), 5);
     assert_eq!(dec["usage"], usage(100, 5, 0));
@@ -228,7 +161,7 @@ async fn vllm_prefill_then_decode_whole_and_streamed() {
     assert_eq!(ds.stats.stored_blocks, 6, "nothing new to store");
 
     // A plain request on the decode worker is served whole (the router's fallback).
-    let (status, plain) = post(&d, "/v1/completions", &json!({"prompt": ids(9000, 40)})).await;
+    let (status, plain) = post_json(&d, "/v1/completions", &json!({"prompt": ids(9000, 40)})).await;
     assert_eq!(status, 200, "{plain}");
     assert_eq!(settled(&d, 3).await.stats.prefill_tokens, 40);
     p.shutdown().await;
@@ -250,13 +183,13 @@ async fn the_decode_side_waits_the_transfer_time_of_what_it_does_not_cache() {
                         "remote_host": "127.0.0.1", "remote_port": 1});
     let body = json!({"prompt": ids(100, 200), "max_tokens": 1, "kv_transfer_params": params});
     let start = Instant::now();
-    let (status, v) = post(&d, "/v1/completions", &body).await;
+    let (status, v) = post_json(&d, "/v1/completions", &body).await;
     let took = start.elapsed();
     assert_eq!(status, 200, "{v}");
     assert!(took >= Duration::from_millis(41), "{took:?}");
     // The same prompt again: 192 tokens cached, 8 to receive: 1.08 ms / 50 of waiting.
     let start = Instant::now();
-    let (_, v) = post(&d, "/v1/completions", &body).await;
+    let (_, v) = post_json(&d, "/v1/completions", &body).await;
     assert!(
         start.elapsed() < Duration::from_millis(30),
         "{:?}",
@@ -292,10 +225,10 @@ async fn sglang_pairs_rendezvous_through_the_bootstrap() {
         with(base.clone(), &bootstrap(&p, room)),
         &json!({"max_tokens": 1}),
     );
-    let decode = post(&d, "/v1/chat/completions", &dec_body);
+    let decode = post_json(&d, "/v1/chat/completions", &dec_body);
     let prefill = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        post(&p, "/v1/chat/completions", &pre_body).await
+        post_json(&p, "/v1/chat/completions", &pre_body).await
     };
     let ((ds, dec), (ps, pre)) = tokio::join!(decode, prefill);
     assert_eq!((ps, ds), (200, 200), "{pre} {dec}");
@@ -330,7 +263,7 @@ async fn sglang_pairs_rendezvous_through_the_bootstrap() {
 
     // Bootstrap fields on an aggregated worker are ignored: served whole.
     let a = worker(SimRole::Aggregated).await;
-    let (status, v) = post(&a, "/v1/chat/completions", &with(base, &bootstrap(&p, 5))).await;
+    let (status, v) = post_json(&a, "/v1/chat/completions", &with(base, &bootstrap(&p, 5))).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(words(&v), 4);
     assert_eq!(settled(&a, 1).await.stats.prefill_tokens, prompt_tokens);
@@ -396,7 +329,7 @@ async fn sglang_decode_without_its_prefill_is_a_502_before_any_token() {
     );
     let prefill = async {
         tokio::time::sleep(Duration::from_millis(30)).await;
-        post(&p, "/v1/completions", &too_big).await
+        post_json(&p, "/v1/completions", &too_big).await
     };
     let start = Instant::now();
     let ((status, ct, text), (pre_status, _)) = tokio::join!(decode, prefill);
@@ -439,7 +372,7 @@ async fn trtllm_context_then_generation_whole_and_streamed() {
     let msgs = json!([{"role": "user", "content": "tell me about caches and blocks and routes"}]);
     let ctx_body = json!({"messages": msgs, "max_tokens": 1, "stream": false,
                           "disaggregated_params": trt("context_only")});
-    let (status, ctx) = post(&p, "/v1/chat/completions", &ctx_body).await;
+    let (status, ctx) = post_json(&p, "/v1/chat/completions", &ctx_body).await;
     assert_eq!(status, 200, "{ctx}");
     assert_eq!(words(&ctx), 1);
     let dp = ctx["choices"][0]["disaggregated_params"].clone();
@@ -462,7 +395,7 @@ async fn trtllm_context_then_generation_whole_and_streamed() {
     let mut gen_params = dp.clone();
     gen_params["request_type"] = json!("generation_only");
     let gen_body = json!({"messages": msgs, "max_tokens": 4, "disaggregated_params": gen_params});
-    let (status, gen_) = post(&d, "/v1/chat/completions", &gen_body).await;
+    let (status, gen_) = post_json(&d, "/v1/chat/completions", &gen_body).await;
     assert_eq!(status, 200, "{gen_}");
     assert_eq!(words(&gen_), 4);
     let text = gen_["choices"][0]["message"]["content"].as_str().unwrap();
@@ -563,7 +496,7 @@ async fn malformed_disaggregation_fields_are_400s() {
     ];
     for w in [&d, &p] {
         for (body, param, needle) in &cases {
-            let (status, v) = post(w, "/v1/completions", body).await;
+            let (status, v) = post_json(w, "/v1/completions", body).await;
             assert_eq!(status, 400, "{body}: {v}");
             let err = &v["error"];
             assert_eq!(err["type"], "invalid_request_error", "{v}");
@@ -581,70 +514,19 @@ async fn malformed_disaggregation_fields_are_400s() {
 async fn the_decode_workers_events_rebuild_the_received_prompt_in_kvengines_index() {
     let p = worker(SimRole::Prefill).await;
     let d = worker(SimRole::Decode).await;
-    let runtime_cfg = RuntimeConfig {
-        pin_cores: false,
-        ingest_handles: 2,
-        query_handles: 2,
-        ..RuntimeConfig::default()
-    };
-    let hub_cfg = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let (hub, runtime) =
-        start_engine(hub_cfg, Sharding::adaptive(2).unwrap(), runtime_cfg).unwrap();
-    let hub = Arc::new(hub);
-    let source: ZmqSource = d.zmq_worker_flag(2).parse().unwrap();
-    hub.register(Registration {
-        zmq: Some(source.publisher.clone()),
-        replay: source.replay.clone(),
-        ..Registration::new(WorkerId(2))
-    })
-    .unwrap();
-    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
-    // PUB/SUB drops what is published before the subscription is up: probe until it is.
-    let start = Instant::now();
-    let mut probe = 0;
-    while hub.metrics().events_forwarded.load(Relaxed) == 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "never subscribed"
-        );
-        let body = json!({"prompt": ids(100_000 + probe * 100, 32), "max_tokens": 1});
-        assert_eq!(post(&d, "/v1/completions", &body).await.0, 200);
-        probe += 1;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let hub = SubscribedHub::start(&d, 2).await;
 
     let prompt = ids(70_000, 130); // 8 full blocks
     let pre_body = json!({"prompt": prompt, "max_tokens": 1,
                           "disaggregated_params": trt("context_only")});
-    let (_, ctx) = post(&p, "/v1/completions", &pre_body).await;
+    let (_, ctx) = post_json(&p, "/v1/completions", &pre_body).await;
     let mut params = ctx["choices"][0]["disaggregated_params"].clone();
     params["request_type"] = json!("generation_only");
     let gen_body = json!({"prompt": prompt, "max_tokens": 2, "disaggregated_params": params});
-    assert_eq!(post(&d, "/v1/completions", &gen_body).await.0, 200);
-    let key = WorkerKey {
-        worker: WorkerId(2),
-        dp_rank: DpRank(0),
-    };
-    let start = Instant::now();
-    loop {
-        hub.sync().unwrap();
-        let overlaps = hub.overlap(&prompt, None).unwrap().1.overlaps;
-        if overlaps == vec![(key, 8)] {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "index overlap {overlaps:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(hub.metrics().resyncs.load(Relaxed), 0);
-    task.abort();
-    let _ = task.await;
+    assert_eq!(post_json(&d, "/v1/completions", &gen_body).await.0, 200);
+    hub.wait_overlap(&prompt, vec![(hub.key(), 8)], "the received prompt")
+        .await;
+    hub.stop().await;
     p.shutdown().await;
     d.shutdown().await;
-    drop(hub);
-    runtime.join().unwrap();
 }

@@ -2,14 +2,11 @@
 //! prefix-cache hits, streaming order, the fallback tokenizer, malformed requests, clients
 //! that go away, and the KV events reaching kvengine's index over ZMQ.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+mod common;
+
 use std::time::{Duration, Instant};
 
-use engine::runtime::RuntimeConfig;
-use engine::sched::SchedulerConfig;
-use engine::sharding::choice::Sharding;
-use engine::{DpRank, WorkerId, WorkerKey};
+use common::{SubscribedHub, call, get_json, ids, post_json, request_bytes};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -17,10 +14,8 @@ use sim::engine::EngineConfig;
 use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_worker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use transport::hub::{HubConfig, Registration, start_engine};
 use transport::openai::fallback;
 use transport::openai::tokenize::ChatMessage;
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
 async fn worker(speedup: f64, engine: EngineConfig) -> SimWorkerHandle {
     let cfg = SimWorkerConfig {
@@ -31,70 +26,6 @@ async fn worker(speedup: f64, engine: EngineConfig) -> SimWorkerHandle {
     spawn_worker(cfg, None).await.unwrap()
 }
 
-fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    req.extend_from_slice(body);
-    req
-}
-
-/// Decodes a chunked transfer-encoded body.
-fn dechunk(mut raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = raw.windows(2).position(|w| w == b"\r\n").unwrap();
-        let size_text = std::str::from_utf8(&raw[..line_end]).unwrap();
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap();
-        raw = &raw[line_end + 2..];
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&raw[..size]);
-        raw = &raw[size + 2..];
-    }
-}
-
-/// One HTTP/1.1 exchange: the status and the (de-chunked) body.
-async fn call(addr: std::net::SocketAddr, method: &str, path: &str, body: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&request_bytes(method, path, body))
-        .await
-        .unwrap();
-    let mut raw = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut raw))
-        .await
-        .expect("response timed out")
-        .unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let rest = &raw[split + 4..];
-    let body = if head.contains("transfer-encoding: chunked") {
-        dechunk(rest)
-    } else {
-        rest.to_vec()
-    };
-    (status, String::from_utf8(body).unwrap())
-}
-
-async fn post_json(w: &SimWorkerHandle, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = call(w.http_addr(), "POST", path, body.to_string().as_bytes()).await;
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-async fn get_json(w: &SimWorkerHandle, path: &str) -> Value {
-    let (status, text) = call(w.http_addr(), "GET", path, b"").await;
-    assert_eq!(status, 200, "{path}: {text}");
-    serde_json::from_str(&text).unwrap()
-}
-
 /// The `data:` payloads of an SSE body, in order.
 fn sse_data(body: &str) -> Vec<String> {
     body.split("\n\n")
@@ -103,14 +34,10 @@ fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
-fn ids(base: u32, n: u32) -> Vec<u32> {
-    (0..n).map(|i| base + i).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_health_and_load() {
     let w = worker(1000.0, EngineConfig::default()).await;
-    let (status, _) = call(w.http_addr(), "GET", "/health", b"").await;
+    let (status, _, _) = call(w.http_addr(), "GET", "/health", b"").await;
     assert_eq!(status, 200);
     let models = get_json(&w, "/v1/models").await;
     assert_eq!(
@@ -174,7 +101,7 @@ async fn streaming_chat_sends_role_tokens_finish_usage_done_in_order() {
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let (status, text) = call(
+    let (status, _, text) = call(
         w.http_addr(),
         "POST",
         "/v1/chat/completions",
@@ -212,7 +139,7 @@ async fn streaming_chat_sends_role_tokens_finish_usage_done_in_order() {
 
     // Completions stream the same way, without the role chunk or usage unless asked.
     let body = json!({"prompt": "one two three", "max_tokens": 3, "stream": true});
-    let (_, text) = call(
+    let (_, _, text) = call(
         w.http_addr(),
         "POST",
         "/v1/completions",
@@ -353,7 +280,7 @@ async fn malformed_requests_get_openai_400s_and_never_5xx() {
         ),
     ];
     for (path, body, param) in fixed {
-        let (status, text) = call(w.http_addr(), "POST", path, body).await;
+        let (status, _, text) = call(w.http_addr(), "POST", path, body).await;
         assert_eq!(
             status,
             400,
@@ -392,7 +319,7 @@ async fn malformed_requests_get_openai_400s_and_never_5xx() {
     for _ in 0..400 {
         let (path, seed) = &seeds[rng.random_range(0..seeds.len())];
         let body = mutate(&mut rng, seed.to_string().as_bytes());
-        let (status, text) = call(w.http_addr(), "POST", path, &body).await;
+        let (status, _, text) = call(w.http_addr(), "POST", path, &body).await;
         assert!(
             status < 500,
             "{status} for {}: {text}",
@@ -481,41 +408,7 @@ async fn a_client_that_goes_away_frees_its_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_rebuild_the_engine_cache_in_kvengines_index() {
     let w = worker(1000.0, EngineConfig::default()).await;
-    let runtime_cfg = RuntimeConfig {
-        pin_cores: false,
-        ingest_handles: 2,
-        query_handles: 2,
-        ..RuntimeConfig::default()
-    };
-    let hub_cfg = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let (hub, runtime) =
-        start_engine(hub_cfg, Sharding::adaptive(2).unwrap(), runtime_cfg).unwrap();
-    let hub = Arc::new(hub);
-    let source: ZmqSource = w.zmq_worker_flag(1).parse().unwrap();
-    assert_eq!(source.replay.as_deref(), Some(w.replay_endpoint()));
-    hub.register(Registration {
-        zmq: Some(source.publisher.clone()),
-        replay: source.replay.clone(),
-        ..Registration::new(WorkerId(1))
-    })
-    .unwrap();
-    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
-
-    // PUB/SUB drops what is published before the subscription is up: probe until it is.
-    let start = Instant::now();
-    let mut probe = 0;
-    while hub.metrics().events_forwarded.load(Relaxed) == 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "never subscribed"
-        );
-        let body = json!({"prompt": ids(100_000 + probe * 100, 32), "max_tokens": 1});
-        assert_eq!(post_json(&w, "/v1/completions", &body).await.0, 200);
-        probe += 1;
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let hub = SubscribedHub::start(&w, 1).await;
 
     let prompt = ids(50_000, 100);
     let body = json!({"prompt": prompt, "max_tokens": 3});
@@ -527,30 +420,11 @@ async fn kv_events_rebuild_the_engine_cache_in_kvengines_index() {
         .as_u64()
         .unwrap();
     assert_eq!(cached, 96);
-    let key = WorkerKey {
-        worker: WorkerId(1),
-        dp_rank: DpRank(0),
-    };
-    let start = Instant::now();
-    loop {
-        hub.sync().unwrap();
-        let overlaps = hub.overlap(&prompt, None).unwrap().1.overlaps;
-        if overlaps == vec![(key, (cached / 16) as u32)] {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "index overlap {overlaps:?}, engine cached {cached} tokens"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(hub.metrics().resyncs.load(Relaxed), 0);
-
-    task.abort();
-    let _ = task.await;
+    let what = format!("engine cached {cached} tokens");
+    hub.wait_overlap(&prompt, vec![(hub.key(), (cached / 16) as u32)], &what)
+        .await;
+    hub.stop().await;
     w.shutdown().await;
-    drop(hub);
-    runtime.join().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
