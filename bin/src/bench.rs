@@ -8,12 +8,14 @@ use clap::{Args, Subcommand};
 use kvengine_benches::anchor;
 use kvengine_benches::args::{Baseline, IndexerArgs};
 use kvengine_benches::harness::run;
+use kvengine_benches::replay::disagg::{self, DisaggSpec};
 use kvengine_benches::replay::{self, ReplayConfig, RunMode, plot, report, trace};
 use kvengine_benches::workload::Plan;
 use kvengine_benches::workload::anchor::{AnchorPlan, AnchorSpec};
 use sim::engine::EngineConfig;
 use sim::workload::chat::ChatConfig;
 use std::path::PathBuf;
+use transport::openai::disagg::Protocol;
 
 /// Benchmarks.
 #[derive(Debug, Subcommand)]
@@ -26,8 +28,9 @@ pub enum BenchCommand {
     /// engine); prints a JSON report (and writes it with --json).
     Ingest(IngestBench),
     /// Routing quality: replay a Mooncake trace (or the built-in chat workload) open loop
-    /// through the router onto simulated vLLM workers, per routing mode; prints a table and
-    /// writes the figures as JSON (--json) and an SVG (--plot).
+    /// through the router onto simulated vLLM workers, per routing mode (with --disagg P:D,
+    /// on prefill and decode workers against aggregated kv); prints a table and writes the
+    /// figures as JSON (--json) and an SVG (--plot).
     Replay(ReplayBench),
 }
 
@@ -174,14 +177,34 @@ pub struct ReplayBench {
     /// `hash_ids` of 512-token blocks); without it, the built-in chat workload.
     #[arg(long, env = "KVENGINE_BENCH_TRACE")]
     trace: Option<PathBuf>,
-    /// Simulated workers.
-    #[arg(long, default_value_t = 4, env = "KVENGINE_BENCH_WORKERS",
+    /// Simulated workers [default: 4; with --disagg P:D, P + D].
+    #[arg(long, env = "KVENGINE_BENCH_WORKERS",
           value_parser = clap::value_parser!(u32).range(1..=256))]
-    workers: u32,
-    /// Routing mode(s), comma separated: kv, round-robin, random, kv-no-events, or all.
-    #[arg(long, default_value = "all", env = "KVENGINE_BENCH_MODE",
-          value_parser = parse_modes)]
-    mode: ModeList,
+    workers: Option<u32>,
+    /// Routing mode(s), comma separated: kv, round-robin, random, kv-no-events, or all
+    /// [default: all; with --disagg: kv,round-robin].
+    #[arg(long, env = "KVENGINE_BENCH_MODE", value_parser = parse_modes)]
+    mode: Option<ModeList>,
+    /// Disaggregated serving: run each mode on P prefill and D decode simulated workers
+    /// (e.g. 2:2; the mode chooses in both pools), plus one aggregated kv run on P + D
+    /// workers for comparison; reports label the runs disagg-<mode> and kv.
+    #[arg(long, value_name = "P:D", env = "KVENGINE_BENCH_DISAGG",
+          value_parser = disagg::parse_split)]
+    disagg: Option<(usize, usize)>,
+    /// The hand-off protocol of --disagg runs: vllm, sglang or trtllm.
+    #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_DISAGG_PROTOCOL",
+          value_parser = parse_protocol, requires = "disagg")]
+    disagg_protocol: Protocol,
+    /// With --disagg, a prefill goes to a prefill worker only when at least this many of
+    /// the prompt's tokens are not cached on the decode worker (the router's
+    /// --disagg-min-prefill-tokens).
+    #[arg(
+        long,
+        default_value_t = 512,
+        env = "KVENGINE_BENCH_DISAGG_MIN_PREFILL_TOKENS",
+        requires = "disagg"
+    )]
+    disagg_min_prefill_tokens: u64,
     /// The simulated workers run this many times faster than real time (arrivals are
     /// compressed by as much; figures are in simulated time).
     #[arg(long, default_value_t = 10.0, env = "KVENGINE_BENCH_SPEEDUP", value_parser = positive)]
@@ -230,6 +253,10 @@ fn parse_modes(s: &str) -> Result<ModeList, String> {
     RunMode::parse_list(s).map(ModeList)
 }
 
+fn parse_protocol(s: &str) -> Result<Protocol, String> {
+    s.parse()
+}
+
 fn positive(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
@@ -245,6 +272,30 @@ fn non_negative(s: &str) -> Result<f64, String> {
 }
 
 fn run_replay(b: &ReplayBench) -> Result<()> {
+    let spec = b
+        .disagg
+        .map(|split| DisaggSpec::new(split, b.disagg_protocol, b.disagg_min_prefill_tokens))
+        .transpose()
+        .map_err(anyhow::Error::msg)
+        .context("--disagg")?;
+    let workers = match (&spec, b.workers) {
+        (None, w) => w.unwrap_or(4) as usize,
+        (Some(d), None) => d.workers(),
+        (Some(d), Some(w)) if w as usize == d.workers() => d.workers(),
+        (Some(d), Some(w)) => anyhow::bail!(
+            "--workers {w} conflicts with --disagg {d}: the comparison runs P + D = {} workers",
+            d.workers()
+        ),
+    };
+    let modes = match (&b.mode, &spec) {
+        (Some(m), _) => m.0.clone(),
+        (None, Some(_)) => disagg::DEFAULT_MODES.to_vec(),
+        (None, None) => RunMode::ALL.to_vec(),
+    };
+    // Reject a mode --disagg cannot run before loading the workload.
+    disagg::plan(&modes, spec.as_ref())
+        .map_err(anyhow::Error::msg)
+        .context("--mode")?;
     let max = b
         .max_requests
         .map(usize::try_from)
@@ -272,7 +323,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         }
     };
     let cfg = ReplayConfig {
-        workers: b.workers as usize,
+        workers,
         speedup: b.speedup,
         engine: EngineConfig {
             kv_blocks: b.kv_blocks,
@@ -284,11 +335,16 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         overlap_weight: b.overlap_weight,
         rate_scale: b.rate_scale,
         progress: true,
+        disagg: spec,
         ..ReplayConfig::default()
     };
     eprintln!("{}", replay::describe(&workload, &cfg));
-    let reports = replay::run(&workload, &b.mode.0, &cfg)?;
-    print!("{}", report::table(&reports));
+    let reports = replay::run(&workload, &modes, &cfg)?;
+    if cfg.disagg.is_some() {
+        print!("{}", report::disagg_table(&reports));
+    } else {
+        print!("{}", report::table(&reports));
+    }
     if let Some(path) = &b.json {
         match reports.as_slice() {
             [one] => kvengine_benches::write_json(one, path)?,

@@ -162,3 +162,164 @@ fn bad_replay_flags_exit_non_zero_with_a_message() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+/// `--disagg 1:1`: prefill and decode workers against aggregated kv, every request served,
+/// the split's figures in the JSON, the table and the SVG.
+#[test]
+fn disaggregated_replay_compares_pairs_with_aggregated_kv() {
+    let dir = std::env::temp_dir().join(format!("kvengine-replay-disagg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (trace, json, svg) = (
+        dir.join("trace.jsonl"),
+        dir.join("d.json"),
+        dir.join("d.svg"),
+    );
+    write_trace(&trace);
+    let out = kvengine(
+        &[
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--disagg",
+            "1:1",
+            "--max-requests",
+            "10",
+            "--speedup",
+            "20",
+            "--kv-blocks",
+            "1024",
+            "--json",
+            json.to_str().unwrap(),
+            "--plot",
+            svg.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for run in ["disagg-kv ", "disagg-round-robin ", "kv "] {
+        assert!(stdout.lines().any(|l| l.starts_with(run)), "{stdout}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = doc.as_array().expect("several runs: an array");
+    let runs: Vec<&str> = reports
+        .iter()
+        .map(|r| r["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(runs, ["disagg-kv", "disagg-round-robin", "kv"]);
+    for r in reports {
+        assert_eq!(r["requests"], 10, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        assert_eq!(r["workers"], 2, "{r}");
+        assert_eq!(r["router_active_after"], 0, "{r}");
+        for key in [
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "itl_p99_ms",
+            "e2e_p50_ms",
+            "e2e_p99_ms",
+            "output_tok_per_s",
+            "requests_per_s",
+            "cache_hit_rate",
+        ] {
+            assert!(r[key].as_f64().is_some(), "missing {key}: {r}");
+        }
+        assert!(r["output_tok_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["requests_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let d = &reports[0]["disagg"];
+    assert_eq!(d["protocol"], "vllm");
+    assert_eq!(
+        (d["prefill_workers"].as_u64(), d["decode_workers"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert!(d["remote_prefills"].as_u64().unwrap() > 0, "{d}");
+    assert!(d["transferred_tokens"].as_u64().unwrap() > 0, "{d}");
+    assert_eq!(
+        d["remote_prefills"].as_u64().unwrap() + d["local_prefills"].as_u64().unwrap(),
+        10,
+        "{d}"
+    );
+    assert!(reports[1]["disagg"].is_object());
+    assert!(
+        reports[2].get("disagg").is_none(),
+        "aggregated kv has no split"
+    );
+    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg_text.starts_with("<svg ") && svg_text.trim_end().ends_with("</svg>"));
+    assert!(
+        svg_text.contains("disagg-round-robin") && svg_text.contains("Inter-token latency p99")
+    );
+
+    // SGLang's hand-off (bootstrap rooms on the prefill workers' HTTP ports), kv only.
+    let out = kvengine(
+        &[
+            "bench",
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--disagg",
+            "1:1",
+            "--disagg-protocol",
+            "sglang",
+            "--mode",
+            "kv",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        &[("KVENGINE_BENCH_SPEEDUP", "20")],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reports = doc.as_array().expect("disagg-kv and kv: an array");
+    assert_eq!(reports.len(), 2);
+    assert_eq!(reports[0]["mode"], "disagg-kv");
+    assert_eq!(reports[0]["disagg"]["protocol"], "sglang");
+    assert!(reports[0]["disagg"]["remote_prefills"].as_u64().unwrap() > 0);
+    assert!(reports[0]["disagg"]["transferred_tokens"].as_u64().unwrap() > 0);
+    for r in reports {
+        assert_eq!(
+            (r["requests"].as_u64(), r["errors"].as_u64()),
+            (Some(12), Some(0))
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_disagg_flags_exit_non_zero_with_a_message() {
+    let cases: [(&[&str], &str); 7] = [
+        (&["--disagg", "2"], "not P:D"),
+        (&["--disagg", "0:2"], "P >= 1"),
+        (&["--disagg", "2:0"], "D >= 1"),
+        (&["--disagg", "200:57"], "at most 256"),
+        (
+            &["--disagg", "1:1", "--workers", "3"],
+            "--workers 3 conflicts",
+        ),
+        (
+            &["--disagg", "1:1", "--mode", "kv-no-events"],
+            "cannot be disaggregated",
+        ),
+        (&["--disagg", "1:1", "--disagg-protocol", "nixl"], "nixl"),
+    ];
+    for (flags, needle) in cases {
+        let args: Vec<&str> = ["bench", "replay"].iter().chain(flags).copied().collect();
+        let out = kvengine(&args, &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} succeeded");
+        assert!(stderr.contains(needle), "{flags:?}: {stderr}");
+    }
+}

@@ -117,6 +117,38 @@ fn whole_requests_and_empty_pools() {
     );
 }
 
+#[test]
+fn round_robin_cycles_each_pool_even_when_calls_alternate() {
+    let now = Instant::now();
+    let mut s = with_roles(&[
+        (1, WorkerRole::Prefill),
+        (2, WorkerRole::Prefill),
+        (3, WorkerRole::Decode),
+        (4, WorkerRole::Decode),
+    ]);
+    let blocks = hs(2);
+    let rr = |pool| RouteOverrides {
+        pool,
+        mode: Some(engine::sched::RouteMode::RoundRobin),
+        ..RouteOverrides::default()
+    };
+    let mut seen = Vec::new();
+    for i in 0..4u64 {
+        for (j, pool) in [Pool::Decode, Pool::Prefill].into_iter().enumerate() {
+            let mut r = req(i * 2 + j as u64, &blocks, pool);
+            r.overrides = rr(pool);
+            seen.push(
+                s.route(now, &r, &Matches::default(), |_| 0)
+                    .unwrap()
+                    .worker
+                    .worker
+                    .0,
+            );
+        }
+    }
+    assert_eq!(seen, [3, 1, 4, 2, 3, 1, 4, 2]);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Add(u64, WorkerRole),

@@ -8,7 +8,9 @@
 //! * inter-token latencies: between successive such events;
 //! * end to end: until the stream ends (`[DONE]`).
 //!
-//! The serving worker comes from the `x-kvengine-worker-id` header, prompt and cached
+//! The serving worker comes from the `x-kvengine-worker-id` header (for a disaggregated
+//! request, the decode worker; the prefill worker from `x-kvengine-prefill-worker-id` when
+//! the prefill was sent away), prompt and cached
 //! tokens from the usage chunk (`usage.prompt_tokens`,
 //! `usage.prompt_tokens_details.cached_tokens`).
 //!
@@ -55,6 +57,8 @@ pub struct RequestResult {
     pub index: usize,
     /// The worker that served it (`x-kvengine-worker-id`).
     pub worker: Option<u64>,
+    /// The prefill worker of a disaggregated request (`x-kvengine-prefill-worker-id`).
+    pub prefill_worker: Option<u64>,
     /// Why it failed, if it did.
     pub error: Option<String>,
     /// Time to the first generated token.
@@ -184,11 +188,14 @@ async fn one(
             return;
         }
     };
-    out.worker = resp
-        .headers()
-        .get("x-kvengine-worker-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok());
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    };
+    out.worker = header("x-kvengine-worker-id");
+    out.prefill_worker = header("x-kvengine-prefill-worker-id");
     let status = resp.status();
     let mut body = resp.into_body();
     if !status.is_success() {

@@ -7,12 +7,18 @@
 //! ([`spawn_subscriber`]). In [`RunMode::KvNoEvents`] the hub predicts the caches from its
 //! own decisions ([`Hub::without_kv_events`]) and nothing is subscribed.
 //!
+//! A disaggregated cluster ([`ClusterConfig::disaggregated`]) starts `P` prefill workers
+//! (ids `1..=P`) then `D` decode workers, each registered with its role (and, for SGLang's
+//! bootstrap, its HTTP port); the OpenAI proxy disaggregates with the spec's protocol and
+//! split, and the mode applies to the choice in both pools.
+//!
 //! # Invariants
 //! 1. [`Cluster::shutdown`] stops everything it started, in order: the HTTP edge (open
 //!    connections finish), the subscriptions, the workers, the cached-blocks refresher;
 //!    then the last hub reference is dropped and the engine's threads are joined.
 //! 2. A failed start stops what it had started.
 
+use super::disagg::DisaggSpec;
 use super::{ReplayConfig, RunMode};
 use anyhow::{Context, Result, anyhow, bail};
 use engine::WorkerId;
@@ -22,7 +28,7 @@ use engine::sched::SchedulerConfig;
 use engine::sharding::choice::Sharding;
 use sim::engine::EngineConfig;
 use sim::server::driver::Snapshot;
-use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_cluster};
+use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,6 +59,9 @@ pub struct ClusterConfig {
     pub seed: u64,
     /// The scheduler's weight of prefill blocks against decode blocks.
     pub overlap_weight: f64,
+    /// Prefill and decode workers instead of `workers` aggregated ones (`workers` is then
+    /// `P + D`).
+    pub disagg: Option<DisaggSpec>,
 }
 
 impl ClusterConfig {
@@ -66,6 +75,27 @@ impl ClusterConfig {
             cores: cfg.cores,
             seed: cfg.seed,
             overlap_weight: cfg.overlap_weight,
+            disagg: None,
+        }
+    }
+
+    /// The disaggregated cluster of `mode` in a replay configured by `cfg`: `spec.prefill`
+    /// prefill and `spec.decode` decode workers.
+    pub fn disaggregated(cfg: &ReplayConfig, mode: RunMode, spec: DisaggSpec) -> Self {
+        Self {
+            workers: spec.workers(),
+            disagg: Some(spec),
+            ..Self::of(cfg, mode)
+        }
+    }
+
+    /// Each worker's role, in worker order.
+    pub fn roles(&self) -> Vec<SimRole> {
+        match &self.disagg {
+            None => vec![SimRole::Aggregated; self.workers],
+            Some(d) => std::iter::repeat_n(SimRole::Prefill, d.prefill)
+                .chain(std::iter::repeat_n(SimRole::Decode, d.decode))
+                .collect(),
         }
     }
 }
@@ -89,6 +119,17 @@ impl Cluster {
     pub async fn start(cfg: &ClusterConfig) -> Result<Self> {
         if cfg.workers == 0 {
             bail!("a cluster needs at least one worker");
+        }
+        if let Some(d) = &cfg.disagg {
+            d.validate()
+                .map_err(|e| anyhow!("disaggregation {d}: {e}"))?;
+            if d.workers() != cfg.workers {
+                bail!(
+                    "disaggregation {d} needs {} workers, not {}",
+                    d.workers(),
+                    cfg.workers
+                );
+            }
         }
         let scheduler = SchedulerConfig {
             block_size: cfg.engine.block_size,
@@ -161,9 +202,10 @@ impl Cluster {
             speedup: cfg.speedup,
             ..SimWorkerConfig::default()
         };
-        let workers = spawn_cluster(cfg.workers, base, None)
+        let workers = spawn_mixed_cluster(&cfg.roles(), base, None)
             .await
             .context("cannot start the simulated workers")?;
+        let disagg = cfg.disagg.is_some();
         let mut ids = Vec::with_capacity(workers.len());
         let mut subscribers = Vec::new();
         for (i, w) in workers.iter().enumerate() {
@@ -173,6 +215,9 @@ impl Cluster {
                 url: Some(w.url()),
                 zmq: Some(w.zmq_endpoint().to_owned()),
                 replay: Some(w.replay_endpoint().to_owned()),
+                role: disagg.then(|| w.role()),
+                // A simulated SGLang prefill worker serves its bootstrap on its HTTP port.
+                bootstrap_port: disagg.then(|| w.http_addr().port()),
                 ..Registration::new(id)
             });
             if let Err(e) = registered {
@@ -193,8 +238,12 @@ impl Cluster {
                 }
             }
         }
-        let app = router(hub.clone(), HttpConfig::default())
-            .merge(openai_router(hub.clone(), ProxyConfig::default()));
+        let proxy = ProxyConfig {
+            disagg: cfg.disagg.map(|d| d.config).unwrap_or_default(),
+            ..ProxyConfig::default()
+        };
+        let app =
+            router(hub.clone(), HttpConfig::default()).merge(openai_router(hub.clone(), proxy));
         let listener = match tokio::net::TcpListener::bind(("127.0.0.1", 0)).await {
             Ok(l) => l,
             Err(e) => {

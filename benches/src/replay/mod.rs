@@ -12,6 +12,8 @@
 //! * [`client`]: the open-loop streaming client.
 //! * [`report`]: the per-mode figures (JSON) and the table.
 //! * [`plot`]: an SVG comparing modes.
+//! * [`disagg`]: disaggregated runs (`--disagg P:D`): prefill and decode workers, compared
+//!   with aggregated `kv` on as many workers.
 //!
 //! # Time
 //! The workers run `speedup` times faster than real time, so arrivals are compressed by
@@ -26,11 +28,13 @@
 
 pub mod client;
 pub mod cluster;
+pub mod disagg;
 pub mod plot;
 pub mod report;
 pub mod trace;
 
 use anyhow::{Context, Result, bail};
+use disagg::{DisaggSpec, Run};
 use engine::sched::RouteMode;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use report::{ModeReport, RunInfo};
@@ -197,6 +201,9 @@ pub struct ReplayConfig {
     pub rate_scale: f64,
     /// Show a progress bar on stderr (when it is a terminal).
     pub progress: bool,
+    /// Disaggregated runs: each mode on `P` prefill and `D` decode workers, plus one
+    /// aggregated `kv` run ([`disagg::plan`]); `workers` must then be `P + D`.
+    pub disagg: Option<DisaggSpec>,
 }
 
 impl Default for ReplayConfig {
@@ -212,6 +219,7 @@ impl Default for ReplayConfig {
             request_timeout: Duration::from_secs(300),
             rate_scale: 1.0,
             progress: false,
+            disagg: None,
         }
     }
 }
@@ -240,6 +248,17 @@ impl ReplayConfig {
         self.engine
             .validate()
             .map_err(|e| anyhow::anyhow!("worker engine: {e}"))?;
+        if let Some(d) = &self.disagg {
+            d.validate()
+                .map_err(|e| anyhow::anyhow!("disaggregation {d}: {e}"))?;
+            if d.workers() != self.workers {
+                bail!(
+                    "disaggregation {d} needs {} workers in all, not {}",
+                    d.workers(),
+                    self.workers
+                );
+            }
+        }
         Ok(())
     }
 }
@@ -257,13 +276,16 @@ fn progress_bar(total: u64, show: bool) -> ProgressBar {
     bar
 }
 
-/// Replays `workload` once per mode, each on a fresh cluster, and returns one report per
-/// mode. Builds (and drops) its own tokio runtime: call it from synchronous code.
+/// Replays `workload` once per run, each on a fresh cluster, and returns one report per
+/// run: one per mode, or with `cfg.disagg` one per mode disaggregated plus an aggregated
+/// `kv` run ([`disagg::plan`]). Builds (and drops) its own tokio runtime: call it from
+/// synchronous code.
 pub fn run(workload: &Workload, modes: &[RunMode], cfg: &ReplayConfig) -> Result<Vec<ModeReport>> {
     cfg.validate()?;
     if workload.requests.is_empty() {
         bail!("the workload has no request");
     }
+    let runs = disagg::plan(modes, cfg.disagg.as_ref()).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.tokio_threads)
         .thread_name("kvengine-replay")
@@ -271,13 +293,13 @@ pub fn run(workload: &Workload, modes: &[RunMode], cfg: &ReplayConfig) -> Result
         .build()
         .context("cannot start the tokio runtime")?;
     let per_mode = workload.requests.len() as u64;
-    let bar = progress_bar(per_mode * modes.len() as u64, cfg.progress);
-    let mut reports = Vec::with_capacity(modes.len());
-    for &mode in modes {
-        bar.set_prefix(mode.as_str());
+    let bar = progress_bar(per_mode * runs.len() as u64, cfg.progress);
+    let mut reports = Vec::with_capacity(runs.len());
+    for &r in &runs {
+        bar.set_prefix(r.label());
         let report = runtime
-            .block_on(run_mode(workload, mode, cfg, &bar))
-            .with_context(|| format!("mode {mode}"))?;
+            .block_on(run_one(workload, r, cfg, &bar))
+            .with_context(|| format!("mode {r}"))?;
         reports.push(report);
     }
     bar.finish_and_clear();
@@ -285,15 +307,32 @@ pub fn run(workload: &Workload, modes: &[RunMode], cfg: &ReplayConfig) -> Result
     Ok(reports)
 }
 
-/// Replays `workload` in `mode` on a fresh cluster (on the current tokio runtime), ticking
-/// `bar` once per finished request.
+/// Replays `workload` in `mode` on a fresh aggregated cluster (on the current tokio
+/// runtime), ticking `bar` once per finished request.
 pub async fn run_mode(
     workload: &Workload,
     mode: RunMode,
     cfg: &ReplayConfig,
     bar: &ProgressBar,
 ) -> Result<ModeReport> {
-    let cluster = cluster::Cluster::start(&cluster::ClusterConfig::of(cfg, mode)).await?;
+    run_one(workload, Run::aggregated(mode), cfg, bar).await
+}
+
+/// Replays `workload` as `run` on a fresh cluster (on the current tokio runtime), ticking
+/// `bar` once per finished request. A disaggregated run needs `cfg.disagg`.
+pub async fn run_one(
+    workload: &Workload,
+    run: Run,
+    cfg: &ReplayConfig,
+    bar: &ProgressBar,
+) -> Result<ModeReport> {
+    let mode = run.mode;
+    let cluster_cfg = match (run.disagg, &cfg.disagg) {
+        (false, _) => cluster::ClusterConfig::of(cfg, mode),
+        (true, Some(spec)) => cluster::ClusterConfig::disaggregated(cfg, mode, *spec),
+        (true, None) => bail!("a disaggregated run needs the replay's P:D split"),
+    };
+    let cluster = cluster::Cluster::start(&cluster_cfg).await?;
     let started = Instant::now();
     let tick = {
         let bar = bar.clone();
@@ -315,6 +354,20 @@ pub async fn run_mode(
     let metrics = cluster.hub().metrics();
     let (_, _, chosen_overlap_blocks) = metrics.chosen_overlap.snapshot();
     let (_, _, best_overlap_blocks) = metrics.best_overlap.snapshot();
+    let disagg = cluster_cfg.disagg.map(|spec| {
+        use std::sync::atomic::Ordering::Relaxed;
+        report::DisaggFigures {
+            protocol: spec.config.protocol.as_str().to_owned(),
+            prefill_workers: spec.prefill,
+            decode_workers: spec.decode,
+            min_prefill_tokens: spec.config.split.min_prefill_tokens,
+            remote_prefills: metrics.disagg_remote.load(Relaxed),
+            local_prefills: metrics.disagg_local.load(Relaxed),
+            fallbacks: metrics.disagg_fallbacks.load(Relaxed),
+            transferred_tokens: snapshots.iter().map(|s| s.stats.transferred_tokens).sum(),
+            worker_remote_prefills: snapshots.iter().map(|s| s.stats.remote_prefills).sum(),
+        }
+    });
     let info = RunInfo {
         mode,
         workload: workload.name.clone(),
@@ -331,7 +384,10 @@ pub async fn run_mode(
         block_size: cfg.engine.block_size,
     };
     cluster.shutdown().await?;
-    Ok(report::summarize(&info, &results))
+    let mut report = report::summarize(&info, &results);
+    report.mode = run.label();
+    report.disagg = disagg;
+    Ok(report)
 }
 
 /// The built-in chat workload of `kvengine demo` (and `kvengine bench replay` without a
@@ -369,6 +425,17 @@ pub fn describe(workload: &Workload, cfg: &ReplayConfig) -> String {
         100.0 * capacity as f64 / b.distinct_blocks.max(1) as f64,
         cfg.speedup,
     );
+    if let Some(d) = &cfg.disagg {
+        s.push_str(&format!(
+            "\n  disaggregated: {} prefill + {} decode workers ({} hand-off, prefill sent away \
+             from {} uncached tokens), against {} aggregated workers",
+            d.prefill,
+            d.decode,
+            d.config.protocol,
+            d.config.split.min_prefill_tokens,
+            d.workers(),
+        ));
+    }
     let largest = workload.max_blocks(bs);
     if largest > u64::from(cfg.engine.kv_blocks) {
         s.push_str(&format!(

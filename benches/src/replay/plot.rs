@@ -2,6 +2,10 @@
 //! p50, TTFT p99 (simulated ms) and the cache hit rate (%), the last with the workload's
 //! infinite-cache bound as a dashed line.
 //!
+//! When any report is of a disaggregated run (`--disagg`), six panels in two rows instead,
+//! one bar per run side by side: TTFT p50 and p99, inter-token latency p50 and p99
+//! (simulated ms), output tokens per simulated second and the cache hit rate.
+//!
 //! # Invariants
 //! 1. The output is well-formed XML for any input: text is escaped, every number finite.
 
@@ -64,9 +68,10 @@ struct Panel<'a> {
     reference: Option<(f64, &'a str)>,
 }
 
-fn panel(svg: &mut String, x0: f64, labels: &[String], p: &Panel<'_>) {
-    let top = MARGIN_TOP;
-    let bottom = MARGIN_TOP + PANEL_H;
+/// Draws `p` with its plot area's left edge at `x0`, `y0` below the top of a row.
+fn panel(svg: &mut String, x0: f64, y0: f64, labels: &[String], p: &Panel<'_>) {
+    let top = y0 + MARGIN_TOP;
+    let bottom = top + PANEL_H;
     let max = nice_max(
         p.values
             .iter()
@@ -171,8 +176,12 @@ fn format_value(v: f64) -> String {
     }
 }
 
-/// The SVG comparing `reports` (one bar per report in each panel), titled `title`.
+/// The SVG comparing `reports` (one bar per report in each panel), titled `title`: the
+/// disaggregated layout when any report has disaggregation figures.
 pub fn svg(reports: &[ModeReport], title: &str) -> String {
+    if reports.iter().any(|r| r.disagg.is_some()) {
+        return disagg_svg(reports, title);
+    }
     let labels: Vec<String> = reports.iter().map(|r| r.mode.clone()).collect();
     let bound = reports.first().map_or(0.0, |r| 100.0 * r.hit_rate_bound);
     let bound_label = format!("bound {bound:.1}%");
@@ -199,8 +208,63 @@ pub fn svg(reports: &[ModeReport], title: &str) -> String {
             reference: Some((bound, bound_label.as_str())),
         },
     ];
-    let width = MARGIN_LEFT + panels.len() as f64 * (PANEL_W + GAP + MARGIN_LEFT) - GAP;
-    let height = MARGIN_TOP + PANEL_H + MARGIN_BOTTOM;
+    layout(&labels, &panels, panels.len(), title)
+}
+
+/// The six-panel SVG of a disaggregated comparison (see the module's documentation).
+pub fn disagg_svg(reports: &[ModeReport], title: &str) -> String {
+    let labels: Vec<String> = reports.iter().map(|r| r.mode.clone()).collect();
+    let bound = reports.first().map_or(0.0, |r| 100.0 * r.hit_rate_bound);
+    let bound_label = format!("bound {bound:.1}%");
+    let of = |f: fn(&ModeReport) -> f64| reports.iter().map(|r| finite(f(r))).collect();
+    let panels = [
+        Panel {
+            title: "TTFT p50",
+            unit: "ms",
+            values: of(|r| r.ttft_p50_ms),
+            reference: None,
+        },
+        Panel {
+            title: "TTFT p99",
+            unit: "ms",
+            values: of(|r| r.ttft_p99_ms),
+            reference: None,
+        },
+        Panel {
+            title: "Output throughput",
+            unit: "tok/s",
+            values: of(|r| r.output_tok_per_s),
+            reference: None,
+        },
+        Panel {
+            title: "Inter-token latency p50",
+            unit: "ms",
+            values: of(|r| r.itl_p50_ms),
+            reference: None,
+        },
+        Panel {
+            title: "Inter-token latency p99",
+            unit: "ms",
+            values: of(|r| r.itl_p99_ms),
+            reference: None,
+        },
+        Panel {
+            title: "Cache hit rate",
+            unit: "%",
+            values: of(|r| 100.0 * r.cache_hit_rate),
+            reference: Some((bound, bound_label.as_str())),
+        },
+    ];
+    layout(&labels, &panels, 3, title)
+}
+
+/// `panels` in rows of `columns`, under `title`.
+fn layout(labels: &[String], panels: &[Panel<'_>], columns: usize, title: &str) -> String {
+    let columns = columns.clamp(1, panels.len().max(1));
+    let rows = panels.len().div_ceil(columns).max(1);
+    let row_h = MARGIN_TOP + PANEL_H + MARGIN_BOTTOM;
+    let width = MARGIN_LEFT + columns as f64 * (PANEL_W + GAP + MARGIN_LEFT) - GAP;
+    let height = rows as f64 * row_h;
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -217,8 +281,9 @@ pub fn svg(reports: &[ModeReport], title: &str) -> String {
         escape(title)
     );
     for (i, p) in panels.iter().enumerate() {
-        let x0 = MARGIN_LEFT + i as f64 * (PANEL_W + GAP + MARGIN_LEFT);
-        panel(&mut s, x0, &labels, p);
+        let (row, col) = (i / columns, i % columns);
+        let x0 = MARGIN_LEFT + col as f64 * (PANEL_W + GAP + MARGIN_LEFT);
+        panel(&mut s, x0, row as f64 * row_h, labels, p);
     }
     s.push_str("</svg>\n");
     s

@@ -3,15 +3,21 @@
 //! Definitions (all times in simulated milliseconds, over the requests that completed):
 //! * `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `e2e_p50_ms`: nearest-rank percentiles
 //!   of the per-request values;
-//! * `itl_p50_ms`: the median of every inter-token gap of every request, pooled;
-//! * `output_tok_per_s`: tokens received over the simulated time from the first request
-//!   sent to the last answer finished;
+//! * `itl_p50_ms`, `itl_p99_ms`: percentiles of every inter-token gap of every request,
+//!   pooled;
+//! * `output_tok_per_s`, `requests_per_s`: tokens received, requests completed, over the
+//!   simulated time from the first request sent to the last answer finished;
 //! * `cache_hit_rate`: the usage chunks' `cached_tokens` summed over their `prompt_tokens`;
 //! * `hit_rate_bound`: the workload's infinite-cache bound ([`super::trace`]);
 //! * `load_spread`: with `prefill(w)` the prompt tokens worker `w` computed
-//!   (`prompt_tokens - cached_tokens` of the requests it served), the busiest worker's
-//!   share `max prefill / sum prefill` divided by `1 / N`, minus 1: 0 when perfectly even,
-//!   `N - 1` when one worker did everything.
+//!   (`prompt_tokens - cached_tokens` of the requests it served, or prefilled for a decode
+//!   worker), the busiest worker's share `max prefill / sum prefill` divided by `1 / N`,
+//!   minus 1: 0 when perfectly even, `N - 1` when one worker did everything;
+//! * `router_chosen_overlap_rate`, `router_best_overlap_rate`: in disaggregated runs both
+//!   halves of a request are routed (decode and prefill pools), and both count;
+//! * `disagg` (disaggregated runs only, [`DisaggFigures`]): the router's split decisions
+//!   (its `disagg_remote`, `disagg_local` and `disagg_fallbacks` counters) and the KV the
+//!   decode workers received (their `transferred_tokens`, summed).
 //!
 //! # Invariants
 //! 1. Every figure is finite; an empty input gives 0.
@@ -91,10 +97,44 @@ pub struct RunInfo {
     pub block_size: u32,
 }
 
-/// One mode's figures (the JSON `kvengine bench replay` writes).
+/// What a disaggregated run did besides serving (see the module's definitions).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DisaggFigures {
+    /// The hand-off protocol: `vllm`, `sglang` or `trtllm`.
+    pub protocol: String,
+    /// Prefill workers.
+    pub prefill_workers: usize,
+    /// Decode workers.
+    pub decode_workers: usize,
+    /// Uncached prompt tokens from which a prefill is sent to a prefill worker.
+    pub min_prefill_tokens: u64,
+    /// Requests whose prefill the router sent to a prefill worker.
+    pub remote_prefills: u64,
+    /// Requests the router had prefilled on their decode worker (too little to compute).
+    pub local_prefills: u64,
+    /// Failed halves retried elsewhere.
+    pub fallbacks: u64,
+    /// Prompt tokens the decode workers received instead of computing.
+    pub transferred_tokens: u64,
+    /// Requests the decode workers admitted with a remote prefill.
+    pub worker_remote_prefills: u64,
+}
+
+impl DisaggFigures {
+    /// Remote prefills over the requests the router split.
+    pub fn remote_share(&self) -> f64 {
+        ratio(
+            self.remote_prefills as f64,
+            (self.remote_prefills + self.local_prefills) as f64,
+        )
+    }
+}
+
+/// One run's figures (the JSON `kvengine bench replay` writes).
 #[derive(Clone, Debug, Serialize)]
 pub struct ModeReport {
-    /// `kv`, `round-robin`, `random` or `kv-no-events`.
+    /// `kv`, `round-robin`, `random` or `kv-no-events`; `disagg-` before it for a
+    /// disaggregated run.
     pub mode: String,
     /// Requests sent.
     pub requests: u64,
@@ -106,10 +146,16 @@ pub struct ModeReport {
     pub ttft_p99_ms: f64,
     /// Inter-token latency, median.
     pub itl_p50_ms: f64,
+    /// 99th percentile.
+    pub itl_p99_ms: f64,
     /// End-to-end latency, median.
     pub e2e_p50_ms: f64,
+    /// 99th percentile.
+    pub e2e_p99_ms: f64,
     /// Output tokens per simulated second, over the whole run.
     pub output_tok_per_s: f64,
+    /// Completed requests per simulated second, over the whole run.
+    pub requests_per_s: f64,
     /// Prompt tokens served from the workers' caches / prompt tokens.
     pub cache_hit_rate: f64,
     /// The infinite-cache bound of the workload.
@@ -120,6 +166,9 @@ pub struct ModeReport {
     pub errors: u64,
     /// Workers.
     pub workers: usize,
+    /// A disaggregated run's split figures (absent for aggregated runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disagg: Option<DisaggFigures>,
     /// Simulated time per real time.
     pub speedup: f64,
     /// Where it ran.
@@ -177,6 +226,12 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
             .and_then(|w| info.workers.iter().position(|id| id.0 == w));
         if let Some(i) = slot {
             requests_per_worker[i] += 1;
+        }
+        let prefilled_by = r
+            .prefill_worker
+            .or(r.worker)
+            .and_then(|w| info.workers.iter().position(|id| id.0 == w));
+        if let Some(i) = prefilled_by {
             prefill[i] += r.prompt_tokens.saturating_sub(r.cached_tokens);
         }
     }
@@ -198,17 +253,17 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
         ttft_p90_ms: percentile(&ttft, 90.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
         itl_p50_ms: percentile(&itl, 50.0),
+        itl_p99_ms: percentile(&itl, 99.0),
         e2e_p50_ms: percentile(&e2e, 50.0),
-        output_tok_per_s: if span_s > 0.0 {
-            tokens as f64 / span_s
-        } else {
-            0.0
-        },
+        e2e_p99_ms: percentile(&e2e, 99.0),
+        output_tok_per_s: ratio(tokens as f64, span_s),
+        requests_per_s: ratio(ok.len() as f64, span_s),
         cache_hit_rate: ratio(cached as f64, prompt as f64),
         hit_rate_bound: info.hit_rate_bound,
         load_spread: load_spread(&prefill),
         errors: errors.len() as u64,
         workers: n,
+        disagg: None,
         speedup: info.speedup,
         machine: Machine::detect(),
         date: utc_now(),
@@ -280,6 +335,91 @@ pub fn markdown(reports: &[ModeReport]) -> String {
             100.0 * r.cache_hit_rate,
             100.0 * r.hit_rate_bound,
             r.load_spread,
+            r.errors
+        ));
+    }
+    s
+}
+
+fn disagg_cells(r: &ModeReport) -> (String, String, String) {
+    match &r.disagg {
+        Some(d) => (
+            d.remote_prefills.to_string(),
+            d.local_prefills.to_string(),
+            d.transferred_tokens.to_string(),
+        ),
+        None => ("-".into(), "-".into(), "-".into()),
+    }
+}
+
+/// The table of a disaggregated comparison ([`super::disagg`]): per run, TTFT p50 and p99,
+/// inter-token latency p50 and p99, end to end p50, output tokens and requests per
+/// simulated second, cache hit rate, remote and local prefills, tokens transferred and
+/// errors (`-` where a run is aggregated). One row per report, each starting with its
+/// run's name.
+pub fn disagg_table(reports: &[ModeReport]) -> String {
+    let mut s = format!(
+        "{:<18} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>6} {:>7} {:>7} {:>6} {:>11} {:>6}\n",
+        "run",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "e2e p50",
+        "tok/s",
+        "req/s",
+        "cache",
+        "remote",
+        "local",
+        "xfer tokens",
+        "errors"
+    );
+    for r in reports {
+        let (remote, local, xfer) = disagg_cells(r);
+        s.push_str(&format!(
+            "{:<18} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>9.1} {:>8.0} {:>6.2} {:>6.1}% {:>7} {:>6} {:>11} {:>6}\n",
+            r.mode,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.itl_p50_ms,
+            r.itl_p99_ms,
+            r.e2e_p50_ms,
+            r.output_tok_per_s,
+            r.requests_per_s,
+            100.0 * r.cache_hit_rate,
+            remote,
+            local,
+            xfer,
+            r.errors
+        ));
+    }
+    s.push_str("(times in simulated ms; remote / local: prefills on a prefill worker / on the decode worker)\n");
+    s
+}
+
+/// [`disagg_table`] in Markdown (for `docs/benchmarks.md`).
+pub fn disagg_markdown(reports: &[ModeReport]) -> String {
+    let mut s = String::from(
+        "| run | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 ms | output tok/s | \
+         req/s | cache hit | remote prefills | local prefills | tokens transferred | errors |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        let (remote, local, xfer) = disagg_cells(r);
+        s.push_str(&format!(
+            "| {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.2} | {:.1}% | {} | {} | {} | {} |\n",
+            r.mode,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.itl_p50_ms,
+            r.itl_p99_ms,
+            r.e2e_p50_ms,
+            r.output_tok_per_s,
+            r.requests_per_s,
+            100.0 * r.cache_hit_rate,
+            remote,
+            local,
+            xfer,
             r.errors
         ));
     }

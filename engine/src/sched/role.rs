@@ -112,6 +112,16 @@ impl Pool {
         }
     }
 
+    /// A dense index (0..3) for per-pool state.
+    #[inline]
+    pub const fn index(self) -> usize {
+        match self {
+            Self::Whole => 0,
+            Self::Prefill => 1,
+            Self::Decode => 2,
+        }
+    }
+
     /// The name used in decisions and metrics.
     pub const fn as_str(self) -> &'static str {
         match self {

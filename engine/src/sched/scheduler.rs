@@ -92,7 +92,9 @@ pub struct Scheduler {
     config: SchedulerConfig,
     workers: WorkerTable,
     active: ActiveRequests,
-    round_robin: RoundRobin,
+    /// One cursor per pool: a disaggregated request routes its decode and prefill halves
+    /// in turn, and one shared cursor would keep restarting each pool's cycle.
+    round_robin: [RoundRobin; 3],
     rng: SmallRng,
     scratch: CandidateScratch,
 }
@@ -105,7 +107,7 @@ impl Scheduler {
             config,
             workers: WorkerTable::default(),
             active: ActiveRequests::new(config.block_size, config.request_timeout),
-            round_robin: RoundRobin::default(),
+            round_robin: Default::default(),
             rng: SmallRng::seed_from_u64(config.seed),
             scratch: CandidateScratch::default(),
         })
@@ -181,7 +183,7 @@ impl Scheduler {
         let mut direct = eff.worker.map(|worker| Direct { worker });
         let policy: &mut dyn Policy = match (eff.mode, direct.as_mut()) {
             (RouteMode::Kv, _) => &mut kv,
-            (RouteMode::RoundRobin, _) => round_robin,
+            (RouteMode::RoundRobin, _) => &mut round_robin[request.overrides.pool.index()],
             (RouteMode::Random, _) => &mut random,
             (RouteMode::Direct, Some(d)) => d,
             (RouteMode::Direct, None) => {
