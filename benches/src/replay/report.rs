@@ -396,32 +396,3 @@ pub fn disagg_table(reports: &[ModeReport]) -> String {
     s.push_str("(times in simulated ms; remote / local: prefills on a prefill worker / on the decode worker)\n");
     s
 }
-
-/// [`disagg_table`] in Markdown (for `docs/benchmarks.md`).
-pub fn disagg_markdown(reports: &[ModeReport]) -> String {
-    let mut s = String::from(
-        "| run | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | e2e p50 ms | output tok/s | \
-         req/s | cache hit | remote prefills | local prefills | tokens transferred | errors |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-    );
-    for r in reports {
-        let (remote, local, xfer) = disagg_cells(r);
-        s.push_str(&format!(
-            "| {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {:.2} | {:.1}% | {} | {} | {} | {} |\n",
-            r.mode,
-            r.ttft_p50_ms,
-            r.ttft_p99_ms,
-            r.itl_p50_ms,
-            r.itl_p99_ms,
-            r.e2e_p50_ms,
-            r.output_tok_per_s,
-            r.requests_per_s,
-            100.0 * r.cache_hit_rate,
-            remote,
-            local,
-            xfer,
-            r.errors
-        ));
-    }
-    s
-}
