@@ -187,7 +187,7 @@ pub struct ReplayBench {
     mode: Option<ModeList>,
     /// Disaggregated serving: run each mode on P prefill and D decode simulated workers
     /// (e.g. 2:2; the mode chooses in both pools), plus one aggregated kv run on P + D
-    /// workers for comparison; reports label the runs disagg-<mode> and kv.
+    /// workers for comparison; reports label the runs `disagg-<mode>` and kv.
     #[arg(long, value_name = "P:D", env = "KVENGINE_BENCH_DISAGG",
           value_parser = disagg::parse_split)]
     disagg: Option<(usize, usize)>,

@@ -2,8 +2,8 @@
 //!
 //! [`Cluster::start`] starts the engine and hub ([`start_engine`], unpinned), the HTTP
 //! edge merged with the OpenAI proxy on `127.0.0.1:0`, and `workers` simulated vLLM
-//! workers ([`spawn_cluster`]); each worker is registered with the hub under id `i + 1`
-//! with its HTTP URL, ZMQ publisher and replay endpoints, and subscribed to
+//! workers ([`spawn_mixed_cluster`]); each worker is registered with the hub under id
+//! `i + 1` with its HTTP URL, ZMQ publisher and replay endpoints, and subscribed to
 //! ([`spawn_subscriber`]). In [`RunMode::KvNoEvents`] the hub predicts the caches from its
 //! own decisions ([`Hub::without_kv_events`]) and nothing is subscribed.
 //!
