@@ -13,5 +13,6 @@ pub mod fallback;
 pub mod prompt;
 pub mod proxy;
 mod relay;
+mod sse;
 pub mod tokenize;
 mod usage;

@@ -18,6 +18,7 @@ use crate::hub::Routed;
 use crate::openai::errors::{OpenAiError, openai_error};
 use crate::openai::proxy::{Proxy, respond, route, runner_up, send};
 use crate::openai::relay::Active;
+use crate::openai::sse::whole_answer_as_sse;
 use crate::openai::usage::cached_tokens;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -57,8 +58,9 @@ enum Failure {
     Decode(String),
     /// The request itself was refused (a 4xx): the client's answer.
     Client(Response),
-    /// The prefill answer finished the request: the client's answer.
-    Done(Value),
+    /// The prefill answer finished the request: the client's answer (streamed if the
+    /// client asked, with usage if it asked).
+    Done(Value, Option<bool>),
 }
 
 /// Serves one client request over a prefill and a decode worker.
@@ -132,7 +134,9 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
                 return respond(resp, d_active, d_key, Some(p_key), cached);
             }
             Err(Failure::Client(resp)) => return resp,
-            Err(Failure::Done(answer)) => return finished(answer, d_key, p_key),
+            Err(Failure::Done(answer, stream)) => {
+                return finished(answer, stream, d_key, p_key);
+            }
             Err(Failure::Decode(e)) => {
                 tracing::warn!(worker = %d_key.worker, "decode half failed: {e}");
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
@@ -235,9 +239,15 @@ async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
         d_key,
     } = *a;
     let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
-    let stream = client.get("stream").and_then(Value::as_bool) == Some(true);
-    if !stream && handoff.finished_in_prefill(&answer) {
-        return Err(Failure::Done(answer));
+    if handoff.finished_in_prefill(&answer) {
+        let stream = (client.get("stream").and_then(Value::as_bool) == Some(true)).then(|| {
+            client
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                .and_then(Value::as_bool)
+                == Some(true)
+        });
+        return Err(Failure::Done(answer, stream));
     }
     let body = handoff
         .decode_body(client, pair, Some(&answer))
@@ -284,15 +294,28 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// The prefill answer finished the request: it is the client's answer.
-fn finished(mut answer: Value, d_key: WorkerKey, p_key: WorkerKey) -> Response {
+/// The prefill answer finished the request: it is the client's answer, as SSE when the
+/// client streams (`stream`: whether it asked for usage).
+fn finished(
+    mut answer: Value,
+    stream: Option<bool>,
+    d_key: WorkerKey,
+    p_key: WorkerKey,
+) -> Response {
     if let Some(c) = answer
         .pointer_mut("/choices/0")
         .and_then(Value::as_object_mut)
     {
         c.remove("disaggregated_params");
     }
-    let mut r = axum::Json(answer).into_response();
+    let mut r = match stream {
+        Some(include_usage) => (
+            [(header::CONTENT_TYPE, "text/event-stream")],
+            whole_answer_as_sse(&answer, include_usage),
+        )
+            .into_response(),
+        None => axum::Json(answer).into_response(),
+    };
     r.headers_mut()
         .insert("x-kvengine-worker-id", p_key.worker.0.into());
     r.headers_mut()

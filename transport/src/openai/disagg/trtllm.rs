@@ -5,7 +5,8 @@
 //! (`first_gen_tokens`, `ctx_request_id`, `encoded_opaque_state`, ...). The generation
 //! request is the client's body with those parameters, `request_type` set to
 //! `generation_only`. A context answer that already finished the request (its
-//! `finish_reason` is neither `length` nor `not_finished`) is the client's answer.
+//! `finish_reason` is neither `length` nor `not_finished`) is the client's answer (as SSE
+//! for a streaming client).
 
 use super::handoff::{Body, Handoff, Pair, not_streamed};
 use serde_json::{Value, json};
