@@ -34,49 +34,81 @@ fn write_trace(path: &std::path::Path) {
     std::fs::write(path, text).unwrap();
 }
 
-#[test]
-fn replay_all_modes_writes_json_array_and_svg() {
-    let dir = std::env::temp_dir().join(format!("kvengine-replay-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (trace, json, svg) = (
-        dir.join("trace.jsonl"),
-        dir.join("r.json"),
-        dir.join("r.svg"),
-    );
-    write_trace(&trace);
-    let out = kvengine(
-        &[
+/// A temporary directory holding the test trace and a replay's JSON and SVG.
+struct ReplayDir {
+    dir: std::path::PathBuf,
+    trace: String,
+    json: String,
+    svg: String,
+}
+
+impl ReplayDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("kvengine-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = |f: &str| dir.join(f).to_str().unwrap().to_owned();
+        let (trace, json, svg) = (path("trace.jsonl"), path("r.json"), path("r.svg"));
+        write_trace(std::path::Path::new(&trace));
+        Self {
+            dir,
+            trace,
+            json,
+            svg,
+        }
+    }
+
+    /// `kvengine bench replay --trace T --json J ARGS` (env `env`): must succeed; returns
+    /// its stdout and JSON.
+    fn replay(&self, args: &[&str], env: &[(&str, &str)]) -> (String, serde_json::Value) {
+        let mut all = vec![
             "bench",
             "replay",
             "--trace",
-            trace.to_str().unwrap(),
+            &self.trace,
+            "--json",
+            &self.json,
+        ];
+        all.extend_from_slice(args);
+        let out = kvengine(&all, env);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let doc = serde_json::from_str(&std::fs::read_to_string(&self.json).unwrap()).unwrap();
+        (stdout, doc)
+    }
+}
+
+impl Drop for ReplayDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[test]
+fn replay_all_modes_writes_json_array_and_svg() {
+    let d = ReplayDir::new("replay-cli");
+    let (stdout, doc) = d.replay(
+        &[
             "--workers",
             "2",
             "--mode",
             "all",
             "--max-requests",
             "10",
-            "--json",
-            json.to_str().unwrap(),
             "--plot",
-            svg.to_str().unwrap(),
+            &d.svg,
         ],
         &[
             ("KVENGINE_BENCH_SPEEDUP", "20"),
             ("KVENGINE_BENCH_KV_BLOCKS", "1024"),
         ],
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for mode in ["kv ", "round-robin ", "random ", "kv-no-events "] {
         assert!(stdout.lines().any(|l| l.starts_with(mode)), "{stdout}");
     }
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let reports = doc.as_array().expect("several modes: an array");
     assert_eq!(reports.len(), 4);
     for r in reports {
@@ -106,36 +138,21 @@ fn replay_all_modes_writes_json_array_and_svg() {
         assert_eq!(r["speedup"], 20.0);
         assert!(r["hit_rate_bound"].as_f64().unwrap() > 0.3);
     }
-    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    let svg_text = std::fs::read_to_string(&d.svg).unwrap();
     assert!(svg_text.starts_with("<svg ") && svg_text.trim_end().ends_with("</svg>"));
     assert!(svg_text.contains("kv-no-events"));
 
     // One mode: a JSON object.
-    let out = kvengine(
-        &[
-            "bench",
-            "replay",
-            "--trace",
-            trace.to_str().unwrap(),
-            "--json",
-            json.to_str().unwrap(),
-        ],
+    let (_, doc) = d.replay(
+        &[],
         &[
             ("KVENGINE_BENCH_MODE", "round-robin"),
             ("KVENGINE_BENCH_WORKERS", "2"),
             ("KVENGINE_BENCH_SPEEDUP", "20"),
         ],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(doc["mode"], "round-robin");
     assert_eq!(doc["requests"], 12);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -167,20 +184,9 @@ fn bad_replay_flags_exit_non_zero_with_a_message() {
 /// the split's figures in the JSON, the table and the SVG.
 #[test]
 fn disaggregated_replay_compares_pairs_with_aggregated_kv() {
-    let dir = std::env::temp_dir().join(format!("kvengine-replay-disagg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (trace, json, svg) = (
-        dir.join("trace.jsonl"),
-        dir.join("d.json"),
-        dir.join("d.svg"),
-    );
-    write_trace(&trace);
-    let out = kvengine(
+    let d = ReplayDir::new("replay-disagg");
+    let (stdout, doc) = d.replay(
         &[
-            "bench",
-            "replay",
-            "--trace",
-            trace.to_str().unwrap(),
             "--disagg",
             "1:1",
             "--max-requests",
@@ -189,24 +195,14 @@ fn disaggregated_replay_compares_pairs_with_aggregated_kv() {
             "20",
             "--kv-blocks",
             "1024",
-            "--json",
-            json.to_str().unwrap(),
             "--plot",
-            svg.to_str().unwrap(),
+            &d.svg,
         ],
         &[],
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
     );
     for run in ["disagg-kv ", "disagg-round-robin ", "kv "] {
         assert!(stdout.lines().any(|l| l.starts_with(run)), "{stdout}");
     }
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let reports = doc.as_array().expect("several runs: an array");
     let runs: Vec<&str> = reports
         .iter()
@@ -234,55 +230,45 @@ fn disaggregated_replay_compares_pairs_with_aggregated_kv() {
         assert!(r["output_tok_per_s"].as_f64().unwrap() > 0.0);
         assert!(r["requests_per_s"].as_f64().unwrap() > 0.0);
     }
-    let d = &reports[0]["disagg"];
-    assert_eq!(d["protocol"], "vllm");
+    let split = &reports[0]["disagg"];
+    assert_eq!(split["protocol"], "vllm");
     assert_eq!(
-        (d["prefill_workers"].as_u64(), d["decode_workers"].as_u64()),
+        (
+            split["prefill_workers"].as_u64(),
+            split["decode_workers"].as_u64()
+        ),
         (Some(1), Some(1))
     );
-    assert!(d["remote_prefills"].as_u64().unwrap() > 0, "{d}");
-    assert!(d["transferred_tokens"].as_u64().unwrap() > 0, "{d}");
+    assert!(split["remote_prefills"].as_u64().unwrap() > 0, "{split}");
+    assert!(split["transferred_tokens"].as_u64().unwrap() > 0, "{split}");
     assert_eq!(
-        d["remote_prefills"].as_u64().unwrap() + d["local_prefills"].as_u64().unwrap(),
+        split["remote_prefills"].as_u64().unwrap() + split["local_prefills"].as_u64().unwrap(),
         10,
-        "{d}"
+        "{split}"
     );
     assert!(reports[1]["disagg"].is_object());
     assert!(
         reports[2].get("disagg").is_none(),
         "aggregated kv has no split"
     );
-    let svg_text = std::fs::read_to_string(&svg).unwrap();
+    let svg_text = std::fs::read_to_string(&d.svg).unwrap();
     assert!(svg_text.starts_with("<svg ") && svg_text.trim_end().ends_with("</svg>"));
     assert!(
         svg_text.contains("disagg-round-robin") && svg_text.contains("Inter-token latency p99")
     );
 
     // SGLang's hand-off (bootstrap rooms on the prefill workers' HTTP ports), kv only.
-    let out = kvengine(
+    let (_, doc) = d.replay(
         &[
-            "bench",
-            "replay",
-            "--trace",
-            trace.to_str().unwrap(),
             "--disagg",
             "1:1",
             "--disagg-protocol",
             "sglang",
             "--mode",
             "kv",
-            "--json",
-            json.to_str().unwrap(),
         ],
         &[("KVENGINE_BENCH_SPEEDUP", "20")],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let reports = doc.as_array().expect("disagg-kv and kv: an array");
     assert_eq!(reports.len(), 2);
     assert_eq!(reports[0]["mode"], "disagg-kv");
@@ -295,7 +281,6 @@ fn disaggregated_replay_compares_pairs_with_aggregated_kv() {
             (Some(12), Some(0))
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
