@@ -37,15 +37,20 @@ fn with_roles(roles: &[(u64, WorkerRole)]) -> Scheduler {
     s
 }
 
-#[test]
-fn prefill_follows_overlap_and_decode_follows_load() {
-    let now = Instant::now();
-    let mut s = with_roles(&[
+/// Prefill workers 1 and 2, decode workers 3 and 4.
+fn two_prefill_two_decode() -> Scheduler {
+    with_roles(&[
         (1, WorkerRole::Prefill),
         (2, WorkerRole::Prefill),
         (3, WorkerRole::Decode),
         (4, WorkerRole::Decode),
-    ]);
+    ])
+}
+
+#[test]
+fn prefill_follows_overlap_and_decode_follows_load() {
+    let now = Instant::now();
+    let mut s = two_prefill_two_decode();
     let blocks = hs(32);
     // Prefill worker 2 holds 30 of the 32 blocks; decode worker 3 holds all 32.
     let m = Matches::from_overlaps([(key(2), 30), (key(3), 32)]);
@@ -120,12 +125,7 @@ fn whole_requests_and_empty_pools() {
 #[test]
 fn round_robin_cycles_each_pool_even_when_calls_alternate() {
     let now = Instant::now();
-    let mut s = with_roles(&[
-        (1, WorkerRole::Prefill),
-        (2, WorkerRole::Prefill),
-        (3, WorkerRole::Decode),
-        (4, WorkerRole::Decode),
-    ]);
+    let mut s = two_prefill_two_decode();
     let blocks = hs(2);
     let rr = |pool| RouteOverrides {
         pool,
