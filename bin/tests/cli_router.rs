@@ -12,11 +12,14 @@ struct Router {
 }
 
 impl Router {
+    /// Starts a router with `KVENGINE_TEST_CORES` core threads (default 2; CI also runs these
+    /// scenarios with 8, more than the machine's CPUs).
     fn start(args: &[&str]) -> Router {
+        let cores = std::env::var("KVENGINE_TEST_CORES").unwrap_or_else(|_| "2".into());
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
             .args([
                 "--cores",
-                "2",
+                &cores,
                 "--no-pin",
                 "--http-host",
                 "127.0.0.1",

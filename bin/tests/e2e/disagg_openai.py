@@ -11,6 +11,7 @@ the other prefill worker, then prefills on the decode worker). Exits non-zero on
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def main():
     p2, [w2] = sim("prefill", 2, 1, 0.5)
     _, decoders = sim("decode", 3, 2, 20)
     _, lines = start(
-        ["--cores", "1", "--no-pin", "--http-host", "127.0.0.1", "--http-port", "0",
+        ["--cores", os.environ.get("KVENGINE_TEST_CORES", "1"), "--no-pin", "--http-host", "127.0.0.1", "--http-port", "0",
          "--disagg-protocol", PROTOCOL, "--disagg-min-prefill-tokens", "32",
          "--health-interval-secs", "0.5", "--health-failures", "3"],
         "Ctrl-C stops",
