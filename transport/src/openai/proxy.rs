@@ -32,7 +32,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use engine::WorkerKey;
-use engine::sched::RouteOverrides;
+use engine::sched::{Pool, RouteMode, RouteOverrides};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
@@ -201,48 +201,67 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let mut active = Active::new(p.hub.clone(), routed.request_id.clone());
+    let active = Active::new(p.hub.clone(), routed.request_id.clone());
+    send_or_retry(&p, path, &body, &tokens, &routed, active, Pool::Whole).await
+}
+
+/// Forwards `body` to the worker `routed` chose (its request tracked by `active`); if that
+/// worker fails before answering, frees the request and tries [`retry_elsewhere`].
+pub(crate) async fn send_or_retry(
+    p: &Proxy,
+    path: &str,
+    body: &Bytes,
+    tokens: &[u32],
+    routed: &Routed,
+    mut active: Active,
+    pool: Pool,
+) -> Response {
     let first = routed.decision.worker;
-    let mut served_by = first;
-    let resp = match send(&p, first, path, &body).await {
-        Ok(r) => r,
-        Err(first_error) => {
+    match send(p, first, path, body).await {
+        Ok(resp) => respond(resp, active, first, None, None),
+        Err(e) => {
+            tracing::warn!(worker = %first.worker, "forwarding failed, retrying once: {e}");
             active.finish();
-            tracing::warn!(worker = %first.worker, "forwarding failed, retrying once: {first_error}");
-            let Some(next) = runner_up(&routed, first) else {
-                return openai_error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    &format!("worker {} failed: {first_error}", first.worker),
-                );
-            };
-            let overrides = RouteOverrides {
-                mode: Some(engine::sched::RouteMode::Direct),
-                worker: Some(next.worker),
-                ..RouteOverrides::default()
-            };
-            let retry = match route(&p.hub, &tokens, overrides) {
-                Ok(r) => r,
-                Err(e) => return e.into_response(),
-            };
-            active.replace(retry.request_id.clone());
-            served_by = retry.decision.worker;
-            match send(&p, served_by, path, &body).await {
-                Ok(r) => r,
-                Err(e) => {
-                    return openai_error(
-                        StatusCode::BAD_GATEWAY,
-                        "upstream_error",
-                        &format!(
-                            "workers {} and {} failed: {first_error}; {e}",
-                            first.worker, next.worker
-                        ),
-                    );
-                }
-            }
+            retry_elsewhere(p, path, body, tokens, routed, pool, &e).await
         }
+    }
+}
+
+/// The whole request once more, on the next-best candidate (in `pool`) of `routed`'s
+/// decision, after its chosen worker failed with `first_error`; a second failure is the
+/// client's 502.
+pub(crate) async fn retry_elsewhere(
+    p: &Proxy,
+    path: &str,
+    body: &Bytes,
+    tokens: &[u32],
+    routed: &Routed,
+    pool: Pool,
+    first_error: &str,
+) -> Response {
+    let failed = routed.decision.worker;
+    let gateway = |msg: String| openai_error(StatusCode::BAD_GATEWAY, "upstream_error", &msg);
+    let Some(next) = runner_up(routed, failed) else {
+        return gateway(format!("worker {} failed: {first_error}", failed.worker));
     };
-    respond(resp, active, served_by, None, None)
+    let overrides = RouteOverrides {
+        pool,
+        mode: Some(RouteMode::Direct),
+        worker: Some(next.worker),
+        ..RouteOverrides::default()
+    };
+    let retry = match route(&p.hub, tokens, overrides) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let active = Active::new(p.hub.clone(), retry.request_id.clone());
+    match send(p, next, path, body).await {
+        Ok(resp) => respond(resp, active, next, None, None),
+        Err(e) => gateway(format!(
+            "workers {} and {} failed: {first_error}; {e}",
+            failed.worker, next.worker
+        )),
+    }
 }
 
 /// The client's response: the worker's status and body (relayed by a [`Relay`]), its content

@@ -41,15 +41,7 @@ impl Active {
         self.id.as_deref()
     }
 
-    /// Tracks `id` instead (a retry was routed); the old one must already be freed.
-    pub(crate) fn replace(&mut self, id: String) {
-        self.finish();
-        self.id = Some(id);
-        self.prefilled = false;
-    }
-}
-
-impl Active {
+    /// Marks the request prefilled (once).
     pub(crate) fn prefilled(&mut self) {
         if !self.prefilled {
             self.prefilled = true;
@@ -59,6 +51,7 @@ impl Active {
         }
     }
 
+    /// Frees the request (once).
     pub(crate) fn finish(&mut self) {
         if let Some(id) = self.id.take() {
             let _ = self.hub.finish(&id);

@@ -14,9 +14,10 @@
 
 use super::SGLANG_BOOTSTRAP_PORT;
 use super::handoff::{Body, Handoff, Pair};
-use crate::hub::Routed;
 use crate::openai::errors::{OpenAiError, openai_error};
-use crate::openai::proxy::{Proxy, respond, route, runner_up, send};
+use crate::openai::proxy::{
+    Proxy, respond, retry_elsewhere, route, runner_up, send, send_or_retry,
+};
 use crate::openai::relay::Active;
 use crate::openai::sse::whole_answer_as_sse;
 use crate::openai::usage::cached_tokens;
@@ -103,7 +104,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
     if !split.remote {
         drop(p_active);
         metrics.disagg_local.fetch_add(1, Relaxed);
-        return local(p, path, body, tokens, &decode, d_active).await;
+        return send_or_retry(p, path, body, tokens, &decode, d_active, Pool::Decode).await;
     }
     metrics.disagg_remote.fetch_add(1, Relaxed);
     let handoff = p.cfg.disagg.protocol.handoff();
@@ -141,7 +142,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
                 tracing::warn!(worker = %d_key.worker, "decode half failed: {e}");
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 d_active.finish();
-                return next_decode(p, path, body, tokens, &decode, &e).await;
+                return retry_elsewhere(p, path, body, tokens, &decode, Pool::Decode, &e).await;
             }
             Err(Failure::Prefill(e)) => {
                 tracing::warn!(worker = %p_key.worker, attempt, "prefill half failed: {e}");
@@ -157,7 +158,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
         }
     }
     // No prefill worker could serve: prefill on the decode worker.
-    local(p, path, body, tokens, &decode, d_active).await
+    send_or_retry(p, path, body, tokens, &decode, d_active, Pool::Decode).await
 }
 
 /// Where the two halves meet: the prefill worker's host and bootstrap port, and a fresh room.
@@ -230,15 +231,8 @@ struct Attempt<'a> {
 }
 
 async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
-    let Attempt {
-        path,
-        client,
-        handoff,
-        ref pair,
-        p_key,
-        d_key,
-    } = *a;
-    let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
+    let (client, handoff) = (a.client, a.handoff);
+    let answer = prefill_answer(p, a.p_key, a.path, &handoff.prefill_body(client, &a.pair)).await?;
     if handoff.finished_in_prefill(&answer) {
         let stream = (client.get("stream").and_then(Value::as_bool) == Some(true)).then(|| {
             client
@@ -250,34 +244,27 @@ async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
         return Err(Failure::Done(answer, stream));
     }
     let body = handoff
-        .decode_body(client, pair, Some(&answer))
+        .decode_body(client, &a.pair, Some(&answer))
         .map_err(Failure::Prefill)?;
-    let resp = send(p, d_key, path, &to_bytes(&body))
+    let resp = send(p, a.d_key, a.path, &to_bytes(&body))
         .await
         .map_err(Failure::Decode)?;
     Ok((resp, cached_tokens(&answer)))
 }
 
 async fn concurrent(p: &Arc<Proxy>, a: &Attempt<'_>) -> Result<Started, Failure> {
-    let Attempt {
-        path,
-        client,
-        handoff,
-        ref pair,
-        p_key,
-        d_key,
-    } = *a;
+    let (client, handoff) = (a.client, a.handoff);
     let d_body = to_bytes(
         &handoff
-            .decode_body(client, pair, None)
+            .decode_body(client, &a.pair, None)
             .map_err(Failure::Prefill)?,
     );
-    let (pp, d_path) = (p.clone(), path.to_owned());
+    let (pp, d_path, d_key) = (p.clone(), a.path.to_owned(), a.d_key);
     // Aborting the task drops the decode request: the decode worker sees its client go.
     let mut decode = AbortOnDrop(tokio::spawn(async move {
         send(&pp, d_key, &d_path, &d_body).await
     }));
-    let answer = prefill_answer(p, p_key, path, &handoff.prefill_body(client, pair)).await?;
+    let answer = prefill_answer(p, a.p_key, a.path, &handoff.prefill_body(client, &a.pair)).await?;
     let resp = match (&mut decode.0).await {
         Ok(r) => r.map_err(Failure::Decode)?,
         Err(e) => return Err(Failure::Decode(e.to_string())),
@@ -321,54 +308,6 @@ fn finished(
     r.headers_mut()
         .insert("x-kvengine-decode-worker-id", d_key.worker.0.into());
     r
-}
-
-/// The whole request on the decode worker (no prefill worker, or none worth it).
-async fn local(
-    p: &Proxy,
-    path: &str,
-    body: &Bytes,
-    tokens: &[u32],
-    decode: &Routed,
-    mut d_active: Active,
-) -> Response {
-    let d_key = decode.decision.worker;
-    match send(p, d_key, path, body).await {
-        Ok(resp) => respond(resp, d_active, d_key, None, None),
-        Err(e) => {
-            tracing::warn!(worker = %d_key.worker, "decode worker failed: {e}");
-            d_active.finish();
-            next_decode(p, path, body, tokens, decode, &e).await
-        }
-    }
-}
-
-/// The whole request on the next-best decode worker, after `failed` failed.
-async fn next_decode(
-    p: &Proxy,
-    path: &str,
-    body: &Bytes,
-    tokens: &[u32],
-    decode: &Routed,
-    first_error: &str,
-) -> Response {
-    let failed = decode.decision.worker;
-    let gateway = |msg: String| openai_error(StatusCode::BAD_GATEWAY, "upstream_error", &msg);
-    let Some(next) = runner_up(decode, failed) else {
-        return gateway(format!("worker {} failed: {first_error}", failed.worker));
-    };
-    let retry = match route(&p.hub, tokens, direct(Pool::Decode, next)) {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let active = Active::new(p.hub.clone(), retry.request_id.clone());
-    match send(p, next, path, body).await {
-        Ok(resp) => respond(resp, active, next, None, None),
-        Err(e) => gateway(format!(
-            "workers {} and {} failed: {first_error}; {e}",
-            failed.worker, next.worker
-        )),
-    }
 }
 
 #[cfg(test)]
