@@ -27,7 +27,7 @@ use engine::sched::{
 use engine::sharding::choice::Sharding;
 use engine::{DpRank, EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
 
@@ -164,6 +164,9 @@ pub struct Hub {
     metrics: Metrics,
     /// Approximate mode (`--no-kv-events`): routing decisions predict the caches.
     approx: Option<Mutex<ApproxIndex>>,
+    /// Whether healthy prefill and decode workers are both registered (the front door then
+    /// disaggregates): kept with the scheduler's pools, read without a lock per request.
+    disaggregating: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -200,6 +203,7 @@ impl Hub {
             cached: RwLock::new(HashMap::new()),
             metrics: Metrics::default(),
             approx: None,
+            disaggregating: AtomicBool::new(false),
         })
     }
 
@@ -303,14 +307,18 @@ impl Hub {
         let mut routing = lock(&self.routing);
         // A changed role applies to every known rank, not only the ones named now.
         let all: BTreeSet<DpRank> = ranks.union(&entry.ranks).copied().collect();
+        let mut added = Ok(());
         for &r in &all {
-            if entry.healthy {
-                routing
+            if entry.healthy && added.is_ok() {
+                added = routing
                     .scheduler
-                    .add_worker_with_role(key(reg.worker, r), role)?;
+                    .add_worker_with_role(key(reg.worker, r), role)
+                    .map(|_| ());
             }
             entry.ranks.insert(r);
         }
+        self.note_pools(&routing);
+        added?;
         let e = &mut entry.registration;
         e.role = Some(role);
         e.bootstrap_port = reg.bootstrap_port.or(e.bootstrap_port);
@@ -353,6 +361,7 @@ impl Hub {
         {
             let mut routing = lock(&self.routing);
             routing.scheduler.remove_worker(worker);
+            self.note_pools(&routing);
             let gone: Vec<RequestId> = routing
                 .names
                 .keys()
@@ -386,16 +395,22 @@ impl Hub {
         }
         entry.healthy = healthy;
         let mut routing = lock(&self.routing);
+        let mut added = Ok(());
         if healthy {
             let role = entry.registration.role();
             for &r in &entry.ranks {
-                routing
-                    .scheduler
-                    .add_worker_with_role(key(worker, r), role)?;
+                if added.is_ok() {
+                    added = routing
+                        .scheduler
+                        .add_worker_with_role(key(worker, r), role)
+                        .map(|_| ());
+                }
             }
         } else {
             routing.scheduler.remove_worker(worker);
         }
+        self.note_pools(&routing);
+        added?;
         Ok(true)
     }
 
@@ -426,13 +441,18 @@ impl Hub {
             .map(|e| e.registration.clone())
     }
 
-    /// Healthy workers per role, indexed by [`WorkerRole::index`].
-    pub fn role_counts(&self) -> [usize; 3] {
-        let mut n = [0; 3];
-        for e in self.registry_read().values().filter(|e| e.healthy) {
-            n[e.registration.role().index()] += 1;
-        }
-        n
+    /// Whether healthy prefill and decode workers are both registered: requests are then
+    /// disaggregated. One atomic load.
+    pub fn disaggregating(&self) -> bool {
+        self.disaggregating.load(Relaxed)
+    }
+
+    /// Refreshes [`Hub::disaggregating`] after the scheduler's workers changed (called with
+    /// the routing lock held, so updates are ordered).
+    fn note_pools(&self, routing: &Routing) {
+        let s = &routing.scheduler;
+        let both = s.has_role(WorkerRole::Prefill) && s.has_role(WorkerRole::Decode);
+        self.disaggregating.store(both, Relaxed);
     }
 
     /// The load routed requests put on `key` now.

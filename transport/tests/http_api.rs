@@ -838,6 +838,10 @@ async fn roles_split_route_calls_into_pools() {
         assert_eq!(st, StatusCode::CREATED, "{v}");
         assert_eq!(v["role"], role);
     }
+    assert!(
+        s.hub.disaggregating(),
+        "prefill and decode workers: the front door splits"
+    );
     // Prefill worker 2 holds the prompt: a prefill call goes there, among prefill workers only.
     s.store(2, &p, 4, 10).await;
     s.hub.sync().unwrap();
@@ -884,6 +888,7 @@ async fn roles_split_route_calls_into_pools() {
         s.post("/v1/workers", json!({"worker_id": w, "role": "decode"}))
             .await;
     }
+    assert!(!s.hub.disaggregating(), "no prefill worker left");
     let (st, v) = s
         .post("/v1/route", json!({"token_ids": p, "pool": "prefill"}))
         .await;

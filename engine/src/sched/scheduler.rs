@@ -129,6 +129,11 @@ impl Scheduler {
         Ok(self.workers.add(key, role)?.is_some())
     }
 
+    /// Whether any key is registered with `role`.
+    pub fn has_role(&self, role: WorkerRole) -> bool {
+        self.workers.has_role(role)
+    }
+
     /// The role `key` is registered with.
     pub fn role(&self, key: WorkerKey) -> Option<WorkerRole> {
         self.workers.slot(key).map(|s| self.workers.role(s))

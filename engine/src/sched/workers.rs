@@ -90,6 +90,11 @@ impl WorkerTable {
             .unwrap_or(&[])
     }
 
+    /// Whether any key has `role`.
+    pub(crate) fn has_role(&self, role: WorkerRole) -> bool {
+        !self.by_role[role.index()].is_empty()
+    }
+
     /// The role of the key on `slot`.
     pub(crate) fn role(&self, slot: WorkerSlot) -> WorkerRole {
         self.roles.get(slot.idx()).copied().unwrap_or_default()
@@ -250,6 +255,7 @@ mod tests {
         assert_eq!(keys(t.pool(Pool::Decode)), [d1]);
         // No aggregated worker: whole requests go to decode workers.
         assert_eq!(keys(t.pool(Pool::Whole)), [d1]);
+        assert!(!t.has_role(WorkerRole::Aggregated) && t.has_role(WorkerRole::Decode));
         t.add(a1, WorkerRole::Aggregated).unwrap();
         assert_eq!(keys(t.pool(Pool::Whole)), [a1]);
         // Re-registering with another role moves the key.

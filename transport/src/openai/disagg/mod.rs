@@ -25,7 +25,7 @@ pub mod vllm;
 pub(crate) use flow::forward;
 
 use crate::hub::Hub;
-use engine::sched::{SplitConfig, WorkerRole};
+use engine::sched::SplitConfig;
 use handoff::Handoff;
 use std::fmt;
 use std::str::FromStr;
@@ -97,6 +97,5 @@ pub struct DisaggConfig {
 
 /// Whether requests are disaggregated now: some healthy prefill and decode workers exist.
 pub fn applies(hub: &Hub) -> bool {
-    let n = hub.role_counts();
-    n[WorkerRole::Prefill.index()] > 0 && n[WorkerRole::Decode.index()] > 0
+    hub.disaggregating()
 }
