@@ -481,15 +481,11 @@ async fn start_sim_workers(
         let id = WorkerId(i as u64 + 1);
         let (zmq, replay) = (w.zmq_endpoint().to_owned(), w.replay_endpoint().to_owned());
         let role = w.role();
-        hub.register(Registration {
-            url: Some(w.url()),
-            zmq: (!args.no_kv_events).then(|| zmq.clone()),
-            replay: (!args.no_kv_events).then(|| replay.clone()),
-            role: Some(role),
-            // A simulated SGLang prefill worker serves its bootstrap on its HTTP port.
-            bootstrap_port: Some(w.http_addr().port()),
-            ..Registration::new(id)
-        })?;
+        let mut reg = w.registration(id);
+        if args.no_kv_events {
+            (reg.zmq, reg.replay) = (None, None);
+        }
+        hub.register(reg)?;
         if !args.no_kv_events {
             subscribe(hub, subs, ZmqSource::new(id, &zmq, Some(&replay))?);
         }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use transport::http::{HttpConfig, router, serve_http};
-use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::hub::{Hub, HubConfig, start_engine};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
@@ -205,21 +205,12 @@ impl Cluster {
         let workers = spawn_mixed_cluster(&cfg.roles(), base, None)
             .await
             .context("cannot start the simulated workers")?;
-        let disagg = cfg.disagg.is_some();
         let mut ids = Vec::with_capacity(workers.len());
         let mut subscribers = Vec::new();
         for (i, w) in workers.iter().enumerate() {
             let id = WorkerId(i as u64 + 1);
             ids.push(id);
-            let registered = hub.register(Registration {
-                url: Some(w.url()),
-                zmq: Some(w.zmq_endpoint().to_owned()),
-                replay: Some(w.replay_endpoint().to_owned()),
-                role: disagg.then(|| w.role()),
-                // A simulated SGLang prefill worker serves its bootstrap on its HTTP port.
-                bootstrap_port: disagg.then(|| w.http_addr().port()),
-                ..Registration::new(id)
-            });
+            let registered = hub.register(w.registration(id));
             if let Err(e) = registered {
                 stop(workers, subscribers).await;
                 return Err(e).context("cannot register a worker");

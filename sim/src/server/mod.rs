@@ -57,8 +57,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use engine::WorkerId;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use transport::hub::Registration;
 use transport::openai::tokenize::PromptTokenizer;
 use transport::zmq::VllmPublisher;
 
@@ -193,6 +195,19 @@ impl SimWorkerHandle {
     /// Its role.
     pub fn role(&self) -> SimRole {
         self.role
+    }
+
+    /// How a router registers it as worker `id`: its URL, KV-event endpoints and role, and
+    /// (for SGLang's hand-off) its HTTP port as the bootstrap port, where it serves its rooms.
+    pub fn registration(&self, id: WorkerId) -> Registration {
+        Registration {
+            url: Some(self.url()),
+            zmq: Some(self.zmq_endpoint().to_owned()),
+            replay: Some(self.replay_endpoint().to_owned()),
+            role: Some(self.role),
+            bootstrap_port: Some(self.http_addr().port()),
+            ..Registration::new(id)
+        }
     }
 
     /// Its engine id: the `remote_engine_id` of its vLLM prefill answers
