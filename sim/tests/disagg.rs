@@ -8,10 +8,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
 use common::{SubscribedHub, call, ids, post_json};
 use serde_json::{Value, json};
 use sim::engine::EngineConfig;
-use sim::server::disagg::base64;
 use sim::server::tokens::token_text;
 use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, TransferModel, spawn_worker};
 
@@ -381,7 +382,7 @@ async fn trtllm_context_then_generation_whole_and_streamed() {
     assert!(dp["draft_tokens"].is_null());
     assert_eq!(
         dp["encoded_opaque_state"],
-        base64(p.http_addr().to_string().as_bytes())
+        STANDARD.encode(p.http_addr().to_string())
     );
     let first = dp["first_gen_tokens"][0].as_u64().unwrap() as u32;
     assert_eq!(dp["first_gen_tokens"].as_array().unwrap().len(), 1);

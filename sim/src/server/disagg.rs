@@ -20,6 +20,8 @@
 //!    `kv_transfer_params` asking for neither side, are absent).
 //! 3. `bootstrap_room` is below 2^63, ports are 1..=65535, token ids fit in u32.
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
 use std::net::SocketAddr;
 
 use serde_json::{Map, Value, json};
@@ -355,32 +357,9 @@ pub fn trt_context_params(first_token: u32, ctx_request_id: u64, addr: SocketAdd
         "request_type": "context_only",
         "first_gen_tokens": [first_token],
         "ctx_request_id": ctx_request_id,
-        "encoded_opaque_state": base64(addr.to_string().as_bytes()),
+        "encoded_opaque_state": STANDARD.encode(addr.to_string()),
         "draft_tokens": null,
     })
-}
-
-/// Standard base64 with padding (RFC 4648).
-pub fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk.first().copied().unwrap_or(0),
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                let sextet = (n >> (18 - 6 * i)) & 63;
-                out.push(char::from(ALPHABET[sextet as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -506,7 +485,7 @@ mod tests {
             Disagg::TrtGeneration(TrtGeneration {
                 first_token: 1234,
                 ctx_request_id: 77,
-                opaque_state: Some(base64(b"127.0.0.1:9")),
+                opaque_state: Some(STANDARD.encode(b"127.0.0.1:9")),
             })
         );
         let whole = json!({"disaggregated_params": {"request_type": "context_and_generation"}});
@@ -541,21 +520,5 @@ mod tests {
             d(both).unwrap_err().status,
             axum::http::StatusCode::BAD_REQUEST
         );
-    }
-
-    #[test]
-    fn base64_matches_rfc4648() {
-        for (raw, enc) in [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ] {
-            assert_eq!(base64(raw.as_bytes()), enc);
-        }
-        assert_eq!(base64(&[0xff, 0xfe]), "//4=");
     }
 }
