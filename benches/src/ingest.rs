@@ -99,6 +99,7 @@ impl IngestConfig {
             pin_cores: self.pin_cores,
             ingest_handles: self.cores.max(1),
             query_handles: 1,
+            ..RuntimeConfig::default()
         };
         let (hub, runtime) = start_engine(
             HubConfig {

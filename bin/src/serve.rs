@@ -57,6 +57,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_RING_CAPACITY", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 24)))]
     pub ring_capacity: u32,
+    /// The longest a request waits for a core (a query, an event applied over HTTP): a core
+    /// that does not answer in time gets the request a 503 (`engine_timeout`), not a hang.
+    #[arg(long, env = "KVENGINE_ENGINE_TIMEOUT_MS", default_value_t = 5_000,
+          value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub engine_timeout_ms: u64,
     /// Do not pin shard threads to cores.
     #[arg(long, env = "KVENGINE_NO_PIN")]
     pub no_pin: bool,
@@ -227,6 +232,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         pin_cores: !args.no_pin,
         ingest_handles: cores,
         query_handles: http_threads + 1,
+        call_timeout: std::time::Duration::from_millis(args.engine_timeout_ms),
+        ..RuntimeConfig::default()
     };
     let (tx, rx) = tokio::sync::watch::channel(false);
     ctrlc::set_handler(move || {

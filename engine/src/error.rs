@@ -74,6 +74,14 @@ pub enum EngineError {
     /// The sharded runtime has stopped (a shard thread is gone); nothing more can apply.
     #[error("the runtime has stopped")]
     RuntimeStopped,
+    /// A core did not answer in time (it is stuck or badly behind); the call was given up.
+    #[error("core {core} did not answer within {waited_ms} ms")]
+    Timeout {
+        /// The core that did not answer.
+        core: usize,
+        /// How long the caller waited.
+        waited_ms: u64,
+    },
     /// A parameter outside its documented range.
     #[error("invalid {name}: {reason}")]
     InvalidArgument {

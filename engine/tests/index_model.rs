@@ -298,6 +298,7 @@ impl Threaded {
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 1,
+            ..RuntimeConfig::default()
         };
         let mut st = engine::runtime::start(policy, config).unwrap();
         Self {

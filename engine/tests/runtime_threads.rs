@@ -69,6 +69,7 @@ fn concurrent_ingest_and_queries_end_where_one_thread_does() {
             pin_cores: false,
             ingest_handles: 2,
             query_handles: 2,
+            ..RuntimeConfig::default()
         };
         let st = start(policy, config).unwrap();
         let mut reference = ShardedIndex::new(policy);
@@ -147,6 +148,7 @@ fn shutdown_drains_everything_sent() {
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 0,
+            ..RuntimeConfig::default()
         };
         let mut st = start(policy, config).unwrap();
         let mut h = st.ingest.pop().unwrap();
@@ -181,6 +183,7 @@ fn shared_slices_reach_each_workers_home_core() {
         pin_cores: false,
         ingest_handles: 1,
         query_handles: 1,
+        ..RuntimeConfig::default()
     };
     let mut st = start(policy, config).unwrap();
     let mut h = st.ingest.pop().unwrap();

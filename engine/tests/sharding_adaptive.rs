@@ -163,6 +163,7 @@ impl Threaded {
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 1,
+            ..RuntimeConfig::default()
         };
         let mut st = engine::runtime::start(policy.clone(), config).unwrap();
         Self {
@@ -439,6 +440,7 @@ fn bulk_equals_kv_index(
         pin_cores: false,
         ingest_handles: 1,
         query_handles: 1,
+        ..RuntimeConfig::default()
     };
     let mut st = engine::runtime::start(Adaptive::new(cores, fanout).unwrap(), config).unwrap();
     let (mut ing, mut q) = (st.ingest.remove(0), st.query.remove(0));

@@ -58,6 +58,7 @@ impl RuntimeUnderTest {
             pin_cores: pin,
             ingest_handles: producers.max(1),
             query_handles: query_threads + 1,
+            ..RuntimeConfig::default()
         };
         let st = start(policy, config).context("starting the runtime")?;
         Ok(Self {

@@ -13,7 +13,10 @@
 //! 2. Shutdown: dropping every handle closes the client rings; each core finishes what it
 //!    was sent, closes its rings to the other cores, drains theirs and exits;
 //!    [`Runtime::join`] returns their final figures. Nothing sent is lost.
-//! 3. A core thread that panics aborts the process.
+//! 3. A core thread that panics aborts the process (with a line on stderr naming the core):
+//!    a core that is gone can never answer, and a half-applied operation cannot be trusted.
+//! 4. Every call on a handle has a deadline ([`RuntimeConfig::call_timeout`]), so a stuck
+//!    core gives its callers [`EngineError::Timeout`], not a hang.
 //!
 //! # Concurrency
 //! Handles are `Send`, not `Sync`: each belongs to one thread.
@@ -21,6 +24,8 @@
 //! [`ShardedIndex`]: crate::sharding::sharded::ShardedIndex
 
 mod client;
+#[cfg(test)]
+mod deadline_tests;
 mod msg;
 mod promotion;
 mod shard_loop;
@@ -64,6 +69,12 @@ pub struct RuntimeConfig {
     pub ingest_handles: usize,
     /// Query handles to create.
     pub query_handles: usize,
+    /// The longest a handle waits for one call (a query, an apply, a clear): a core that
+    /// does not answer in time gives the caller [`EngineError::Timeout`].
+    pub call_timeout: std::time::Duration,
+    /// The longest [`IngestHandle::sync`] waits (it waits for everything sent before it to
+    /// apply, so it may legitimately take longer than one call).
+    pub sync_timeout: std::time::Duration,
 }
 
 impl Default for RuntimeConfig {
@@ -73,6 +84,8 @@ impl Default for RuntimeConfig {
             pin_cores: true,
             ingest_handles: 1,
             query_handles: 1,
+            call_timeout: std::time::Duration::from_secs(5),
+            sync_timeout: std::time::Duration::from_secs(60),
         }
     }
 }
@@ -133,6 +146,9 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
             wakers: wakers.clone(),
             own: own.clone(),
             spins_before_park,
+            call_timeout: config.call_timeout,
+            sync_timeout: config.sync_timeout,
+            last_tag: 0,
         })
         .collect();
     let mut clients_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();

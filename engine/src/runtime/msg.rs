@@ -16,6 +16,17 @@ use std::sync::Arc;
 /// applies the events of the workers it is home to.
 pub(crate) type EventSlice = (Arc<[(WorkerKey, KvEvent)]>, Range<usize>);
 
+/// A client message or a core's reply, with the tag that pairs them: a client numbers its
+/// calls, and a reply carries its call's tag, so a reply that arrives after its caller gave
+/// up (a deadline passed) is recognised and discarded instead of answering the next call.
+#[derive(Debug)]
+pub(crate) struct Tagged<T> {
+    /// The call's number on its client (0 for messages that get no reply).
+    pub tag: u64,
+    /// The message.
+    pub msg: T,
+}
+
 /// A client's message to one core.
 #[derive(Debug)]
 pub(crate) enum ToCore {
@@ -31,11 +42,18 @@ pub(crate) enum ToCore {
     CachedBlocks(WorkerKey),
     /// A prefix query; reply `Matches`.
     Query(Box<[SeqHash]>),
-    /// Reply `Synced(n)` once every operation from events this client sent before is
-    /// applied, on this core and by every peer.
-    Sync(u64),
+    /// Reply `Synced` once every operation from events this client sent before is applied,
+    /// on this core and by every peer.
+    Sync,
     /// Reply with this core's figures.
     Stats,
+    /// Do nothing for this long, then reply `Count(0)`: a stuck core, for the tests of
+    /// callers' deadlines.
+    #[cfg(any(test, feature = "test-util"))]
+    Stall(std::time::Duration),
+    /// Panic: a core with a bug, for the test that the process then exits.
+    #[cfg(any(test, feature = "test-util"))]
+    Panic,
 }
 
 /// A core's reply to one client.
@@ -44,7 +62,7 @@ pub(crate) enum FromCore {
     Matches(Matches),
     Applied(Result<Applied>),
     Count(usize),
-    Synced(u64),
+    Synced,
     Stats(Box<CoreSummary>),
 }
 
@@ -53,9 +71,9 @@ pub(crate) enum FromCore {
 pub(crate) enum PeerMsg {
     /// Operations for the receiving core's shard, in order.
     Ops(Vec<OpBatch>),
-    /// Everything this core produced from client `client`'s events before its `Sync(n)`
-    /// precedes this marker on this ring.
-    Fence { client: usize, n: u64 },
+    /// Everything this core produced from client `client`'s events before its `Sync` tagged
+    /// `tag` precedes this marker on this ring.
+    Fence { client: usize, tag: u64 },
     /// To the coordinator: `tip`, in shard `from`, has become a hub.
     Hub { from: ShardId, tip: SeqHash },
     /// From the coordinator: stop taking events for promotion round `epoch` of `hubs`

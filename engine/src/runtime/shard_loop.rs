@@ -9,9 +9,10 @@
 //! # Invariants
 //! 1. Messages of one client are handled in the order the client sent them, and so are the
 //!    messages of one peer core.
-//! 2. `Synced(n)` goes to client `c` only when this core has handled `c`'s `Sync(n)` and has
-//!    received `Fence { c, n }` from every peer: each peer sends that fence after the
-//!    operations it produced from `c`'s earlier events, on the same ring.
+//! 2. `Synced` (tag `t`) goes to client `c` only when this core has handled `c`'s `Sync`
+//!    tagged `t` and has received `Fence { c, t }` from every peer: each peer sends that
+//!    fence after the operations it produced from `c`'s earlier events, on the same ring.
+//! 8. Every reply carries the tag of the message it answers.
 //! 3. Peer rings are never waited on: a message for a full peer ring waits in `pending`,
 //!    and while anything is pending the core takes no new events from clients (so pending
 //!    stays bounded) but keeps draining its peers (so two cores pushing to each other never
@@ -26,7 +27,7 @@
 //!    no ingest-client message and does not close its peer rings.
 
 use super::home_core;
-use super::msg::{CoreSummary, FromCore, PeerMsg, ToCore};
+use super::msg::{CoreSummary, FromCore, PeerMsg, Tagged, ToCore};
 use super::promotion::Promo;
 use super::waker::Waker;
 use crate::ring::{Consumer, PopError, Producer, PushError};
@@ -81,8 +82,8 @@ pub(crate) struct Core<P> {
     pub shard: Shard,
     pub ingest: Ingest<P>,
     pub outbox: Outbox,
-    pub clients_in: Vec<Consumer<ToCore>>,
-    pub clients_out: Vec<Producer<FromCore>>,
+    pub clients_in: Vec<Consumer<Tagged<ToCore>>>,
+    pub clients_out: Vec<Producer<Tagged<FromCore>>>,
     /// Clients `0..ingest_clients` are ingest handles, the rest query handles.
     pub ingest_clients: usize,
     pub peers_in: Vec<Consumer<PeerMsg>>,
@@ -251,10 +252,10 @@ impl<P: ShardPolicy> Core<P> {
                         }
                         self.note_hub(st);
                     }
-                    Ok(PeerMsg::Fence { client, n }) => {
+                    Ok(PeerMsg::Fence { client, tag }) => {
                         progressed = true;
-                        *st.fences.entry((client, n)).or_insert(0) += 1;
-                        self.check_sync(st, client, n);
+                        *st.fences.entry((client, tag)).or_insert(0) += 1;
+                        self.check_sync(st, client, tag);
                     }
                     Ok(other) => {
                         progressed = true;
@@ -273,9 +274,10 @@ impl<P: ShardPolicy> Core<P> {
         progressed
     }
 
-    fn handle_client(&mut self, st: &mut State, client: usize, msg: ToCore) {
+    fn handle_client(&mut self, st: &mut State, client: usize, tagged: Tagged<ToCore>) {
         let me = self.me();
         let cores = self.cores();
+        let Tagged { tag, msg } = tagged;
         match msg {
             ToCore::Events((events, range)) => {
                 if let Some(slice) = events.get(range) {
@@ -303,40 +305,47 @@ impl<P: ShardPolicy> Core<P> {
                     .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
                 self.flush_outbox(st);
                 self.note_hub(st);
-                self.reply(client, FromCore::Applied(r));
+                self.reply(client, tag, FromCore::Applied(r));
             }
             ToCore::Clear(key) => {
                 let n = self.ingest.clear(key, &mut self.outbox);
                 self.flush_outbox(st);
-                self.reply(client, FromCore::Count(n));
+                self.reply(client, tag, FromCore::Count(n));
             }
             ToCore::RemoveWorker(w) => {
                 let n = self.ingest.remove_worker(w, &mut self.outbox);
                 self.flush_outbox(st);
-                self.reply(client, FromCore::Count(n));
+                self.reply(client, tag, FromCore::Count(n));
             }
             ToCore::CachedBlocks(key) => {
                 let n = self.ingest.cached_blocks(key) as usize;
-                self.reply(client, FromCore::Count(n));
+                self.reply(client, tag, FromCore::Count(n));
             }
             ToCore::Query(seqs) => {
                 st.queries += 1;
                 let m = self.shard.find_matches(&seqs);
-                self.reply(client, FromCore::Matches(m));
+                self.reply(client, tag, FromCore::Matches(m));
             }
-            ToCore::Sync(n) => {
+            ToCore::Sync => {
                 for p in 0..cores {
                     if p != me.idx() {
-                        self.send_peer(st, p, PeerMsg::Fence { client, n });
+                        self.send_peer(st, p, PeerMsg::Fence { client, tag });
                     }
                 }
-                st.own_syncs.insert((client, n));
-                self.check_sync(st, client, n);
+                st.own_syncs.insert((client, tag));
+                self.check_sync(st, client, tag);
             }
             ToCore::Stats => {
                 let s = self.summary(st);
-                self.reply(client, FromCore::Stats(Box::new(s)));
+                self.reply(client, tag, FromCore::Stats(Box::new(s)));
             }
+            #[cfg(any(test, feature = "test-util"))]
+            ToCore::Stall(d) => {
+                std::thread::sleep(d);
+                self.reply(client, tag, FromCore::Count(0));
+            }
+            #[cfg(any(test, feature = "test-util"))]
+            ToCore::Panic => panic!("asked to panic (test hook)"),
         }
     }
 
@@ -356,12 +365,12 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    fn check_sync(&mut self, st: &mut State, client: usize, n: u64) {
+    fn check_sync(&mut self, st: &mut State, client: usize, tag: u64) {
         let peers = self.cores().saturating_sub(1);
-        let fenced = st.fences.get(&(client, n)).copied().unwrap_or(0);
-        if fenced == peers && st.own_syncs.remove(&(client, n)) {
-            st.fences.remove(&(client, n));
-            self.reply(client, FromCore::Synced(n));
+        let fenced = st.fences.get(&(client, tag)).copied().unwrap_or(0);
+        if fenced == peers && st.own_syncs.remove(&(client, tag)) {
+            st.fences.remove(&(client, tag));
+            self.reply(client, tag, FromCore::Synced);
         }
     }
 
@@ -431,10 +440,12 @@ impl<P: ShardPolicy> Core<P> {
         progressed
     }
 
-    fn reply(&mut self, client: usize, msg: FromCore) {
+    fn reply(&mut self, client: usize, tag: u64, msg: FromCore) {
         if let Some(out) = self.clients_out.get_mut(client) {
-            // A client that is gone no longer needs its answer.
-            let _ = out.push(msg);
+            // A client that is gone no longer needs its answer, and one that gave up on
+            // older calls drains their late replies before its next one, so a reply ring
+            // fills only if a client stops reading: its caller then times out.
+            let _ = out.try_push(Tagged { tag, msg });
             if let Some(w) = self.client_wakers.get(client) {
                 w.wake();
             }

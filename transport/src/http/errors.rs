@@ -94,6 +94,9 @@ impl From<EngineError> for ApiError {
             EngineError::RuntimeStopped => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_stopped", message)
             }
+            EngineError::Timeout { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "engine_timeout", message)
+            }
             EngineError::UnknownWorker { .. } => {
                 Self::new(StatusCode::NOT_FOUND, "unknown_worker", message)
             }

@@ -60,7 +60,7 @@ impl OpenAiError {
             TransportError::Engine(EngineError::NoWorkers) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
             }
-            TransportError::Engine(EngineError::RuntimeStopped) => {
+            TransportError::Engine(EngineError::RuntimeStopped | EngineError::Timeout { .. }) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
             }
             TransportError::Engine(EngineError::UnknownWorker { .. })
