@@ -11,6 +11,7 @@ pub mod kv_events;
 pub mod metrics;
 pub mod native;
 pub mod openai;
+pub mod stream;
 pub mod zmq;
 
 pub use error::{DropReason, Result, TransportError};

@@ -492,6 +492,27 @@ async fn seq_fencing_skips_duplicates_resyncs_gaps_and_clears_on_restart() {
     assert_eq!(v["fence"], "in_order");
     assert_eq!(s.overlaps(&p).await, vec![(1, 4)]);
 
+    // A lower number that is not a retry of the last batch (a publisher that restarted and
+    // is already past 0): cleared too, as ZMQ and QUIC do.
+    let (_, v) = s.post("/v1/events", batch(2, 2, 3, Some(101))).await;
+    assert_eq!(v["fence"], "in_order");
+    assert_eq!(s.overlaps(&p).await, vec![(1, 4)]);
+    let (st, v) = s.post("/v1/events", batch(1, 0, 2, None)).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["fence"], "restart");
+    assert_eq!(s.overlaps(&p).await, vec![(1, 2)]);
+    // The last batch again, byte for byte: a retry, skipped; the next number applies.
+    let (_, v) = s.post("/v1/events", batch(1, 0, 2, None)).await;
+    assert_eq!(v["fence"], "duplicate");
+    let (_, v) = s.post("/v1/events", batch(2, 2, 3, Some(101))).await;
+    assert_eq!(v["fence"], "in_order");
+    assert_eq!(s.overlaps(&p).await, vec![(1, 3)]);
+    assert!(
+        s.metrics()
+            .await
+            .contains("kvengine_publisher_restarts_total 2")
+    );
+
     // Ranks are fenced separately.
     let mut b = batch(40, 0, 1, None);
     b["dp_rank"] = json!(1);

@@ -1,14 +1,15 @@
 //! `POST /v1/events`: a batch of JSON KV events for one worker rank, applied synchronously
 //! with per-event results, optionally fenced by `seq`.
 //!
-//! Fencing (per worker rank, only for batches that carry `seq`):
+//! Fencing (per worker rank, only for batches that carry `seq`) is
+//! [`crate::stream::EventStream`]'s, as for ZMQ and QUIC:
 //! * first batch seen, or `seq` equal to the next expected: apply;
 //! * `seq` above the next expected (a gap): the rank is cleared and marked resyncing (HTTP
 //!   has no replay), then the batch applies;
-//! * `seq` 0 while a higher one is expected: the publisher restarted; the rank is cleared,
-//!   then the batch applies;
-//! * any other `seq` below the next expected: a duplicate (a client retry): skipped,
-//!   counted as `duplicate_seq`.
+//! * the last batch again, byte for byte (a client retry): skipped, counted as
+//!   `duplicate_seq`;
+//! * any other `seq` below the next expected: the publisher restarted; the rank is cleared,
+//!   then the batch applies.
 //!
 //! A batch consumes its number once it passes the fence, even if none of its events applied.
 
@@ -16,13 +17,13 @@ use super::errors::{ApiError, RejectedEvent, json};
 use super::{AppState, RawBody, lock, malformed};
 use crate::error::{DropReason, TransportError};
 use crate::json_events::{parse_events_body, to_engine};
+use crate::stream::{Action, BatchId, ClearKind, clear_keys, skip_duplicate};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use engine::event::KvEvent;
 use engine::{DpRank, WorkerId, WorkerKey};
 use serde::Serialize;
-use std::sync::atomic::Ordering::Relaxed;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -31,6 +32,17 @@ enum FenceOutcome {
     Duplicate,
     Gap,
     Restart,
+}
+
+impl FenceOutcome {
+    fn of(action: Action) -> Self {
+        match action {
+            Action::Apply => Self::InOrder,
+            Action::Skip => Self::Duplicate,
+            Action::ClearThenApply(ClearKind::Restart) => Self::Restart,
+            Action::ClearThenApply(ClearKind::Resync) | Action::Replay { .. } => Self::Gap,
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -63,16 +75,6 @@ pub(super) async fn post_events(State(st): State<AppState>, body: RawBody) -> Re
     }
 }
 
-fn classify(next: Option<u64>, seq: u64) -> FenceOutcome {
-    match next {
-        None => FenceOutcome::InOrder,
-        Some(n) if seq == n => FenceOutcome::InOrder,
-        Some(n) if seq > n => FenceOutcome::Gap,
-        Some(_) if seq == 0 => FenceOutcome::Restart,
-        Some(_) => FenceOutcome::Duplicate,
-    }
-}
-
 fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
     let hub = &st.hub;
     let body = parse_events_body(bytes).map_err(|e| malformed(hub, e))?;
@@ -87,57 +89,34 @@ fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
         return Err(e.into());
     }
 
-    // Hold the rank's fence for the whole batch so concurrent batches of one rank apply in
+    // Hold the rank's stream for the whole batch so concurrent batches of one rank apply in
     // fence order.
-    let fence = body.seq.map(|_| st.fence(key));
-    let mut fence_guard = fence.as_ref().map(|f| lock(f));
+    let stream = body.seq.map(|_| st.event_stream(key));
+    let mut guard = stream.as_ref().map(|f| lock(f));
     let mut outcome = None;
-    if let (Some(seq), Some(f)) = (body.seq, fence_guard.as_deref_mut()) {
-        let o = classify(f.next_expected(), seq);
-        match o {
-            FenceOutcome::InOrder => {}
-            FenceOutcome::Duplicate => {
-                hub.metrics().drop_input(
-                    DropReason::DuplicateSeq,
-                    body.events.len() as u64,
-                    &format_args!(
-                        "worker {} rank {}: batch {seq} already applied",
-                        key.worker, key.dp_rank
-                    ),
-                );
+    if let (Some(seq), Some(f)) = (body.seq, guard.as_deref_mut()) {
+        let why = format_args!("worker {} rank {}: batch {seq}", key.worker, key.dp_rank);
+        let action = f.live(BatchId::of(seq, bytes));
+        match action {
+            Action::Apply => {}
+            Action::Skip => {
+                skip_duplicate(hub, body.events.len() as u64, &why);
                 return Ok(json(
                     StatusCode::OK,
                     &EventsResponse {
                         applied: 0,
                         rejected: 0,
                         skipped: body.events.len(),
-                        fence: Some(o),
+                        fence: Some(FenceOutcome::Duplicate),
                         rejected_reasons: Vec::new(),
                     },
                 ));
             }
-            FenceOutcome::Gap => {
-                tracing::warn!(
-                    worker = key.worker.0,
-                    dp_rank = key.dp_rank.0,
-                    seq,
-                    expected = f.next_expected(),
-                    "event batches missing; clearing the rank (no replay over HTTP)"
-                );
-                hub.resync(key)?;
-            }
-            FenceOutcome::Restart => {
-                tracing::info!(
-                    worker = key.worker.0,
-                    dp_rank = key.dp_rank.0,
-                    "event publisher restarted (seq 0); clearing the rank"
-                );
-                hub.clear(key)?;
-                hub.metrics().restarts.fetch_add(1, Relaxed);
-            }
+            // HTTP has no replay: its streams never ask for one.
+            Action::ClearThenApply(kind) => clear_keys(hub, [key], kind, &why)?,
+            Action::Replay { .. } => clear_keys(hub, [key], ClearKind::Resync, &why)?,
         }
-        f.accept(seq);
-        outcome = Some(o);
+        outcome = Some(FenceOutcome::of(action));
     }
 
     let block_size = hub.block_size();
@@ -174,7 +153,7 @@ fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
             }
         }
     }
-    drop(fence_guard);
+    drop(guard);
     rejected_reasons.sort_by_key(|r| r.index);
     let rejected = rejected_reasons.len();
     if applied == 0 && rejected > 0 {
@@ -199,19 +178,4 @@ fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
             rejected_reasons,
         },
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fence_classes() {
-        assert_eq!(classify(None, 9), FenceOutcome::InOrder);
-        assert_eq!(classify(Some(3), 3), FenceOutcome::InOrder);
-        assert_eq!(classify(Some(3), 5), FenceOutcome::Gap);
-        assert_eq!(classify(Some(3), 2), FenceOutcome::Duplicate);
-        assert_eq!(classify(Some(3), 0), FenceOutcome::Restart);
-        assert_eq!(classify(Some(1), 0), FenceOutcome::Restart);
-    }
 }

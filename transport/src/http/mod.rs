@@ -21,8 +21,8 @@ mod routing;
 mod workers;
 
 use crate::error::{DropReason, TransportError};
-use crate::fence::Fence;
 use crate::hub::{Hub, Registration};
+use crate::stream::EventStream;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request};
 use axum::routing::{delete, get, post};
@@ -79,8 +79,8 @@ impl fmt::Debug for HttpConfig {
 pub(crate) struct Shared {
     pub hub: Arc<Hub>,
     pub cfg: HttpConfig,
-    /// Sequence fences of `POST /v1/events` batches that carry a `seq`, per worker rank.
-    fences: Mutex<HashMap<WorkerKey, Arc<Mutex<Fence>>>>,
+    /// Event streams of `POST /v1/events` batches that carry a `seq`, per worker rank.
+    fences: Mutex<HashMap<WorkerKey, Arc<Mutex<EventStream>>>>,
 }
 
 pub(crate) type AppState = Arc<Shared>;
@@ -90,8 +90,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// The fence of `key` (created on first use).
-    pub fn fence(&self, key: WorkerKey) -> Arc<Mutex<Fence>> {
+    /// The event stream of `key` (created on first use).
+    pub fn event_stream(&self, key: WorkerKey) -> Arc<Mutex<EventStream>> {
         lock(&self.fences).entry(key).or_default().clone()
     }
 

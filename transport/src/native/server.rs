@@ -4,9 +4,10 @@
 //! # Invariants
 //! 1. Nothing from a connection reaches the hub before its hello is accepted (version,
 //!    token, block size).
-//! 2. Per connection and dp rank, batches pass a [`Fence`]: a gap clears the rank and
-//!    marks it resyncing (QUIC has no replay), a lower number (publisher restart) clears it;
-//!    then the batch applies. A reconnect starts with fresh fences.
+//! 2. Per connection and dp rank, batches pass an [`EventStream`] (the fencing ZMQ and HTTP
+//!    share): a gap clears the rank and marks it resyncing (QUIC has no replay), a lower
+//!    number that is not a retry of the last batch (a publisher restart) clears it; then the
+//!    batch applies. A reconnect starts with fresh streams.
 //! 3. A frame that fails validation is counted and skipped; the length prefix delimits it,
 //!    so the stream stays usable. Only a declared length over the limit (the stream can no
 //!    longer be trusted to be delimited sensibly) or a broken hello closes the connection.
@@ -19,14 +20,13 @@ use super::frame::{
 use super::schema::{ArchivedClientFrame, ArchivedEventBatch, PROTOCOL_VERSION, ServerFrame};
 use super::tls::{self, TlsSource};
 use crate::error::{DropReason, Result, TransportError};
-use crate::fence::{Fence, Verdict};
 use crate::hub::{Hub, Registration};
+use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
 use engine::{DpRank, WorkerId, WorkerKey};
 use quinn::{Connection, ReadExactError, RecvStream, SendStream, VarInt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 /// Application error code: normal close (the publisher after `Done`).
@@ -327,7 +327,7 @@ async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
     // ----- batches -----
     let mut state = Stream {
         worker: hello.worker,
-        fences: HashMap::new(),
+        streams: HashMap::new(),
         batches: 0,
         events: 0,
     };
@@ -350,7 +350,7 @@ async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
             Err(ReadFail::Lost(e)) => return Err(e),
         }
         match access_client_frame(&buf) {
-            Ok(ArchivedClientFrame::Batch(batch)) => state.apply(hub, batch),
+            Ok(ArchivedClientFrame::Batch(batch)) => state.apply(hub, batch, &buf),
             Ok(ArchivedClientFrame::Hello { .. }) => hub.metrics().drop_input(
                 DropReason::MalformedFrame,
                 1,
@@ -440,13 +440,13 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
 /// One accepted stream's position.
 struct Stream {
     worker: WorkerId,
-    fences: HashMap<u32, Fence>,
+    streams: HashMap<u32, EventStream>,
     batches: u64,
     events: u64,
 }
 
 impl Stream {
-    fn apply(&mut self, hub: &Hub, batch: &ArchivedEventBatch) {
+    fn apply(&mut self, hub: &Hub, batch: &ArchivedEventBatch, bytes: &[u8]) {
         let metrics = hub.metrics();
         let worker = batch.worker_id.to_native();
         if worker != self.worker.0 {
@@ -470,36 +470,33 @@ impl Stream {
         frame::batch_events(batch, hub.block_size(), &mut events, |e| {
             metrics.drop_input(e.reason(), 1, &format_args!("worker {key}: {e}"))
         });
-        let fence = self.fences.entry(dp_rank).or_default();
-        let verdict = fence.check_live(seq);
-        fence.accept(seq);
+        let action = self
+            .streams
+            .entry(dp_rank)
+            .or_insert_with(|| EventStream::new(false))
+            .live(BatchId::of(seq, bytes));
         self.batches += 1;
         let n = events.len() as u64;
         let result = blocking(|| -> Result<()> {
-            match verdict {
-                Verdict::InOrder => {}
-                Verdict::Gap { from } => {
-                    tracing::warn!(worker = %key, from, seq, "batches missing: rank cleared and resyncing");
-                    hub.resync(key)?;
+            match action {
+                Action::Apply => {}
+                Action::ClearThenApply(kind) => {
+                    clear_keys(hub, [key], kind, &format_args!("worker {key}: batch {seq}"))?;
                 }
-                Verdict::Restarted => {
-                    tracing::info!(worker = %key, seq, "publisher restarted: rank cleared");
-                    hub.clear(key)?;
-                    metrics.restarts.fetch_add(1, Relaxed);
+                // QUIC has no replay: a stream made without one never asks for it.
+                Action::Replay { from } => {
+                    let why = format_args!("worker {key}: batches {from}..{seq}");
+                    clear_keys(hub, [key], ClearKind::Resync, &why)?;
                 }
-                Verdict::Duplicate => {
-                    metrics.drop_input(
-                        DropReason::DuplicateSeq,
-                        1,
-                        &format_args!("worker {key}: batch {seq} again"),
-                    );
+                Action::Skip => {
+                    skip_duplicate(hub, 1, &format_args!("worker {key}: batch {seq} again"));
                     return Ok(());
                 }
             }
             hub.ingest(key, events)
         });
         match result {
-            Ok(()) if verdict != Verdict::Duplicate => self.events += n,
+            Ok(()) if action != Action::Skip => self.events += n,
             Ok(()) => {}
             Err(e) => metrics.drop_input(e.reason(), n.max(1), &format_args!("worker {key}: {e}")),
         }

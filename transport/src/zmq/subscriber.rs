@@ -1,22 +1,25 @@
 //! One task per worker subscription: receive, fence, repair, decode, hand to the hub.
 //!
+//! Fencing is [`crate::stream::EventStream`]'s, as for QUIC and HTTP; this task adds the
+//! replay and which keys a clear covers.
+//!
 //! # Invariants
 //! 1. Batches are handed to the hub in seq order, each at most once: live copies of
-//!    batches a replay already delivered are skipped (see [`crate::fence`]).
+//!    batches a replay already delivered, and retries of the last batch, are skipped.
 //! 2. A gap is repaired from the worker's replay endpoint when it has one; when replay is
 //!    missing, fails or cannot reach back far enough, every rank seen on this stream is
 //!    cleared and marked resyncing, and the stream continues from the batch in hand.
-//! 3. A live seq below the expected one (outside a replay's overlap) is a publisher
-//!    restart: the ranks seen are cleared, then the batch applies.
+//! 3. A live seq below the expected one (outside a replay's overlap, and not a retry) is a
+//!    publisher restart: the ranks seen are cleared, then the batch applies.
 //! 4. A batch that does not decode is counted and dropped, and still consumes its seq.
 //! 5. Nothing here stops the subscription except the task being aborted; the ZMQ socket
 //!    reconnects by itself.
 
 use super::{REPLAY_END, ZmqSource};
 use crate::error::{DropReason, TransportError};
-use crate::fence::{Fence, Verdict};
 use crate::hub::Hub;
 use crate::kv_events::{ConvertConfig, convert, decode_batch};
+use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
 use bytes::Bytes;
 use engine::{DpRank, WorkerKey};
 use std::collections::BTreeSet;
@@ -48,6 +51,7 @@ pub fn spawn_subscriber(
     source: ZmqSource,
     config: SubscriberConfig,
 ) -> JoinHandle<()> {
+    let can_replay = source.replay.is_some();
     tokio::spawn(async move {
         let mut stream = Stream {
             convert: ConvertConfig {
@@ -56,7 +60,7 @@ pub fn spawn_subscriber(
             hub,
             source,
             config,
-            fence: Fence::new(),
+            stream: EventStream::new(can_replay),
             ranks: BTreeSet::new(),
         };
         stream.run().await;
@@ -68,7 +72,7 @@ struct Stream {
     source: ZmqSource,
     config: SubscriberConfig,
     convert: ConvertConfig,
-    fence: Fence,
+    stream: EventStream,
     /// Ranks this stream has carried (what a resync or restart clears).
     ranks: BTreeSet<DpRank>,
 }
@@ -140,62 +144,38 @@ impl Stream {
     }
 
     async fn on_live(&mut self, seq: u64, payload: &Bytes) {
-        match self.fence.check_live(seq) {
-            Verdict::InOrder => {}
-            Verdict::Duplicate => {
-                self.hub.metrics().drop_input(
-                    DropReason::DuplicateSeq,
-                    1,
-                    &format_args!("worker {}: seq {seq} already applied", self.source.worker),
-                );
+        let batch = BatchId::of(seq, payload);
+        let mut action = self.stream.live(batch);
+        if let Action::Replay { from } = action {
+            let delivered = match self.source.replay.clone() {
+                Some(endpoint) => match self.replay(&endpoint, from).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(worker = %self.source.worker, from, "replay failed: {e}");
+                        false
+                    }
+                },
+                None => false,
+            };
+            if let Some(kind) = self.stream.replay_ended(from, seq, delivered) {
+                self.clear_ranks(kind, &format_args!("batches {from}..{seq} not replayed"));
+            }
+            action = self.stream.live(batch);
+        }
+        match action {
+            Action::Apply => {}
+            Action::Skip => {
+                let why = format_args!("worker {}: seq {seq} already applied", self.source.worker);
+                skip_duplicate(&self.hub, 1, &why);
                 return;
             }
-            Verdict::Restarted => {
-                tracing::warn!(worker = %self.source.worker, seq,
-                    expected = ?self.fence.next_expected(),
-                    "publisher restarted: clearing its blocks");
-                self.hub.metrics().restarts.fetch_add(1, Relaxed);
-                self.clear_ranks(false);
-                self.fence.reset();
-            }
-            Verdict::Gap { from } => {
-                self.repair(from, seq).await;
-                if self.fence.check_live(seq) == Verdict::Duplicate {
-                    return;
-                }
+            Action::ClearThenApply(kind) => self.clear_ranks(kind, &format_args!("seq {seq}")),
+            // After a replay the stream is caught up or starts afresh: never a second one.
+            Action::Replay { from } => {
+                self.clear_ranks(ClearKind::Resync, &format_args!("batches {from}..{seq}"));
             }
         }
         self.process(seq, payload);
-        self.fence.accept_live(seq);
-    }
-
-    /// Brings the stream from `from` up to (at least) `live - 1`.
-    async fn repair(&mut self, from: u64, live: u64) {
-        let replayed = match self.source.replay.clone() {
-            Some(endpoint) => match self.replay(&endpoint, from).await {
-                Ok(()) => true,
-                Err(e) => {
-                    tracing::warn!(worker = %self.source.worker, from, "replay failed: {e}");
-                    false
-                }
-            },
-            None => false,
-        };
-        let caught_up = self.fence.next_expected().is_some_and(|n| n >= live);
-        if replayed && caught_up {
-            self.fence.note_replayed(from);
-            return;
-        }
-        if replayed {
-            // The replay ended short of the live batch: the batches between are lost.
-            tracing::warn!(worker = %self.source.worker, from, live,
-                "replay ended before the live stream");
-        } else if self.source.replay.is_none() {
-            tracing::warn!(worker = %self.source.worker, from, live,
-                "batches lost and no replay endpoint");
-        }
-        self.clear_ranks(true);
-        self.fence.reset();
     }
 
     async fn replay(&mut self, endpoint: &str, from: u64) -> Result<(), TransportError> {
@@ -234,38 +214,34 @@ impl Stream {
             if seq == REPLAY_END {
                 return Ok(());
             }
-            match self.fence.check_replayed(seq) {
-                Verdict::Duplicate => continue,
-                Verdict::InOrder | Verdict::Restarted => {}
-                Verdict::Gap { from: missing } => {
-                    // The worker's buffer no longer reaches back to `missing`.
-                    tracing::warn!(worker = %self.source.worker, missing, first = seq,
-                        "replay cannot reach back far enough");
-                    self.clear_ranks(true);
+            match self.stream.replayed(BatchId::of(seq, payload)) {
+                Action::Skip => continue,
+                Action::Apply | Action::Replay { .. } => {}
+                Action::ClearThenApply(kind) => {
+                    // The worker's buffer no longer reaches back far enough.
+                    self.clear_ranks(kind, &format_args!("replay starts at {seq}"));
                 }
             }
             self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
             self.process(seq, payload);
-            self.fence.accept(seq);
         }
     }
 
-    /// Clears every rank this stream carried (`resync`: mark them resyncing).
-    fn clear_ranks(&mut self, resync: bool) {
-        for &dp_rank in &self.ranks {
-            let key = WorkerKey {
-                worker: self.source.worker,
-                dp_rank,
-            };
-            let r = if resync {
-                self.hub.resync(key)
-            } else {
-                self.hub.clear(key)
-            };
-            if let Err(e) = r {
-                tracing::warn!(worker = %self.source.worker, "cannot clear rank {dp_rank}: {e}");
-            }
-        }
+    /// Clears every rank this stream carried.
+    fn clear_ranks(&mut self, kind: ClearKind, why: &dyn std::fmt::Display) {
+        let worker = self.source.worker;
+        let keys = self
+            .ranks
+            .iter()
+            .map(|&dp_rank| WorkerKey { worker, dp_rank });
+        // A failed clear is logged by `clear_keys`; the stream goes on (the worker is then
+        // marked resyncing or its engine is gone).
+        let _ = clear_keys(
+            &self.hub,
+            keys,
+            kind,
+            &format_args!("worker {worker}: {why}"),
+        );
     }
 
     fn process(&mut self, seq: u64, payload: &[u8]) {
