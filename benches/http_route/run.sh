@@ -5,6 +5,9 @@
 #
 #   benches/http_route/run.sh     # PORT=8088 DURATION=10s CONNS=16 THREADS=1 CORES=2
 #
+# HTTP runs on the core threads; HTTP_THREADS=N selects the comparison layout instead (HTTP
+# on N threads of its own, cores on theirs; see docs/architecture.md).
+#
 # Requests are never freed by the load generator; --request-timeout-secs 2 expires them
 # so the active set stays bounded. Prints wrk's report and the router's RSS.
 set -euo pipefail
@@ -14,11 +17,13 @@ DURATION=${DURATION:-10s}
 CONNS=${CONNS:-16}
 THREADS=${THREADS:-1}
 CORES=${CORES:-2}
-HTTP_THREADS=${HTTP_THREADS:-2}
+HTTP_THREADS=${HTTP_THREADS:-}
 EXTRA=${EXTRA:-}
 
 cargo build --release -q -p kvengine
-target/release/kvengine --cores "$CORES" --http-threads "$HTTP_THREADS" --http-host 127.0.0.1 \
+LAYOUT=()
+[ -n "$HTTP_THREADS" ] && LAYOUT=(--http-threads "$HTTP_THREADS")
+target/release/kvengine --cores "$CORES" "${LAYOUT[@]}" --http-host 127.0.0.1 \
   --http-port "$PORT" --request-timeout-secs 2 $EXTRA >/dev/null 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT

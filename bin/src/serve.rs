@@ -16,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use engine::WorkerId;
 use engine::approx::ApproxConfig;
-use engine::runtime::RuntimeConfig;
+use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted};
 use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
@@ -27,12 +27,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
+use transport::cores;
 use transport::http::{HttpConfig, health::health_loop, router, serve_http};
 use transport::hub::{Hub, HubConfig, Registration, start_engine};
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
+use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber_on};
 
 use crate::disagg_args::DisaggArgs;
 
@@ -208,7 +209,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     init_logging();
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores = args.cores.map_or(available, usize::from);
-    let http_threads = args.http_threads.map_or(available, usize::from);
     let scheduler = args.scheduler()?;
     if args.quic.is_some() && args.ingest_token.as_deref().is_none_or(str::is_empty) {
         bail!(
@@ -227,14 +227,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.no_kv_events && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
     }
-    let config = RuntimeConfig {
-        ring_capacity: args.ring_capacity as usize,
-        pin_cores: !args.no_pin,
-        ingest_handles: cores,
-        query_handles: http_threads + 1,
-        call_timeout: std::time::Duration::from_millis(args.engine_timeout_ms),
-        ..RuntimeConfig::default()
-    };
     let (tx, rx) = tokio::sync::watch::channel(false);
     ctrlc::set_handler(move || {
         let _ = tx.send(true);
@@ -243,20 +235,40 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 
     let sharding = Sharding::configured(cores, args.replicate_depth, args.hub_fanout)
         .context("invalid sharding flags")?;
-    let described = sharding.describe();
-    let (hub, runtime) = start_engine(HubConfig { scheduler }, sharding, config)
-        .context("cannot start the shards")?;
-    let hub = if args.no_kv_events {
-        hub.without_kv_events(ApproxConfig::default())?
-    } else {
-        hub
-    };
-    let hub = Arc::new(hub);
-    let pinned = runtime.pinned();
-    let pinned_count = pinned.iter().flatten().count();
     println!(
-        "kvengine: {cores} core thread(s) up ({available} CPU(s) available); sharding {described}"
+        "kvengine: {cores} core thread(s) up ({available} CPU(s) available); sharding {}",
+        sharding.describe()
     );
+    let engine = RuntimeConfig {
+        ring_capacity: args.ring_capacity as usize,
+        pin_cores: !args.no_pin,
+        call_timeout: Duration::from_millis(args.engine_timeout_ms),
+        ..RuntimeConfig::default()
+    };
+    let summaries = match args.http_threads {
+        Some(n) => run_threaded(
+            args,
+            HubConfig { scheduler },
+            sharding,
+            engine,
+            n.into(),
+            rx,
+        )?,
+        None => run_on_cores(args, HubConfig { scheduler }, sharding, engine, rx)?,
+    };
+    for s in &summaries {
+        println!(
+            "kvengine: {} applied {} block ops, answered {} queries, {} entries live",
+            s.shard, s.applied, s.queries, s.index.entries
+        );
+    }
+    println!("kvengine: stopped");
+    Ok(())
+}
+
+fn print_pinning(args: &ServeArgs, pinned: &[Option<usize>]) {
+    let cores = pinned.len();
+    let pinned_count = pinned.iter().flatten().count();
     if args.no_pin {
         println!("kvengine: pinning disabled (--no-pin)");
     } else if pinned_count < cores {
@@ -268,36 +280,252 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     } else {
         println!("kvengine: every core thread pinned to its own CPU");
     }
+}
 
+fn hub_for(args: &ServeArgs, hub: Hub) -> Result<Arc<Hub>> {
+    Ok(Arc::new(if args.no_kv_events {
+        hub.without_kv_events(ApproxConfig::default())?
+    } else {
+        hub
+    }))
+}
+
+/// The default layout: the edge on the cores. Each core thread runs a single-threaded
+/// runtime that accepts its share of HTTP connections (one `SO_REUSEPORT` listener per
+/// core), runs the subscriptions of the workers homed on it, and steps its engine core in
+/// between (`transport::cores`). Core 0 also runs the setup, QUIC, the simulated workers and
+/// the health checks. No other thread serves requests.
+fn run_on_cores(
+    args: &ServeArgs,
+    config: HubConfig,
+    sharding: Sharding,
+    engine: RuntimeConfig,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<Vec<CoreSummary>> {
+    let hosted = start_hosted(sharding, engine).context("cannot build the cores")?;
+    let cores = hosted.cores.len();
+    let hub = hub_for(args, Hub::hosted(config, hosted.ingest, hosted.query)?)?;
+    let listeners = reuseport_listeners(&args.http_host, args.http_port, cores)?;
+    let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+    let (app_tx, app_rx) = tokio::sync::watch::channel::<Option<axum::Router>>(None);
+    let mut app_tx = Some(app_tx);
+    let mut handle_rx = Some(handle_rx);
+    let results: Vec<Result<CoreSummary>> = std::thread::scope(|scope| {
+        let mut threads = Vec::with_capacity(cores);
+        for (k, (host, listener)) in hosted.cores.into_iter().zip(listeners).enumerate() {
+            let (hub, stop, handle_tx, app_rx) =
+                (hub.clone(), stop.clone(), handle_tx.clone(), app_rx.clone());
+            let setup = if k == 0 {
+                app_tx.take().zip(handle_rx.take())
+            } else {
+                None
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("kvengine-core-{k}"))
+                .spawn_scoped(scope, move || -> Result<CoreSummary> {
+                    let pinned = host.pin_current_thread();
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .context("cannot start a core's runtime")?;
+                    let _ = handle_tx.send((k, pinned, rt.handle().clone()));
+                    drop(handle_tx);
+                    cores::install(host);
+                    let served = rt.block_on(async move {
+                        tokio::spawn(cores::drive());
+                        let listener =
+                            tokio::net::TcpListener::from_std(listener).context("HTTP listener")?;
+                        match setup {
+                            Some((app_tx, handles)) => {
+                                let handles = collect_handles(handles, cores)?;
+                                serve(hub, args, stop, listener, handles, Some(app_tx)).await
+                            }
+                            None => serve_share(listener, app_rx, stop).await,
+                        }
+                    });
+                    // Ends every task left (subscriptions, connections, health checks).
+                    drop(rt);
+                    let summary = cores::finish().context("the core is gone")?;
+                    served?;
+                    Ok(summary)
+                });
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    tracing::error!("cannot start core thread {k}: {e}");
+                    break;
+                }
+            }
+        }
+        drop((hub, handle_tx, app_tx, app_rx));
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a core thread panicked")))
+            })
+            .collect()
+    });
+    if results.len() < cores {
+        bail!("only {} of {cores} core threads started", results.len());
+    }
+    results.into_iter().collect()
+}
+
+/// The runtimes of every core, by core, as each thread reports its own (it also reports the
+/// CPU it pinned itself to, printed here).
+fn collect_handles(
+    rx: std::sync::mpsc::Receiver<(usize, Option<usize>, tokio::runtime::Handle)>,
+    cores: usize,
+) -> Result<Spawner> {
+    let mut handles: Vec<Option<tokio::runtime::Handle>> = vec![None; cores];
+    let mut pinned = vec![None; cores];
+    for _ in 0..cores {
+        let (k, cpu, h) = rx
+            .recv()
+            .context("a core thread ended before its runtime started")?;
+        if let (Some(slot), Some(p)) = (handles.get_mut(k), pinned.get_mut(k)) {
+            (*slot, *p) = (Some(h), cpu);
+        }
+    }
+    print_pinning_hosted(&pinned);
+    let handles: Option<Vec<_>> = handles.into_iter().collect();
+    Ok(Spawner(
+        handles.context("a core's runtime is missing")?.into(),
+    ))
+}
+
+fn print_pinning_hosted(pinned: &[Option<usize>]) {
+    let n = pinned.iter().flatten().count();
+    println!(
+        "kvengine: {n} of {} core threads pinned to a CPU of their own; HTTP and ingest run on \
+         the core threads",
+        pinned.len()
+    );
+}
+
+/// Another core's share of the HTTP edge: the app core 0 built, on this core's listener.
+async fn serve_share(
+    listener: tokio::net::TcpListener,
+    mut app: tokio::sync::watch::Receiver<Option<axum::Router>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<()> {
+    let Ok(ready) = app.wait_for(Option::is_some).await else {
+        // Core 0's setup failed; it reports why.
+        return Ok(());
+    };
+    let Some(router) = ready.clone() else {
+        return Ok(());
+    };
+    let shutdown = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    serve_http(listener, router, shutdown)
+        .await
+        .context("HTTP edge")
+}
+
+/// `cores` listeners on one address with `SO_REUSEPORT`, so the kernel spreads connections
+/// over the cores (with port 0, the port the first one got).
+fn reuseport_listeners(host: &str, port: u16, cores: usize) -> Result<Vec<std::net::TcpListener>> {
+    use std::net::ToSocketAddrs;
+    let context = || format!("--http-host/--http-port {host}:{port}");
+    let mut addr = (host, port)
+        .to_socket_addrs()
+        .with_context(context)?
+        .next()
+        .with_context(context)?;
+    // Registering a socket needs a runtime; the listeners move to the cores' runtimes.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .context("cannot start a runtime to bind with")?;
+    let _entered = rt.enter();
+    let mut out = Vec::with_capacity(cores);
+    for _ in 0..cores {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .with_context(context)?;
+        socket.set_reuseaddr(true).with_context(context)?;
+        socket.set_reuseport(true).with_context(context)?;
+        socket.bind(addr).with_context(context)?;
+        let listener = socket.listen(1024).with_context(context)?;
+        addr = listener.local_addr().with_context(context)?;
+        out.push(listener.into_std().with_context(context)?);
+    }
+    Ok(out)
+}
+
+/// The comparison layout (`--http-threads N`): core threads of their own and a separate
+/// N-thread runtime for HTTP and ingest, which reaches the cores over rings and parks for
+/// their replies. Kept to measure the edge on the cores against (docs/architecture.md).
+fn run_threaded(
+    args: &ServeArgs,
+    config: HubConfig,
+    sharding: Sharding,
+    engine: RuntimeConfig,
+    http_threads: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<Vec<CoreSummary>> {
+    let cores = engine::sharding::ShardPolicy::shards(&sharding);
+    let engine = RuntimeConfig {
+        ingest_handles: cores,
+        query_handles: http_threads + 1,
+        ..engine
+    };
+    let (hub, runtime) =
+        start_engine(config, sharding, engine).context("cannot start the shards")?;
+    let hub = hub_for(args, hub)?;
+    print_pinning(args, runtime.pinned());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(http_threads)
         .thread_name("kvengine-io")
         .enable_all()
         .build()
         .context("cannot start the I/O runtime")?;
-    let served = rt.block_on(serve(hub.clone(), args, rx));
+    let served = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((args.http_host.as_str(), args.http_port))
+            .await
+            .with_context(|| {
+                format!(
+                    "--http-host/--http-port {}:{}",
+                    args.http_host, args.http_port
+                )
+            })?;
+        let spawner = Spawner(vec![tokio::runtime::Handle::current()].into());
+        serve(hub.clone(), args, stop, listener, spawner, None).await
+    });
     // Dropping the runtime ends every task (subscriptions, connections, health checks).
     drop(rt);
     println!("kvengine: stopping: draining the cores");
     let hub = Arc::try_unwrap(hub).map_err(|_| anyhow::anyhow!("the hub is still shared"))?;
     drop(hub);
     let summaries = runtime.join().context("a shard thread failed")?;
-    for s in &summaries {
-        println!(
-            "kvengine: {} applied {} block ops, answered {} queries, {} entries live",
-            s.shard, s.applied, s.queries, s.index.entries
-        );
-    }
     served?;
-    println!("kvengine: stopped");
-    Ok(())
+    Ok(summaries)
+}
+
+/// Where tasks for a worker go: the runtime of its home core (one runtime in the comparison
+/// layout).
+#[derive(Clone)]
+struct Spawner(Arc<[tokio::runtime::Handle]>);
+
+impl Spawner {
+    fn home(&self, worker: WorkerId) -> &tokio::runtime::Handle {
+        let k = engine::runtime::home_core(worker, self.0.len()).idx();
+        // `home_core` is below the count it is given.
+        &self.0[k]
+    }
 }
 
 /// One subscription per (worker, publisher endpoint): a data-parallel worker has one
 /// publisher per rank, all under the same worker id.
 type Subscriptions = Arc<Mutex<HashMap<(WorkerId, String), JoinHandle<()>>>>;
 
-fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, source: ZmqSource) {
+fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Spawner, source: ZmqSource) {
     let mut subs = subs
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -306,14 +534,21 @@ fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, source: ZmqSource) {
         // Already subscribed (a repeated registration): keep the stream and its fence.
         return;
     }
-    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    let on = spawner.home(source.worker);
+    let task = spawn_subscriber_on(on, hub.clone(), source, SubscriberConfig::default());
     subs.insert(id, task);
 }
 
+/// The setup and this thread's share of the edge: registrations and subscriptions, simulated
+/// workers, QUIC, the app (shared with the other cores through `share`), health checks;
+/// then HTTP on `listener` until `stop`.
 async fn serve(
     hub: Arc<Hub>,
     args: &ServeArgs,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    listener: tokio::net::TcpListener,
+    spawner: Spawner,
+    share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
     for source in &args.zmq_workers {
@@ -323,7 +558,7 @@ async fn serve(
             ..Registration::new(source.worker)
         })?;
         println!("kvengine: subscribing to worker {source}");
-        subscribe(&hub, &subs, source.clone());
+        subscribe(&hub, &subs, &spawner, source.clone());
     }
 
     let tokenizer = match &args.tokenizer {
@@ -332,7 +567,7 @@ async fn serve(
         )),
         None => None,
     };
-    let sims = start_sim_workers(&hub, &subs, args, tokenizer.clone()).await?;
+    let sims = start_sim_workers(&hub, &subs, &spawner, args, tokenizer.clone()).await?;
     for r in &args.disagg.worker_roles {
         hub.register(Registration {
             role: Some(r.role),
@@ -368,11 +603,11 @@ async fn serve(
     };
 
     let on_register = {
-        let (hub, subs) = (hub.clone(), subs.clone());
+        let (hub, subs, spawner) = (hub.clone(), subs.clone(), spawner.clone());
         Arc::new(move |reg: &Registration| {
             let Some(zmq) = &reg.zmq else { return };
             match ZmqSource::new(reg.worker, zmq, reg.replay.as_deref()) {
-                Ok(source) => subscribe(&hub, &subs, source),
+                Ok(source) => subscribe(&hub, &subs, &spawner, source),
                 Err(e) => tracing::warn!(worker = %reg.worker, "not subscribing: {e}"),
             }
         })
@@ -408,14 +643,9 @@ async fn serve(
             ..ProxyConfig::default()
         },
     ));
-    let listener = tokio::net::TcpListener::bind((args.http_host.as_str(), args.http_port))
-        .await
-        .with_context(|| {
-            format!(
-                "--http-host/--http-port {}:{}",
-                args.http_host, args.http_port
-            )
-        })?;
+    if let Some(share) = share {
+        let _ = share.send(Some(app.clone()));
+    }
     let addr = listener.local_addr().context("HTTP listener")?;
     println!(
         "kvengine: HTTP on http://{addr} (OpenAI /v1/chat/completions and /v1/completions; \
@@ -456,6 +686,7 @@ async fn serve(
 async fn start_sim_workers(
     hub: &Arc<Hub>,
     subs: &Subscriptions,
+    spawner: &Spawner,
     args: &ServeArgs,
     tokenizer: Option<Arc<PromptTokenizer>>,
 ) -> Result<Vec<SimWorkerHandle>> {
@@ -494,7 +725,7 @@ async fn start_sim_workers(
         }
         hub.register(reg)?;
         if !args.no_kv_events {
-            subscribe(hub, subs, ZmqSource::new(id, &zmq, Some(&replay))?);
+            subscribe(hub, subs, spawner, ZmqSource::new(id, &zmq, Some(&replay))?);
         }
         println!("kvengine: simulated worker {id} ({role}) at {}", w.url());
     }

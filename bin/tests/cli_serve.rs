@@ -51,6 +51,10 @@ fn serves_until_sigint_with_cores_flag() {
     );
     assert!(ok, "{out}");
     assert!(out.contains("3 core thread(s) up"), "{out}");
+    assert!(
+        out.contains("HTTP and ingest run on the core threads"),
+        "{out}"
+    );
     assert_eq!(out.matches("applied 0 block ops").count(), 3, "{out}");
     assert!(out.contains("kvengine: stopped"), "{out}");
 }
@@ -67,6 +71,27 @@ fn serves_until_sigterm_with_env_vars() {
     assert!(ok, "{out}");
     assert!(out.contains("2 core thread(s) up"), "{out}");
     assert!(out.contains("replicate depth 8 blocks"), "{out}");
+}
+
+#[test]
+fn serves_with_http_on_threads_of_its_own_when_asked() {
+    let (out, ok) = serve_until(
+        "-INT",
+        &[
+            "--cores",
+            "2",
+            "--no-pin",
+            "--http-port",
+            "0",
+            "--http-threads",
+            "1",
+        ],
+        &[],
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("2 core thread(s) up"), "{out}");
+    assert!(!out.contains("run on the core threads"), "{out}");
+    assert_eq!(out.matches("applied 0 block ops").count(), 2, "{out}");
 }
 
 #[test]

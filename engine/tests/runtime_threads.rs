@@ -283,3 +283,80 @@ fn odd_queries_and_events_get_answers_not_panics() {
             .all(|s| s.inconsistencies == 0)
     );
 }
+
+/// Cores hosted on threads the test owns: each thread sends its share of the events
+/// through its own core (which steps while it waits), then every thread checks every query
+/// against the single-threaded engine, as do the handles for threads that are not cores.
+#[test]
+fn hosted_cores_answer_as_one_thread_does() {
+    use engine::runtime::start_hosted;
+    use std::sync::{Arc, Barrier};
+    for (shards, depth) in [(1, 0), (2, 3), (3, 1)] {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        let config = RuntimeConfig {
+            ring_capacity: 4,
+            pin_cores: false,
+            ..RuntimeConfig::default()
+        };
+        let hosted = start_hosted(policy, config).unwrap();
+        let mut reference = ShardedIndex::new(policy);
+        let mut all_queries = vec![];
+        let mut per_core: Vec<Vec<(WorkerKey, KvEvent)>> = vec![vec![]; shards];
+        for w in 0..6u64 {
+            let (ev, q) = events(w);
+            for (k, e) in &ev {
+                reference.apply(*k, e).unwrap();
+            }
+            // Worker w's events enter through core (w + 1) % shards: not always its home.
+            per_core[((w + 1) % shards as u64) as usize].extend(ev);
+            all_queries.extend(q);
+        }
+        let expected: Vec<_> = all_queries
+            .iter()
+            .map(|q| reference.find_matches(q))
+            .collect();
+        let synced = Arc::new(Barrier::new(shards + 1));
+        let checked = Arc::new(Barrier::new(shards + 1));
+        let mut threads = vec![];
+        for (mut host, evs) in hosted.cores.into_iter().zip(per_core) {
+            let (queries, expected) = (all_queries.clone(), expected.clone());
+            let (synced, checked) = (synced.clone(), checked.clone());
+            threads.push(std::thread::spawn(move || {
+                host.send(&Arc::from(evs)).unwrap();
+                host.sync().unwrap();
+                // Every core keeps serving while the others finish sending.
+                let wait = |host: &mut engine::runtime::CoreHost<FixedDepth>, b: &Barrier| {
+                    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    std::thread::scope(|s| {
+                        s.spawn(|| {
+                            b.wait();
+                            done.store(true, std::sync::atomic::Ordering::Release);
+                        });
+                        while !done.load(std::sync::atomic::Ordering::Acquire) {
+                            host.step();
+                        }
+                    });
+                };
+                wait(&mut host, &synced);
+                for (q, want) in queries.iter().zip(&expected) {
+                    assert_eq!(&host.find_matches(q).unwrap(), want);
+                }
+                wait(&mut host, &checked);
+                host.run_to_end()
+            }));
+        }
+        let (mut ingest, mut query) = (hosted.ingest, hosted.query);
+        synced.wait();
+        ingest.sync().unwrap();
+        for (q, want) in all_queries.iter().zip(&expected) {
+            assert_eq!(&query.find_matches(q).unwrap(), want, "{shards} shards");
+        }
+        checked.wait();
+        drop((ingest, query));
+        let summaries: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(summaries.iter().all(|s| s.inconsistencies == 0));
+        let applied: u64 = summaries.iter().map(|s| s.applied).sum();
+        let want: u64 = reference.shards().iter().map(|s| s.applied()).sum();
+        assert_eq!(applied, want, "{shards} shards");
+    }
+}

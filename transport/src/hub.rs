@@ -9,17 +9,26 @@
 //! 3. A request id is active in the scheduler iff it is in the id map.
 //!
 //! # Concurrency
-//! Shared as `Arc<Hub>` by every tokio task and thread. Engine handles are `Send` but not
-//! `Sync`, so each sits behind its own mutex; queries take whichever query handle is free.
-//! Lock order: registry, then routing, then a handle; never the reverse.
+//! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
+//! * cores on threads of their own ([`start_engine`]): engine handles are `Send` but not
+//!   `Sync`, so each sits behind its own mutex; queries take whichever query handle is free;
+//! * cores hosted on the edge's threads ([`Hub::hosted`], [`crate::cores`]): a call made on
+//!   a core thread goes through that thread's core (a query for its shard answered in place,
+//!   anything else over its rings while it keeps stepping its core); a call from any other
+//!   thread takes the shared fallback handles.
+//!
+//! Lock order: registry, then routing, then a handle; never the reverse. No hub lock is held
+//! across an engine call (on a hosted core, a thread blocked on such a lock could be the
+//! core the call waits for).
 
+use crate::cores;
 use crate::error::{Result, TransportError};
 use crate::metrics::Metrics;
 use engine::approx::{ApproxConfig, ApproxIndex};
 use engine::directories::Applied;
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
-use engine::runtime::{CoreSummary, IngestHandle, QueryHandle, home_core};
+use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{
     ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
     WorkerRole,
@@ -155,9 +164,7 @@ pub struct Routed {
 #[derive(Debug)]
 pub struct Hub {
     config: HubConfig,
-    ingest: Handles<IngestHandle>,
-    query: Handles<QueryHandle<Sharding>>,
-    next_query: AtomicUsize,
+    engine: Engine,
     routing: Mutex<Routing>,
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
     cached: RwLock<HashMap<WorkerKey, u64>>,
@@ -187,12 +194,34 @@ impl Hub {
                 reason: "needs at least one ingest and one query handle".into(),
             });
         };
-        let scheduler = Scheduler::new(config.scheduler)?;
-        Ok(Self {
-            config,
+        let engine = Engine::Threads {
             ingest,
             query,
             next_query: AtomicUsize::new(0),
+        };
+        Self::with_engine(config, engine)
+    }
+
+    /// A hub over cores hosted on the edge's threads ([`engine::runtime::start_hosted`]):
+    /// calls made on a core thread go through its core ([`crate::cores`]); `ingest` and
+    /// `query` serve calls from any other thread.
+    pub fn hosted(
+        config: HubConfig,
+        ingest: IngestHandle,
+        query: QueryHandle<Sharding>,
+    ) -> Result<Self> {
+        let engine = Engine::Hosted {
+            ingest: Mutex::new(ingest),
+            query: Mutex::new(query),
+        };
+        Self::with_engine(config, engine)
+    }
+
+    fn with_engine(config: HubConfig, engine: Engine) -> Result<Self> {
+        let scheduler = Scheduler::new(config.scheduler)?;
+        Ok(Self {
+            config,
+            engine,
             routing: Mutex::new(Routing {
                 scheduler,
                 ids: HashMap::new(),
@@ -238,7 +267,7 @@ impl Hub {
                 a.expire(now);
                 Ok(a.find_matches(seqs))
             }
-            None => Ok(self.with_query(|q| q.find_matches(seqs))?),
+            None => Ok(self.on_query(&mut |q| q.find_matches(seqs))?),
         }
     }
 
@@ -269,19 +298,42 @@ impl Hub {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn ingest_handle(&self, worker: WorkerId) -> MutexGuard<'_, IngestHandle> {
-        lock(self.ingest.get(home_core(worker, self.ingest.len()).idx()))
+    /// Runs `f` on the engine for `worker`'s events: this thread's core where it is one,
+    /// otherwise the worker's ingest handle (so one worker's events keep one path and their
+    /// order).
+    fn on_ingest<R>(&self, worker: WorkerId, f: &mut dyn FnMut(&mut dyn EngineOps) -> R) -> R {
+        match &self.engine {
+            Engine::Threads { ingest, .. } => f(&mut *lock(
+                ingest.get(home_core(worker, ingest.len()).idx()),
+            )),
+            Engine::Hosted { ingest, .. } => match cores::with_core(|c| f(c)) {
+                Some(r) => r,
+                None => f(&mut *lock(ingest)),
+            },
+        }
     }
 
-    fn with_query<T>(&self, f: impl FnOnce(&mut QueryHandle<Sharding>) -> T) -> T {
-        let n = self.query.len();
-        let start = self.next_query.fetch_add(1, Relaxed);
-        for i in 0..n {
-            if let Ok(mut h) = self.query.get(start.wrapping_add(i) % n).try_lock() {
-                return f(&mut h);
+    /// Runs `f` on the engine for a query: this thread's core where it is one, otherwise
+    /// whichever query handle is free.
+    fn on_query<R>(&self, f: &mut dyn FnMut(&mut dyn QueryOps) -> R) -> R {
+        match &self.engine {
+            Engine::Threads {
+                query, next_query, ..
+            } => {
+                let n = query.len();
+                let start = next_query.fetch_add(1, Relaxed);
+                for i in 0..n {
+                    if let Ok(mut h) = query.get(start.wrapping_add(i) % n).try_lock() {
+                        return f(&mut *h);
+                    }
+                }
+                f(&mut *lock(query.get(start % n)))
             }
+            Engine::Hosted { query, .. } => match cores::with_core(|c| f(c)) {
+                Some(r) => r,
+                None => f(&mut *lock(query)),
+            },
         }
-        f(&mut lock(self.query.get(start % n)))
     }
 
     // ----- workers -----
@@ -358,6 +410,7 @@ impl Hub {
         if registry.remove(&worker).is_none() {
             return Ok(None);
         }
+        drop(registry);
         {
             let mut routing = lock(&self.routing);
             routing.scheduler.remove_worker(worker);
@@ -375,7 +428,7 @@ impl Hub {
         if let Some(a) = &self.approx {
             lock(a).remove_worker(worker);
         }
-        let dropped = self.ingest_handle(worker).remove_worker(worker)?;
+        let dropped = self.on_ingest(worker, &mut |e| e.remove_worker(worker))?;
         self.cached
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -520,7 +573,7 @@ impl Hub {
         self.admit(key)?;
         self.count_events(key, &events);
         let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
-        self.ingest_handle(key.worker).send(&batch)?;
+        self.on_ingest(key.worker, &mut |e| e.send(&batch))?;
         Ok(())
     }
 
@@ -534,21 +587,24 @@ impl Hub {
         self.refuse_events_if_approximate()?;
         self.admit(key)?;
         self.count_events(key, events);
-        let mut handle = self.ingest_handle(key.worker);
-        let mut out = Vec::with_capacity(events.len());
-        for e in events {
-            match handle.apply(key, e) {
-                Err(EngineError::RuntimeStopped) => return Err(EngineError::RuntimeStopped.into()),
-                r => out.push(r),
+        self.on_ingest(key.worker, &mut |engine| {
+            let mut out = Vec::with_capacity(events.len());
+            for e in events {
+                match engine.apply(key, e) {
+                    Err(e @ (EngineError::RuntimeStopped | EngineError::Timeout { .. })) => {
+                        return Err(e.into());
+                    }
+                    r => out.push(r),
+                }
             }
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// Drops every block of `key` (a publisher restarted).
     pub fn clear(&self, key: WorkerKey) -> Result<usize> {
         self.admit(key)?;
-        Ok(self.ingest_handle(key.worker).clear(key)?)
+        Ok(self.on_ingest(key.worker, &mut |e| e.clear(key))?)
     }
 
     /// Clears `key` because its stream could not be repaired and marks it resyncing until
@@ -562,17 +618,29 @@ impl Hub {
         Ok(n)
     }
 
-    /// Waits until everything handed to the engine so far is applied.
+    /// Waits until everything handed to the engine so far is applied: by any thread, with
+    /// cores on threads of their own; on hosted cores, by this thread's core and by the
+    /// threads that are not cores (another core's events are ordered only by that core).
     pub fn sync(&self) -> Result<()> {
-        for h in self.ingest.iter() {
-            lock(h).sync()?;
+        match &self.engine {
+            Engine::Threads { ingest, .. } => {
+                for h in ingest.iter() {
+                    lock(h).sync()?;
+                }
+            }
+            Engine::Hosted { ingest, .. } => {
+                if let Some(r) = cores::with_core(|c| c.sync()) {
+                    r?;
+                }
+                lock(ingest).sync()?;
+            }
         }
         Ok(())
     }
 
     /// Every core's figures (index size, refusals, queries).
     pub fn core_stats(&self) -> Result<Vec<CoreSummary>> {
-        Ok(self.with_query(|q| q.core_stats())?)
+        Ok(self.on_query(&mut |q| q.core_stats())?)
     }
 
     /// Refreshes the per-key cached-block totals the scheduler breaks ties with (called
@@ -590,7 +658,7 @@ impl Hub {
         };
         let mut fresh = HashMap::with_capacity(keys.len());
         for key in keys {
-            let n = self.ingest_handle(key.worker).cached_blocks(key)?;
+            let n = self.on_ingest(key.worker, &mut |e| e.cached_blocks(key))?;
             fresh.insert(key, n);
         }
         *self
@@ -628,6 +696,32 @@ impl Hub {
     pub fn route(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
         let seqs = self.hash_prompt(call.tokens, call.lora_name);
         let matches = self.find_matches(&seqs, now)?;
+        self.decide(call, &seqs, &matches, now)
+    }
+
+    /// [`Hub::route`] for async callers: on a hosted core, a query for another core's shard
+    /// waits without blocking the thread, which keeps serving meanwhile.
+    pub async fn route_async(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
+        let seqs = self.hash_prompt(call.tokens, call.lora_name);
+        let hosted = matches!(self.engine, Engine::Hosted { .. }) && self.approx.is_none();
+        let matches = match hosted {
+            true => match cores::find_matches(&seqs).await {
+                Some(r) => r?,
+                None => self.find_matches(&seqs, now)?,
+            },
+            false => self.find_matches(&seqs, now)?,
+        };
+        self.decide(call, &seqs, &matches, now)
+    }
+
+    /// The scheduler's decision for a request whose overlaps are known; records it.
+    fn decide(
+        &self,
+        call: &RouteCall<'_>,
+        seqs: &[SeqHash],
+        matches: &Matches,
+        now: Instant,
+    ) -> Result<Routed> {
         let cached = self
             .cached
             .read()
@@ -646,11 +740,11 @@ impl Hub {
         let id = RequestId(routing.next_id);
         let request = RouteRequest {
             id,
-            blocks: &seqs,
+            blocks: seqs,
             input_tokens: call.tokens.len() as u64,
             overrides: call.overrides,
         };
-        let decision = routing.scheduler.route(now, &request, &matches, |k| {
+        let decision = routing.scheduler.route(now, &request, matches, |k| {
             cached.get(&k).copied().unwrap_or(0)
         })?;
         routing.next_id += 1;
@@ -658,7 +752,7 @@ impl Hub {
         routing.names.insert(id, name.clone());
         drop(routing);
         if let Some(a) = &self.approx {
-            lock(a).insert(now, decision.worker, &seqs);
+            lock(a).insert(now, decision.worker, seqs);
         }
         self.metrics.decided(decision.mode);
         self.metrics
@@ -719,6 +813,76 @@ impl Hub {
         lock(&self.routing).scheduler.active_requests()
     }
 }
+
+/// How the hub reaches the engine (see the module docs).
+#[derive(Debug)]
+enum Engine {
+    /// Cores on threads of their own.
+    Threads {
+        ingest: Handles<IngestHandle>,
+        query: Handles<QueryHandle<Sharding>>,
+        next_query: AtomicUsize,
+    },
+    /// Cores hosted on the edge's threads; these handles serve the other threads.
+    Hosted {
+        ingest: Mutex<IngestHandle>,
+        query: Mutex<QueryHandle<Sharding>>,
+    },
+}
+
+/// What the hub asks of the engine about events, whether through a handle or a hosted core.
+trait EngineOps {
+    fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> engine::Result<()>;
+    fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> engine::Result<Applied>;
+    fn clear(&mut self, key: WorkerKey) -> engine::Result<usize>;
+    fn remove_worker(&mut self, worker: WorkerId) -> engine::Result<usize>;
+    fn cached_blocks(&mut self, key: WorkerKey) -> engine::Result<u64>;
+}
+
+/// What the hub asks of the engine about the index.
+trait QueryOps {
+    fn find_matches(&mut self, seqs: &[SeqHash]) -> engine::Result<Matches>;
+    fn core_stats(&mut self) -> engine::Result<Vec<CoreSummary>>;
+}
+
+macro_rules! engine_ops {
+    ($t:ty) => {
+        impl EngineOps for $t {
+            fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> engine::Result<()> {
+                <$t>::send(self, events)
+            }
+            fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> engine::Result<Applied> {
+                <$t>::apply(self, key, event)
+            }
+            fn clear(&mut self, key: WorkerKey) -> engine::Result<usize> {
+                <$t>::clear(self, key)
+            }
+            fn remove_worker(&mut self, worker: WorkerId) -> engine::Result<usize> {
+                <$t>::remove_worker(self, worker)
+            }
+            fn cached_blocks(&mut self, key: WorkerKey) -> engine::Result<u64> {
+                <$t>::cached_blocks(self, key)
+            }
+        }
+    };
+}
+engine_ops!(IngestHandle);
+engine_ops!(CoreHost<Sharding>);
+
+macro_rules! query_ops {
+    ($t:ty) => {
+        impl QueryOps for $t {
+            fn find_matches(&mut self, seqs: &[SeqHash]) -> engine::Result<Matches> {
+                <$t>::find_matches(self, seqs)
+            }
+            fn core_stats(&mut self) -> engine::Result<Vec<CoreSummary>> {
+                <$t>::core_stats(self)
+            }
+        }
+    };
+}
+query_ops!(QueryHandle<Sharding>);
+query_ops!(CoreHost<Sharding>);
 
 /// A non-empty list of engine handles, each behind its own mutex.
 #[derive(Debug)]

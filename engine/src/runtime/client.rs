@@ -35,6 +35,7 @@ use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ShardPolicy;
+use hashbrown::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,10 @@ pub(crate) struct Link {
     pub sync_timeout: Duration,
     /// The tag of the last call (tags count up from 1; 0 marks messages without reply).
     pub last_tag: u64,
+    /// Calls whose replies are collected later ([`Link::begin_query`]), by (core, tag),
+    /// with the reply once it arrived: a wait for another call keeps these instead of
+    /// discarding them as late.
+    pub awaited: HashMap<(usize, u64), Option<FromCore>>,
 }
 
 /// When a wait gives up, and how long it was allowed.
@@ -105,13 +110,30 @@ impl Deadline {
     }
 }
 
+/// What a waiting caller does meanwhile: a hosted core steps its own work (so a core that
+/// waits for another never stops serving the others, and two cores waiting on each other
+/// both progress); returns whether it did anything. Plain handles do nothing.
+pub(crate) type Work<'a> = &'a mut dyn FnMut() -> bool;
+
+/// The [`Work`] of a thread with nothing else to do.
+pub(crate) fn idle() -> bool {
+    false
+}
+
 impl Link {
     fn next_tag(&mut self) -> u64 {
         self.last_tag += 1;
         self.last_tag
     }
 
-    fn send(&mut self, core: usize, tag: u64, mut msg: ToCore, deadline: Deadline) -> Result<()> {
+    fn send(
+        &mut self,
+        core: usize,
+        tag: u64,
+        mut msg: ToCore,
+        deadline: Deadline,
+        work: Work<'_>,
+    ) -> Result<()> {
         let (Some(ring), Some(waker)) = (self.to.get_mut(core), self.wakers.get(core)) else {
             return Err(EngineError::RuntimeStopped);
         };
@@ -126,7 +148,9 @@ impl Link {
                 Err(PushError::Full(m)) => {
                     msg = m.msg;
                     waker.wake();
-                    if spins >= SPINS_BEFORE_YIELD + YIELDS_BEFORE_NAP {
+                    if work() {
+                        spins = 0;
+                    } else if spins >= SPINS_BEFORE_YIELD + YIELDS_BEFORE_NAP {
                         deadline.left(core)?;
                         std::thread::sleep(FULL_NAP);
                     } else {
@@ -138,17 +162,29 @@ impl Link {
     }
 
     /// Waits for the reply tagged `tag` from `core`, discarding late replies to calls
-    /// given up before: spins briefly, then parks until the core wakes this client (so a
-    /// waiting client leaves its CPU to the cores), until `deadline`.
-    fn recv(&mut self, core: usize, tag: u64, deadline: Deadline) -> Result<FromCore> {
+    /// given up before: does `work` meanwhile; with none, spins briefly, then parks until
+    /// the core wakes this client (so a waiting client leaves its CPU to the cores), until
+    /// `deadline`.
+    fn recv(
+        &mut self,
+        core: usize,
+        tag: u64,
+        deadline: Deadline,
+        work: Work<'_>,
+    ) -> Result<FromCore> {
         let ring = self.from.get_mut(core).ok_or(EngineError::RuntimeStopped)?;
         let mut spins = 0u32;
         loop {
             match ring.try_pop() {
                 Ok(m) if m.tag == tag => return Ok(m.msg),
-                // A late reply to a call its caller gave up on.
-                Ok(_) => {}
+                Ok(m) => {
+                    // A reply collected later, or a late one to a call given up on.
+                    if let Some(slot) = self.awaited.get_mut(&(core, m.tag)) {
+                        *slot = Some(m.msg);
+                    }
+                }
                 Err(PopError::Closed) => return Err(EngineError::RuntimeStopped),
+                Err(PopError::Empty) if work() => spins = 0,
                 Err(PopError::Empty) if spins < self.spins_before_park => {
                     spins += 1;
                     std::hint::spin_loop();
@@ -167,46 +203,200 @@ impl Link {
         }
     }
 
-    fn cores(&self) -> usize {
+    pub(crate) fn cores(&self) -> usize {
         self.to.len()
     }
 
-    fn call(&mut self, core: usize, msg: ToCore) -> Result<FromCore> {
+    fn call(&mut self, core: usize, msg: ToCore, work: Work<'_>) -> Result<FromCore> {
         let tag = self.next_tag();
         let deadline = Deadline::after(self.call_timeout);
-        self.send(core, tag, msg, deadline)?;
-        self.recv(core, tag, deadline)
+        self.send(core, tag, msg, deadline, work)?;
+        self.recv(core, tag, deadline, work)
     }
 
     /// Sends a message that gets no reply.
-    fn post(&mut self, core: usize, msg: ToCore) -> Result<()> {
-        self.send(core, 0, msg, Deadline::after(self.call_timeout))
+    fn post(&mut self, core: usize, msg: ToCore, work: Work<'_>) -> Result<()> {
+        self.send(core, 0, msg, Deadline::after(self.call_timeout), work)
     }
 
-    /// Makes `core` do nothing for `pause` (a stuck core, for tests of deadlines); returns
-    /// once it replied or the call timed out.
-    #[cfg(any(test, feature = "test-util"))]
-    fn stall(&mut self, core: usize, pause: Duration) -> Result<()> {
-        self.call(core, ToCore::Stall(pause)).map(|_| ())
-    }
-
-    fn count(&mut self, core: usize, msg: ToCore) -> Result<usize> {
-        match self.call(core, msg)? {
+    fn count(&mut self, core: usize, msg: ToCore, work: Work<'_>) -> Result<usize> {
+        match self.call(core, msg, work)? {
             FromCore::Count(n) => Ok(n),
             _ => Err(EngineError::RuntimeStopped),
         }
     }
 
+    fn home(&self, worker: WorkerId) -> usize {
+        home_core(worker, self.cores()).idx()
+    }
+
+    // ----- the operations, shared by the handles and hosted cores -----
+
+    /// Makes `core` do nothing for `pause` (a stuck core, for tests of deadlines); returns
+    /// once it replied or the call timed out.
+    #[cfg(any(test, feature = "test-util"))]
+    pub(crate) fn stall(&mut self, core: usize, pause: Duration, work: Work<'_>) -> Result<()> {
+        self.call(core, ToCore::Stall(pause), work).map(|_| ())
+    }
+
     /// Every core's figures.
-    fn stats(&mut self) -> Result<Vec<CoreSummary>> {
+    pub(crate) fn stats(&mut self, work: Work<'_>) -> Result<Vec<CoreSummary>> {
         let mut out = Vec::with_capacity(self.cores());
         for c in 0..self.cores() {
-            match self.call(c, ToCore::Stats)? {
+            match self.call(c, ToCore::Stats, work)? {
                 FromCore::Stats(s) => out.push(*s),
                 _ => return Err(EngineError::RuntimeStopped),
             }
         }
         Ok(out)
+    }
+
+    /// See [`IngestHandle::apply`].
+    pub(crate) fn apply(
+        &mut self,
+        key: WorkerKey,
+        event: &KvEvent,
+        work: Work<'_>,
+    ) -> Result<Applied> {
+        let home = self.home(key.worker);
+        match self.call(home, ToCore::Apply(key, event.clone()), work)? {
+            FromCore::Applied(r) => r,
+            _ => Err(EngineError::RuntimeStopped),
+        }
+    }
+
+    /// See [`IngestHandle::send`].
+    pub(crate) fn send_events(
+        &mut self,
+        events: &Arc<[(WorkerKey, KvEvent)]>,
+        work: Work<'_>,
+    ) -> Result<()> {
+        let cores = self.cores();
+        let mut homes = vec![false; cores];
+        let mut start = 0;
+        while start < events.len() {
+            let end = (start + SEND_CHUNK).min(events.len());
+            homes.iter_mut().for_each(|h| *h = false);
+            for (key, _) in events.get(start..end).unwrap_or_default() {
+                if let Some(h) = homes.get_mut(home_core(key.worker, cores).idx()) {
+                    *h = true;
+                }
+            }
+            for (c, _) in homes.iter().enumerate().filter(|(_, h)| **h) {
+                self.post(c, ToCore::Events((events.clone(), start..end)), work)?;
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// See [`IngestHandle::clear`].
+    pub(crate) fn clear(&mut self, key: WorkerKey, work: Work<'_>) -> Result<usize> {
+        let home = self.home(key.worker);
+        self.count(home, ToCore::Clear(key), work)
+    }
+
+    /// See [`IngestHandle::remove_worker`].
+    pub(crate) fn remove_worker(&mut self, worker: WorkerId, work: Work<'_>) -> Result<usize> {
+        let home = self.home(worker);
+        self.count(home, ToCore::RemoveWorker(worker), work)
+    }
+
+    /// See [`IngestHandle::cached_blocks`].
+    pub(crate) fn cached_blocks(&mut self, key: WorkerKey, work: Work<'_>) -> Result<u64> {
+        let home = self.home(key.worker);
+        Ok(self.count(home, ToCore::CachedBlocks(key), work)? as u64)
+    }
+
+    /// See [`IngestHandle::sync`].
+    pub(crate) fn sync(&mut self, work: Work<'_>) -> Result<()> {
+        let tag = self.next_tag();
+        let deadline = Deadline::after(self.sync_timeout);
+        for c in 0..self.cores() {
+            self.send(c, tag, ToCore::Sync, deadline, work)?;
+        }
+        for c in 0..self.cores() {
+            match self.recv(c, tag, deadline, work)? {
+                FromCore::Synced => {}
+                _ => return Err(EngineError::RuntimeStopped),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a query to `core` without waiting for its reply, which
+    /// [`Link::poll_query`] collects; `None` if the ring is full right now (ask with
+    /// [`Link::query`] instead).
+    pub(crate) fn begin_query(&mut self, core: usize, seqs: &[SeqHash]) -> Result<Option<u64>> {
+        let tag = self.next_tag();
+        let (Some(ring), Some(waker)) = (self.to.get_mut(core), self.wakers.get(core)) else {
+            return Err(EngineError::RuntimeStopped);
+        };
+        let msg = Tagged {
+            tag,
+            msg: ToCore::Query(seqs.into()),
+        };
+        match ring.try_push(msg) {
+            Ok(()) => {
+                waker.wake();
+                self.awaited.insert((core, tag), None);
+                Ok(Some(tag))
+            }
+            Err(PushError::Full(_)) => Ok(None),
+            Err(PushError::Closed(_)) => Err(EngineError::RuntimeStopped),
+        }
+    }
+
+    /// The reply to query `tag` sent to `core` by [`Link::begin_query`], if it arrived;
+    /// collects whatever replies `core` sent meanwhile.
+    pub(crate) fn poll_query(&mut self, core: usize, tag: u64) -> Option<Result<Matches>> {
+        let Some(ring) = self.from.get_mut(core) else {
+            return Some(Err(EngineError::RuntimeStopped));
+        };
+        loop {
+            match ring.try_pop() {
+                Ok(m) => {
+                    if let Some(slot) = self.awaited.get_mut(&(core, m.tag)) {
+                        *slot = Some(m.msg);
+                    }
+                }
+                Err(PopError::Empty) => break,
+                Err(PopError::Closed) => {
+                    self.awaited.remove(&(core, tag));
+                    return Some(Err(EngineError::RuntimeStopped));
+                }
+            }
+        }
+        match self.awaited.get(&(core, tag)) {
+            Some(None) => None,
+            _ => match self.awaited.remove(&(core, tag)) {
+                Some(Some(FromCore::Matches(m))) => Some(Ok(m)),
+                _ => Some(Err(EngineError::RuntimeStopped)),
+            },
+        }
+    }
+
+    /// Gives up on query `tag` (its deadline passed): its reply is discarded on arrival.
+    pub(crate) fn forget_query(&mut self, core: usize, tag: u64) {
+        self.awaited.remove(&(core, tag));
+    }
+
+    /// Whether any reply is waiting to be collected.
+    pub(crate) fn replies_waiting(&self) -> bool {
+        self.from.iter().any(|r| !r.is_empty())
+    }
+
+    /// Asks `core` for the overlaps of `seqs`.
+    pub(crate) fn query(
+        &mut self,
+        core: usize,
+        seqs: &[SeqHash],
+        work: Work<'_>,
+    ) -> Result<Matches> {
+        match self.call(core, ToCore::Query(seqs.into()), work)? {
+            FromCore::Matches(m) => Ok(m),
+            _ => Err(EngineError::RuntimeStopped),
+        }
     }
 }
 
@@ -232,8 +422,7 @@ fn backoff(spins: &mut u32) {
 }
 
 /// Feeds KV events to the cores. Each worker has a home core that owns its directory;
-/// the handle sends each event there (or a shared slice to every core, each taking its own
-/// workers' events).
+/// the handle sends each event there.
 #[derive(Debug)]
 pub struct IngestHandle {
     link: Link,
@@ -244,19 +433,11 @@ impl IngestHandle {
         Self { link }
     }
 
-    fn home(&self, worker: WorkerId) -> usize {
-        home_core(worker, self.link.cores()).idx()
-    }
-
     /// Applies one event of `key` on its home core and returns what it did (see
     /// [`crate::directories::Directories::apply`]). Its operations for other cores may
     /// still be in flight: [`IngestHandle::sync`] waits for them.
     pub fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> Result<Applied> {
-        let home = self.home(key.worker);
-        match self.link.call(home, ToCore::Apply(key, event.clone()))? {
-            FromCore::Applied(r) => r,
-            _ => Err(EngineError::RuntimeStopped),
-        }
+        self.link.apply(key, event, &mut idle)
     }
 
     /// Sends `events` without waiting: each chunk of the slice goes to the home cores of
@@ -264,65 +445,28 @@ impl IngestHandle {
     /// events of its own workers. Refusals are counted by the cores
     /// ([`IngestHandle::rejects`]).
     pub fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> Result<()> {
-        let cores = self.link.cores();
-        let mut homes = vec![false; cores];
-        let mut start = 0;
-        while start < events.len() {
-            let end = (start + SEND_CHUNK).min(events.len());
-            homes.iter_mut().for_each(|h| *h = false);
-            for (key, _) in events.get(start..end).unwrap_or_default() {
-                if let Some(h) = homes.get_mut(home_core(key.worker, cores).idx()) {
-                    *h = true;
-                }
-            }
-            for (c, _) in homes.iter().enumerate().filter(|(_, h)| **h) {
-                self.link
-                    .post(c, ToCore::Events((events.clone(), start..end)))?;
-            }
-            start = end;
-        }
-        Ok(())
+        self.link.send_events(events, &mut idle)
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.
     pub fn clear(&mut self, key: WorkerKey) -> Result<usize> {
-        let home = self.home(key.worker);
-        self.link.count(home, ToCore::Clear(key))
+        self.link.clear(key, &mut idle)
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
     pub fn remove_worker(&mut self, worker: WorkerId) -> Result<usize> {
-        let home = self.home(worker);
-        self.link.count(home, ToCore::RemoveWorker(worker))
+        self.link.remove_worker(worker, &mut idle)
     }
 
     /// Distinct engine hashes `key` holds.
     pub fn cached_blocks(&mut self, key: WorkerKey) -> Result<u64> {
-        let home = self.home(key.worker);
-        Ok(self.link.count(home, ToCore::CachedBlocks(key))? as u64)
+        self.link.cached_blocks(key, &mut idle)
     }
 
     /// Waits until every core has applied everything produced from the events this handle
     /// sent before.
     pub fn sync(&mut self) -> Result<()> {
-        let tag = self.link.next_tag();
-        let deadline = Deadline::after(self.link.sync_timeout);
-        for c in 0..self.link.cores() {
-            self.link.send(c, tag, ToCore::Sync, deadline)?;
-        }
-        for c in 0..self.link.cores() {
-            match self.link.recv(c, tag, deadline)? {
-                FromCore::Synced => {}
-                _ => return Err(EngineError::RuntimeStopped),
-            }
-        }
-        Ok(())
-    }
-
-    /// Makes `core` do nothing for `pause`: a stuck core, for tests of callers' deadlines.
-    #[cfg(any(test, feature = "test-util"))]
-    pub fn stall_core(&mut self, core: usize, pause: Duration) -> Result<()> {
-        self.link.stall(core, pause)
+        self.link.sync(&mut idle)
     }
 
     /// Like [`IngestHandle::sync`], and then waits until the trunk promotions those events
@@ -331,7 +475,7 @@ impl IngestHandle {
     pub fn settle(&mut self) -> Result<()> {
         loop {
             self.sync()?;
-            let cores = self.link.stats()?;
+            let cores = self.link.stats(&mut idle)?;
             let reported: u64 = cores.iter().map(|c| c.hubs_reported).sum();
             let heard: u64 = cores.iter().map(|c| c.hubs_heard).sum();
             if reported == heard && cores.iter().all(|c| !c.promoting) {
@@ -344,7 +488,7 @@ impl IngestHandle {
     /// Refusals counted by all cores, per reason.
     pub fn rejects(&mut self) -> Result<RejectCounts> {
         let mut total = RejectCounts::default();
-        for s in self.link.stats()? {
+        for s in self.link.stats(&mut idle)? {
             for r in RejectReason::ALL {
                 total.add(r, s.rejects.get(r));
             }
@@ -354,7 +498,7 @@ impl IngestHandle {
 
     /// Every core's figures.
     pub fn core_stats(&mut self) -> Result<Vec<CoreSummary>> {
-        self.link.stats()
+        self.link.stats(&mut idle)
     }
 }
 
@@ -378,25 +522,23 @@ impl<P: ShardPolicy> QueryHandle<P> {
         }
         self.policy.refresh();
         let c = self.policy.query_shard(seqs).idx();
-        match self.link.call(c, ToCore::Query(seqs.into()))? {
-            FromCore::Matches(m) => Ok(m),
-            _ => Err(EngineError::RuntimeStopped),
-        }
+        self.link.query(c, seqs, &mut idle)
     }
 
     /// Every core's figures.
     pub fn core_stats(&mut self) -> Result<Vec<CoreSummary>> {
-        self.link.stats()
+        self.link.stats(&mut idle)
     }
 
     /// Makes `core` do nothing for `pause`: a stuck core, for tests of callers' deadlines.
     #[cfg(any(test, feature = "test-util"))]
     pub fn stall_core(&mut self, core: usize, pause: Duration) -> Result<()> {
-        self.link.stall(core, pause)
+        self.link.stall(core, pause, &mut idle)
     }
+
     /// Makes `core` panic: a core with a bug, for the test that the process exits.
     #[cfg(any(test, feature = "test-util"))]
     pub fn panic_core(&mut self, core: usize) -> Result<()> {
-        self.link.post(core, ToCore::Panic)
+        self.link.post(core, ToCore::Panic, &mut idle)
     }
 }

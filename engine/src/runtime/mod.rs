@@ -23,16 +23,24 @@
 //!
 //! [`ShardedIndex`]: crate::sharding::sharded::ShardedIndex
 
+mod barrier;
 mod client;
 #[cfg(test)]
 mod deadline_tests;
+mod hosted;
 mod msg;
 mod promotion;
 mod shard_loop;
 mod waker;
 
 pub use client::{IngestHandle, QueryHandle};
+pub use hosted::{CoreHost, Lookup, SentQuery};
 pub use msg::CoreSummary;
+
+/// For the loom model of the sync protocol (`loom-tests/tests/barrier.rs`) only.
+#[cfg(kvengine_loom)]
+#[doc(hidden)]
+pub use barrier::SyncBarrier;
 
 use crate::error::{EngineError, Result};
 use crate::ids::WorkerId;
@@ -41,7 +49,7 @@ use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use client::Link;
-use shard_loop::Core;
+use shard_loop::{Core, Runner};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use waker::Waker;
@@ -113,6 +121,110 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     policy: P,
     config: RuntimeConfig,
 ) -> Result<Started<P>> {
+    let built = build(policy.clone(), &config, Layout::Threads)?;
+    let mut threads = Vec::with_capacity(built.cores.len());
+    let mut pinned = Vec::with_capacity(built.cores.len());
+    for (k, (core, cpu)) in built.cores.into_iter().enumerate() {
+        pinned.push(cpu.map(|c| c.id));
+        let handle = std::thread::Builder::new()
+            .name(format!("kvengine-core-{k}"))
+            .spawn(move || {
+                if let Some(c) = cpu {
+                    core_affinity::set_for_current(c);
+                }
+                core.run()
+            })
+            .map_err(|_| EngineError::RuntimeStopped)?;
+        threads.push(handle);
+    }
+    let mut links = built.links.into_iter();
+    let ingest = links
+        .by_ref()
+        .take(config.ingest_handles)
+        .map(IngestHandle::new)
+        .collect();
+    let query = links.map(|l| QueryHandle::new(policy.clone(), l)).collect();
+    Ok(Started {
+        runtime: Runtime { threads, pinned },
+        ingest,
+        query,
+    })
+}
+
+/// Cores for the caller's threads ([`start_hosted`]) and handles for every other thread.
+#[derive(Debug)]
+pub struct Hosted<P> {
+    /// One per shard, in shard order: move each to its own thread and step it there.
+    pub cores: Vec<CoreHost<P>>,
+    /// For threads that are not cores.
+    pub ingest: IngestHandle,
+    /// For threads that are not cores.
+    pub query: QueryHandle<P>,
+}
+
+/// Builds one core per shard of `policy` without starting threads: the caller hosts each
+/// [`CoreHost`] on a thread of its own (see [`hosted`]). `config`'s handle counts are
+/// ignored: each core gets one ingest and one query ring to every core, and one handle of
+/// each kind serves the threads that are not cores.
+pub fn start_hosted<P: ShardPolicy + Clone + 'static>(
+    policy: P,
+    config: RuntimeConfig,
+) -> Result<Hosted<P>> {
+    let cores = policy.shards();
+    let config = RuntimeConfig {
+        ingest_handles: cores + 1,
+        query_handles: cores + 1,
+        ..config
+    };
+    let built = build(policy.clone(), &config, Layout::Hosted)?;
+    // Client order: every core's ingest link, the outsiders' ingest handle, every core's
+    // query link, the outsiders' query handle.
+    let mut links = built.links.into_iter();
+    let core_ingest: Vec<Link> = links.by_ref().take(cores).collect();
+    let ingest = links.next().map(IngestHandle::new);
+    let core_query: Vec<Link> = links.by_ref().take(cores).collect();
+    let query = links.next().map(|l| QueryHandle::new(policy.clone(), l));
+    let (Some(ingest), Some(query)) = (ingest, query) else {
+        return Err(EngineError::RuntimeStopped);
+    };
+    let hosts = built
+        .cores
+        .into_iter()
+        .zip(core_ingest.into_iter().zip(core_query))
+        .zip(built.wakers.iter().cloned())
+        .map(|(((core, cpu), (i, q)), waker)| {
+            CoreHost::new(Runner::new(core), policy.clone(), i, q, waker, cpu)
+        })
+        .collect();
+    Ok(Hosted {
+        cores: hosts,
+        ingest,
+        query,
+    })
+}
+
+/// Whose waker a client's replies wake.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Every client is a thread of its own.
+    Threads,
+    /// The first `cores` ingest clients and the first `cores` query clients belong to the
+    /// cores (core `k`'s replies wake core `k`, which polls them between its work).
+    Hosted,
+}
+
+struct Built<P> {
+    cores: Vec<(Core<P>, Option<core_affinity::CoreId>)>,
+    links: Vec<Link>,
+    wakers: Arc<[Arc<Waker>]>,
+}
+
+/// The cores and every ring between them and their clients.
+fn build<P: ShardPolicy + Clone>(
+    policy: P,
+    config: &RuntimeConfig,
+    layout: Layout,
+) -> Result<Built<P>> {
     let cores = policy.shards();
     let clients = config.ingest_handles + config.query_handles;
     if cores == 0 || clients == 0 || config.ring_capacity == 0 {
@@ -123,8 +235,19 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     }
     let wakers: Arc<[Arc<Waker>]> = (0..cores).map(|_| Arc::new(Waker::default())).collect();
     // Client rings: links[c] is client c's side; clients_in[k] / clients_out[k] core k's.
-    let client_wakers: Arc<[Arc<Waker>]> =
-        (0..clients).map(|_| Arc::new(Waker::default())).collect();
+    let client_wakers: Arc<[Arc<Waker>]> = (0..clients)
+        .map(|c| {
+            let core_of = match layout {
+                Layout::Threads => None,
+                Layout::Hosted if c < config.ingest_handles => Some(c),
+                Layout::Hosted => Some(c - config.ingest_handles),
+            };
+            match core_of.and_then(|k| wakers.get(k)) {
+                Some(w) => w.clone(),
+                None => Arc::new(Waker::default()),
+            }
+        })
+        .collect();
     // Clients on a CPU of their own may poll longer for replies; clients sharing CPUs with
     // busy cores must get off the CPU quickly.
     let cpus_available = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -149,6 +272,7 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
             call_timeout: config.call_timeout,
             sync_timeout: config.sync_timeout,
             last_tag: 0,
+            awaited: Default::default(),
         })
         .collect();
     let mut clients_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();
@@ -191,51 +315,35 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     } else {
         Vec::new()
     };
-    let mut threads = Vec::with_capacity(cores);
-    let mut pinned = Vec::with_capacity(cores);
     let parts = clients_in
         .into_iter()
         .zip(clients_out)
         .zip(peers_in.into_iter().zip(peers_out));
-    for (k, ((cin, cout), (pin, pout))) in parts.enumerate() {
-        let cpu = cpus.get(k).copied();
-        pinned.push(cpu.map(|c| c.id));
-        let core = Core {
-            shard: Shard::new(ShardId(k as u16)),
-            ingest: Ingest::new(policy.clone()),
-            outbox: Outbox::new(cores),
-            clients_in: cin,
-            clients_out: cout,
-            ingest_clients: config.ingest_handles,
-            peers_in: pin,
-            peers_out: pout,
-            wakers: wakers.clone(),
-            client_wakers: client_wakers.clone(),
-            pinned_core: cpu.map(|c| c.id),
-            yield_rounds,
-        };
-        let handle = std::thread::Builder::new()
-            .name(format!("kvengine-core-{k}"))
-            .spawn(move || {
-                if let Some(c) = cpu {
-                    core_affinity::set_for_current(c);
-                }
-                core.run()
-            })
-            .map_err(|_| EngineError::RuntimeStopped)?;
-        threads.push(handle);
-    }
-    let mut links = links.into_iter();
-    let ingest = links
-        .by_ref()
-        .take(config.ingest_handles)
-        .map(IngestHandle::new)
+    let built = parts
+        .enumerate()
+        .map(|(k, ((cin, cout), (pin, pout)))| {
+            let cpu = cpus.get(k).copied();
+            let core = Core {
+                shard: Shard::new(ShardId(k as u16)),
+                ingest: Ingest::new(policy.clone()),
+                outbox: Outbox::new(cores),
+                clients_in: cin,
+                clients_out: cout,
+                ingest_clients: config.ingest_handles,
+                peers_in: pin,
+                peers_out: pout,
+                wakers: wakers.clone(),
+                client_wakers: client_wakers.clone(),
+                pinned_core: cpu.map(|c| c.id),
+                yield_rounds,
+            };
+            (core, cpu)
+        })
         .collect();
-    let query = links.map(|l| QueryHandle::new(policy.clone(), l)).collect();
-    Ok(Started {
-        runtime: Runtime { threads, pinned },
-        ingest,
-        query,
+    Ok(Built {
+        cores: built,
+        links,
+        wakers,
     })
 }
 

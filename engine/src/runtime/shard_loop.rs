@@ -12,6 +12,7 @@
 //! 2. `Synced` (tag `t`) goes to client `c` only when this core has handled `c`'s `Sync`
 //!    tagged `t` and has received `Fence { c, t }` from every peer: each peer sends that
 //!    fence after the operations it produced from `c`'s earlier events, on the same ring.
+//!    The count is kept by [`SyncBarrier`] (`barrier`).
 //! 8. Every reply carries the tag of the message it answers.
 //! 3. Peer rings are never waited on: a message for a full peer ring waits in `pending`,
 //!    and while anything is pending the core takes no new events from clients (so pending
@@ -26,15 +27,17 @@
 //! 7. Trunk promotions follow `promotion`'s protocol; while frozen for one, the core takes
 //!    no ingest-client message and does not close its peer rings.
 
+use super::barrier::SyncBarrier;
 use super::home_core;
 use super::msg::{CoreSummary, FromCore, PeerMsg, Tagged, ToCore};
 use super::promotion::Promo;
 use super::waker::Waker;
+use crate::ids::SeqHash;
+use crate::matches::Matches;
 use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
-use hashbrown::{HashMap, HashSet};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,8 +105,8 @@ pub(crate) struct Core<P> {
 /// Per-run state of a core.
 pub(crate) struct State {
     pending: Vec<VecDeque<PeerMsg>>,
-    fences: HashMap<(usize, u64), usize>,
-    own_syncs: HashSet<(usize, u64)>,
+    /// Syncs waiting for this core's own `Sync` or for peers' fences (invariant 2).
+    syncs: SyncBarrier,
     queries: u64,
     lost_peer_msgs: u64,
     /// This core's part in trunk promotions (`promotion`).
@@ -112,6 +115,153 @@ pub(crate) struct State {
     pub(crate) closed_peers: bool,
     /// Every client ring is closed.
     pub(crate) clients_gone: bool,
+}
+
+/// A core and its per-run state, stepped one round at a time: by its own thread
+/// ([`Core::run`]) or by the thread that hosts it ([`super::CoreHost`]).
+pub(crate) struct Runner<P> {
+    core: Core<P>,
+    st: State,
+    clients_open: Vec<bool>,
+    peers_open: Vec<bool>,
+}
+
+impl<P: ShardPolicy> Runner<P> {
+    pub(crate) fn new(core: Core<P>) -> Self {
+        let st = State {
+            pending: (0..core.cores()).map(|_| VecDeque::new()).collect(),
+            syncs: SyncBarrier::new(core.cores().saturating_sub(1)),
+            queries: 0,
+            lost_peer_msgs: 0,
+            promo: Promo::default(),
+            closed_peers: false,
+            clients_gone: false,
+        };
+        let clients_open = vec![true; core.clients_in.len()];
+        let peers_open = vec![true; core.peers_in.len()];
+        Self {
+            core,
+            st,
+            clients_open,
+            peers_open,
+        }
+    }
+
+    pub(crate) fn shard_id(&self) -> ShardId {
+        self.core.me()
+    }
+
+    /// One round: peers' operations, pending peer messages, then clients in serving order
+    /// (invariant 4), and shutdown once everything is gone (invariant 5). Returns whether
+    /// anything was done. A panic inside aborts the process (invariant 6), whichever
+    /// thread steps.
+    pub(crate) fn step(&mut self) -> bool {
+        let _guard = AbortOnPanic(self.core.me().idx());
+        let Self {
+            core,
+            st,
+            clients_open,
+            peers_open,
+        } = self;
+        let mut progressed = core.serve_peers(st, peers_open);
+        progressed |= core.flush_pending(st);
+        let n = core.clients_in.len();
+        let ingest = core.ingest_clients.min(n);
+        // While frozen for a promotion, or while peers are backed up, take no events.
+        for i in (ingest..n).chain(0..ingest) {
+            let burst = if i < ingest {
+                INGEST_BURST
+            } else {
+                QUERY_BURST
+            };
+            for _ in 0..burst {
+                // Checked before every ingest message, not once per round: handling one
+                // can freeze this core (the coordinator starts a promotion when the
+                // events it routed make a hub), and then the next must wait.
+                let blocked = st.pending.iter().any(|q| !q.is_empty()) || st.promo.frozen();
+                if i < ingest && blocked {
+                    break;
+                }
+                let Some(inbox) = core.clients_in.get_mut(i) else {
+                    break;
+                };
+                match inbox.try_pop() {
+                    Ok(msg) => {
+                        progressed = true;
+                        core.handle_client(st, i, msg);
+                    }
+                    Err(PopError::Empty) => break,
+                    Err(PopError::Closed) => {
+                        if let Some(o) = clients_open.get_mut(i) {
+                            *o = false;
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        st.clients_gone = clients_open.iter().all(|o| !o);
+        if st.promo.busy() && peers_open.iter().any(|o| !o) {
+            core.abandon_round(st);
+        }
+        let nothing_pending = st.pending.iter().all(VecDeque::is_empty);
+        if !st.closed_peers && nothing_pending && st.clients_gone && !st.promo.busy() {
+            // No client can send more events, and everything we produced is on the
+            // rings: close ours, so the peers can finish too.
+            for p in &mut core.peers_out {
+                *p = None;
+            }
+            // A closed ring does not wake its reader: wake the peers ourselves.
+            for (i, w) in core.wakers.iter().enumerate() {
+                if i != core.me().idx() {
+                    w.wake();
+                }
+            }
+            st.closed_peers = true;
+            progressed = true;
+        }
+        progressed
+    }
+
+    /// The core has closed its rings and every peer has closed theirs: it has ended.
+    pub(crate) fn finished(&self) -> bool {
+        self.st.closed_peers && self.peers_open.iter().all(|o| !o)
+    }
+
+    /// Messages for peers wait for room: keep going rather than park.
+    pub(crate) fn peers_backed_up(&self) -> bool {
+        self.st.pending.iter().any(|q| !q.is_empty())
+    }
+
+    /// Nothing queued for the core, and no ring closed since it last looked (a close must
+    /// be noticed now, not at the next timeout). Call after `prepare_sleep`.
+    pub(crate) fn quiet(&self) -> bool {
+        !self.peers_backed_up()
+            && self
+                .core
+                .clients_in
+                .iter()
+                .zip(&self.clients_open)
+                .all(|(c, o)| unchanged(c, *o))
+            && self
+                .core
+                .peers_in
+                .iter()
+                .zip(&self.peers_open)
+                .all(|(c, o)| unchanged(c, *o))
+    }
+
+    /// Answers a query for this core's shard in place (the caller runs on this core's
+    /// thread).
+    pub(crate) fn query_local(&mut self, seqs: &[SeqHash]) -> Matches {
+        let _guard = AbortOnPanic(self.core.me().idx());
+        self.st.queries += 1;
+        self.core.shard.find_matches(seqs)
+    }
+
+    pub(crate) fn summary(&self) -> CoreSummary {
+        self.core.summary(&self.st)
+    }
 }
 
 impl<P: ShardPolicy> Core<P> {
@@ -123,85 +273,18 @@ impl<P: ShardPolicy> Core<P> {
         self.peers_out.len()
     }
 
-    pub(crate) fn run(mut self) -> CoreSummary {
-        let _guard = AbortOnPanic(self.me().idx());
-        let my_waker = self
-            .wakers
-            .get(self.me().idx())
-            .cloned()
-            .unwrap_or_default();
+    /// Runs the core on the calling thread (its own) until it ends; see the module docs.
+    pub(crate) fn run(self) -> CoreSummary {
+        let me = self.me().idx();
+        let _guard = AbortOnPanic(me);
+        let my_waker = self.wakers.get(me).cloned().unwrap_or_default();
         my_waker.register_current();
-        let mut st = State {
-            pending: (0..self.cores()).map(|_| VecDeque::new()).collect(),
-            fences: HashMap::new(),
-            own_syncs: HashSet::new(),
-            queries: 0,
-            lost_peer_msgs: 0,
-            promo: Promo::default(),
-            closed_peers: false,
-            clients_gone: false,
-        };
-        let mut clients_open = vec![true; self.clients_in.len()];
-        let mut peers_open = vec![true; self.peers_in.len()];
+        let yield_rounds = self.yield_rounds;
+        let mut runner = Runner::new(self);
         let mut idle = 0u32;
         loop {
-            let mut progressed = self.serve_peers(&mut st, &mut peers_open);
-            progressed |= self.flush_pending(&mut st);
-            let n = self.clients_in.len();
-            let ingest = self.ingest_clients.min(n);
-            // While frozen for a promotion, or while peers are backed up, take no events.
-            for i in (ingest..n).chain(0..ingest) {
-                let burst = if i < ingest {
-                    INGEST_BURST
-                } else {
-                    QUERY_BURST
-                };
-                for _ in 0..burst {
-                    // Checked before every ingest message, not once per round: handling one
-                    // can freeze this core (the coordinator starts a promotion when the
-                    // events it routed make a hub), and then the next must wait.
-                    let blocked = st.pending.iter().any(|q| !q.is_empty()) || st.promo.frozen();
-                    if i < ingest && blocked {
-                        break;
-                    }
-                    let Some(inbox) = self.clients_in.get_mut(i) else {
-                        break;
-                    };
-                    match inbox.try_pop() {
-                        Ok(msg) => {
-                            progressed = true;
-                            self.handle_client(&mut st, i, msg);
-                        }
-                        Err(PopError::Empty) => break,
-                        Err(PopError::Closed) => {
-                            if let Some(o) = clients_open.get_mut(i) {
-                                *o = false;
-                            }
-                            break;
-                        }
-                    }
-                }
-            }
-            st.clients_gone = clients_open.iter().all(|o| !o);
-            if st.promo.busy() && peers_open.iter().any(|o| !o) {
-                self.abandon_round(&mut st);
-            }
-            let nothing_pending = st.pending.iter().all(VecDeque::is_empty);
-            if !st.closed_peers && nothing_pending && st.clients_gone && !st.promo.busy() {
-                // No client can send more events, and everything we produced is on the
-                // rings: close ours, so the peers can finish too.
-                for p in &mut self.peers_out {
-                    *p = None;
-                }
-                // A closed ring does not wake its reader: wake the peers ourselves.
-                for (i, w) in self.wakers.iter().enumerate() {
-                    if i != self.me().idx() {
-                        w.wake();
-                    }
-                }
-                st.closed_peers = true;
-            }
-            if st.closed_peers && peers_open.iter().all(|o| !o) {
+            let progressed = runner.step();
+            if runner.finished() {
                 break;
             }
             if progressed {
@@ -211,30 +294,20 @@ impl<P: ShardPolicy> Core<P> {
             idle = idle.saturating_add(1);
             if idle < SPIN_ROUNDS {
                 std::hint::spin_loop();
-            } else if idle < self.yield_rounds || !nothing_pending {
+            } else if idle < yield_rounds || runner.peers_backed_up() {
                 std::thread::yield_now();
             } else {
                 my_waker.prepare_sleep();
                 // Quiet: nothing queued, and no ring closed since we last looked (a close
                 // must be noticed now, not at the next timeout).
-                let quiet = self
-                    .clients_in
-                    .iter()
-                    .zip(&clients_open)
-                    .all(|(c, o)| unchanged(c, *o))
-                    && self
-                        .peers_in
-                        .iter()
-                        .zip(&peers_open)
-                        .all(|(c, o)| unchanged(c, *o));
-                if quiet {
+                if runner.quiet() {
                     my_waker.sleep(PARK);
                 } else {
                     my_waker.cancel_sleep();
                 }
             }
         }
-        self.summary(&st)
+        runner.summary()
     }
 
     fn serve_peers(&mut self, st: &mut State, open: &mut [bool]) -> bool {
@@ -254,8 +327,9 @@ impl<P: ShardPolicy> Core<P> {
                     }
                     Ok(PeerMsg::Fence { client, tag }) => {
                         progressed = true;
-                        *st.fences.entry((client, tag)).or_insert(0) += 1;
-                        self.check_sync(st, client, tag);
+                        if st.syncs.peer_fence(client, tag) {
+                            self.reply(client, tag, FromCore::Synced);
+                        }
                     }
                     Ok(other) => {
                         progressed = true;
@@ -332,8 +406,9 @@ impl<P: ShardPolicy> Core<P> {
                         self.send_peer(st, p, PeerMsg::Fence { client, tag });
                     }
                 }
-                st.own_syncs.insert((client, tag));
-                self.check_sync(st, client, tag);
+                if st.syncs.own_sync(client, tag) {
+                    self.reply(client, tag, FromCore::Synced);
+                }
             }
             ToCore::Stats => {
                 let s = self.summary(st);
@@ -362,15 +437,6 @@ impl<P: ShardPolicy> Core<P> {
                     Err(_) => break,
                 }
             }
-        }
-    }
-
-    fn check_sync(&mut self, st: &mut State, client: usize, tag: u64) {
-        let peers = self.cores().saturating_sub(1);
-        let fenced = st.fences.get(&(client, tag)).copied().unwrap_or(0);
-        if fenced == peers && st.own_syncs.remove(&(client, tag)) {
-            st.fences.remove(&(client, tag));
-            self.reply(client, tag, FromCore::Synced);
         }
     }
 

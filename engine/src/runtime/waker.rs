@@ -1,7 +1,10 @@
 //! Waking a parked thread: a core waiting for messages, or a client waiting for a reply.
 //!
 //! A waiter with nothing to do spins, then parks. Whoever has just pushed a message for it
-//! wakes it if it is parked (a core after a reply, a client after a request).
+//! wakes it if it is parked (a core after a reply, a client after a request). A waiter is a
+//! thread (unparked) or, for a core hosted on an async runtime's thread
+//! ([`super::CoreHost`]), a task (woken through its `std::task::Waker`, which makes the
+//! runtime leave its I/O poll).
 //!
 //! # Memory orderings
 //! Dekker's pattern with fences: the waiter stores `sleeping = true`, issues a SeqCst fence,
@@ -11,25 +14,42 @@
 //! the cost of any wake-up this reasoning might miss.
 //!
 //! # Concurrency
-//! The waiter's thread handle sits behind a mutex because a client handle may move between
-//! threads: it re-registers before every park. The mutex is taken only to park and to wake a
-//! parked waiter, never on the busy path.
+//! The waiter's handle sits behind a mutex because a client handle may move between threads
+//! and a hosted core parks either as a task or as its thread: it re-registers before every
+//! park. The mutex is taken only to park and to wake a parked waiter, never on the busy
+//! path.
 
 use crate::sync::{AtomicBool, Mutex, Ordering, Thread, current_thread, fence, park_timeout};
 use std::time::Duration;
 
-/// One waiter's sleep flag and thread.
+/// Who to wake.
+#[derive(Debug)]
+enum Target {
+    Thread(Thread),
+    Task(std::task::Waker),
+}
+
+/// One waiter's sleep flag and thread or task.
 #[derive(Debug, Default)]
 pub(crate) struct Waker {
     sleeping: AtomicBool,
-    thread: Mutex<Option<Thread>>,
+    target: Mutex<Option<Target>>,
 }
 
 impl Waker {
     /// Records the calling thread as the one to unpark (before it may park).
     pub(crate) fn register_current(&self) {
-        let mut slot = self.thread.lock().unwrap_or_else(|p| p.into_inner());
-        *slot = Some(current_thread());
+        let mut slot = self.target.lock().unwrap_or_else(|p| p.into_inner());
+        *slot = Some(Target::Thread(current_thread()));
+    }
+
+    /// Records `task` as the one to wake (before it returns `Pending` to sleep).
+    pub(crate) fn register_task(&self, task: &std::task::Waker) {
+        let mut slot = self.target.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref() {
+            Some(Target::Task(t)) if t.will_wake(task) => {}
+            _ => *slot = Some(Target::Task(task.clone())),
+        }
     }
 
     /// Waiter side: announce the intent to park. The caller re-checks its inboxes after this
@@ -64,9 +84,11 @@ impl Waker {
     #[inline(never)]
     fn unpark(&self) {
         self.sleeping.store(false, Ordering::Relaxed);
-        let slot = self.thread.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = slot.as_ref() {
-            t.unpark();
+        let slot = self.target.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref() {
+            Some(Target::Thread(t)) => t.unpark(),
+            Some(Target::Task(t)) => t.wake_by_ref(),
+            None => {}
         }
     }
 }

@@ -135,45 +135,67 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
 pub(super) async fn route(State(st): State<AppState>, body: RawBody) -> Response {
     let hub = &st.hub;
     let now = Instant::now();
-    let result = with_tokens(|tokens| {
-        let fields = parse(hub, &body.0, tokens)?;
-        let overrides = overrides(&fields)?;
-        let call = RouteCall {
-            request_id: fields.request_id,
-            tokens,
-            lora_name: fields.lora_name.as_deref(),
-            overrides,
-        };
-        let routed = hub.route(&call, now)?;
-        let d = routed.decision;
-        Ok::<_, ApiError>(RouteResponse {
-            request_id: routed.request_id,
-            worker_id: d.worker.worker.0,
-            dp_rank: d.worker.dp_rank.0,
-            mode: d.mode.as_str(),
-            pool: d.pool.as_str(),
-            blocks: routed.blocks,
-            overlap_blocks: d.overlap_blocks,
-            best_available_overlap_blocks: d.best_available_overlap_blocks,
-            busy_skipped: d.busy_skipped,
-            candidates: d
-                .candidates
-                .iter()
-                .map(|c| Candidate {
-                    worker_id: c.key.worker.0,
-                    dp_rank: c.key.dp_rank.0,
-                    overlap_blocks: c.overlap_blocks,
-                    prefill_blocks: c.prefill_blocks,
-                    decode_blocks: c.decode_blocks,
-                    logit: c.logit,
-                })
-                .collect(),
-        })
+    // The buffer leaves the thread-local for the await (another request on this thread may
+    // decode meanwhile) and goes back after.
+    let mut tokens = TOKENS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => std::mem::take(&mut *buf),
+        Err(_) => Vec::new(),
     });
+    let result = route_tokens(hub, &body.0, &mut tokens, now).await;
+    if tokens.capacity() <= KEEP_TOKENS {
+        TOKENS.with(|cell| {
+            if let Ok(mut buf) = cell.try_borrow_mut()
+                && buf.capacity() < tokens.capacity()
+            {
+                *buf = tokens;
+            }
+        });
+    }
     match result {
         Ok(r) => json(StatusCode::OK, &r),
         Err(e) => axum::response::IntoResponse::into_response(e),
     }
+}
+
+async fn route_tokens(
+    hub: &Hub,
+    body: &[u8],
+    tokens: &mut Vec<u32>,
+    now: Instant,
+) -> Result<RouteResponse, ApiError> {
+    let fields = parse(hub, body, tokens)?;
+    let overrides = overrides(&fields)?;
+    let call = RouteCall {
+        request_id: fields.request_id,
+        tokens,
+        lora_name: fields.lora_name.as_deref(),
+        overrides,
+    };
+    let routed = hub.route_async(&call, now).await?;
+    let d = routed.decision;
+    Ok(RouteResponse {
+        request_id: routed.request_id,
+        worker_id: d.worker.worker.0,
+        dp_rank: d.worker.dp_rank.0,
+        mode: d.mode.as_str(),
+        pool: d.pool.as_str(),
+        blocks: routed.blocks,
+        overlap_blocks: d.overlap_blocks,
+        best_available_overlap_blocks: d.best_available_overlap_blocks,
+        busy_skipped: d.busy_skipped,
+        candidates: d
+            .candidates
+            .iter()
+            .map(|c| Candidate {
+                worker_id: c.key.worker.0,
+                dp_rank: c.key.dp_rank.0,
+                overlap_blocks: c.overlap_blocks,
+                prefill_blocks: c.prefill_blocks,
+                decode_blocks: c.decode_blocks,
+                logit: c.logit,
+            })
+            .collect(),
+    })
 }
 
 /// A path parameter, or a JSON 400.

@@ -132,7 +132,7 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         .into_response()
 }
 
-pub(crate) fn route(
+pub(crate) async fn route(
     hub: &Hub,
     tokens: &[u32],
     overrides: RouteOverrides,
@@ -143,7 +143,8 @@ pub(crate) fn route(
         lora_name: None,
         overrides,
     };
-    hub.route(&call, Instant::now())
+    hub.route_async(&call, Instant::now())
+        .await
         .map_err(OpenAiError::from_routing)
 }
 
@@ -197,7 +198,7 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
     if disagg::applies(&p.hub) {
         return disagg::forward(&p, path, &body, &tokens).await;
     }
-    let routed = match route(&p.hub, &tokens, RouteOverrides::default()) {
+    let routed = match route(&p.hub, &tokens, RouteOverrides::default()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -250,7 +251,7 @@ pub(crate) async fn retry_elsewhere(
         worker: Some(next.worker),
         ..RouteOverrides::default()
     };
-    let retry = match route(&p.hub, tokens, overrides) {
+    let retry = match route(&p.hub, tokens, overrides).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

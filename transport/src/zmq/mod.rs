@@ -16,7 +16,7 @@ pub mod subscriber;
 
 pub use publisher::VllmPublisher;
 pub use source::ZmqSource;
-pub use subscriber::{SubscriberConfig, spawn_subscriber};
+pub use subscriber::{SubscriberConfig, spawn_subscriber, spawn_subscriber_on};
 
 /// The seq that ends a replay.
 pub const REPLAY_END: u64 = u64::MAX;

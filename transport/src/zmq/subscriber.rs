@@ -51,8 +51,19 @@ pub fn spawn_subscriber(
     source: ZmqSource,
     config: SubscriberConfig,
 ) -> JoinHandle<()> {
+    spawn_subscriber_on(&tokio::runtime::Handle::current(), hub, source, config)
+}
+
+/// Like [`spawn_subscriber`], on the runtime `on` (with the edge on the cores: the runtime
+/// of the worker's home core, so its batches are decoded and applied on one thread).
+pub fn spawn_subscriber_on(
+    on: &tokio::runtime::Handle,
+    hub: Arc<Hub>,
+    source: ZmqSource,
+    config: SubscriberConfig,
+) -> JoinHandle<()> {
     let can_replay = source.replay.is_some();
-    tokio::spawn(async move {
+    on.spawn(async move {
         let mut stream = Stream {
             convert: ConvertConfig {
                 block_size: hub.block_size(),

@@ -71,13 +71,13 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
         Ok(Value::Object(m)) => m,
         _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
     };
-    let decode = match route(hub, tokens, pool(Pool::Decode)) {
+    let decode = match route(hub, tokens, pool(Pool::Decode)).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     let d_key = decode.decision.worker;
     let mut d_active = Active::new(hub.clone(), decode.request_id.clone());
-    let mut prefill = route(hub, tokens, pool(Pool::Prefill)).ok();
+    let mut prefill = route(hub, tokens, pool(Pool::Prefill)).await.ok();
     let mut p_active = prefill
         .as_ref()
         .map(|r| Active::new(hub.clone(), r.request_id.clone()));
@@ -149,7 +149,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 if attempt + 1 < PREFILL_ATTEMPTS
                     && let Some(next) = runner_up(&routed, p_key)
-                    && let Ok(r) = route(hub, tokens, direct(Pool::Prefill, next))
+                    && let Ok(r) = route(hub, tokens, direct(Pool::Prefill, next)).await
                 {
                     p_active = Some(Active::new(hub.clone(), r.request_id.clone()));
                     prefill = Some(r);

@@ -1,0 +1,157 @@
+//! The edge on the cores: each core thread runs one single-threaded async runtime that serves
+//! its share of HTTP connections, its home workers' event streams, and its engine core
+//! ([`CoreHost`]), stepped by [`drive`] between the other tasks.
+//!
+//! The host lives in a thread-local ([`install`]); the [`crate::hub::Hub`] reaches it through
+//! [`with_core`] from any task on that thread, so a query for this core's shard is answered
+//! in place and one for another shard waits (stepping this core) for that core's reply. On a
+//! thread that is not a core (a blocking pool thread, a test), [`with_core`] answers `None`
+//! and the hub falls back to its shared handles.
+//!
+//! # Invariants
+//! 1. Only the thread that installed a host touches it; it is borrowed for one engine call
+//!    or one step at a time, never across an `.await`.
+//! 2. A task on a core thread never blocks the thread on a lock held across an engine call
+//!    (the hub takes none), so a core waiting for another is never waiting for itself.
+//! 3. [`drive`] ends when the core has ended; [`finish`] runs what is left of the core on
+//!    the thread once its runtime is gone, and returns the core's figures.
+
+use engine::runtime::{CoreHost, CoreSummary, Lookup};
+use engine::sharding::choice::Sharding;
+use engine::{EngineError, Matches, SeqHash};
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+/// Idle rounds (each a yield to the runtime, which polls its sockets) before the core
+/// parks: long enough to catch the next request of a busy connection without a wake-up,
+/// short enough that an idle core leaves its CPU to others.
+const IDLE_YIELDS: u32 = 64;
+/// Longest park: bounds the cost of a missed wake-up (none is expected).
+const PARK: Duration = Duration::from_millis(20);
+
+thread_local! {
+    static HOST: RefCell<Option<CoreHost<Sharding>>> = const { RefCell::new(None) };
+    /// Tasks waiting for another core's reply: woken by [`drive`] when replies arrive.
+    static REPLY_WAITERS: RefCell<Vec<std::task::Waker>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Makes `host` this thread's core.
+pub fn install(host: CoreHost<Sharding>) {
+    HOST.with(|h| *h.borrow_mut() = Some(host));
+}
+
+/// Runs `f` on this thread's core, if this thread is a core and the core is not already in
+/// use further up this thread's stack.
+pub fn with_core<R>(f: impl FnOnce(&mut CoreHost<Sharding>) -> R) -> Option<R> {
+    HOST.with(|h| {
+        let mut h = h.try_borrow_mut().ok()?;
+        h.as_mut().map(f)
+    })
+}
+
+/// Whether this thread is a core.
+pub fn on_core() -> bool {
+    HOST.with(|h| h.try_borrow().map(|h| h.is_some()).unwrap_or(true))
+}
+
+/// Steps this thread's core between the runtime's other tasks until the core ends. Spawn it
+/// on the core's runtime (a `LocalSet` or a current-thread runtime).
+pub async fn drive() {
+    let mut idle = 0u32;
+    loop {
+        let Some((progressed, finished)) = with_core(|c| (c.step(), c.finished())) else {
+            return;
+        };
+        if finished {
+            return;
+        }
+        wake_reply_waiters();
+        if progressed {
+            idle = 0;
+            tokio::task::yield_now().await;
+            continue;
+        }
+        idle += 1;
+        if idle < IDLE_YIELDS {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let _ = tokio::time::timeout(PARK, Parked { polled: false }).await;
+        with_core(|c| c.awake());
+        idle = 0;
+    }
+}
+
+/// Wakes the tasks waiting for replies if any reply is waiting to be collected.
+fn wake_reply_waiters() {
+    let waiting = REPLY_WAITERS.with(|w| !w.borrow().is_empty());
+    if waiting && with_core(|c| c.replies_waiting()).unwrap_or(false) {
+        let wakers = REPLY_WAITERS.with(|w| std::mem::take(&mut *w.borrow_mut()));
+        wakers.into_iter().for_each(std::task::Waker::wake);
+    }
+}
+
+/// Overlaps of `seqs` from this thread's core without blocking it: answered in place for
+/// the core's own shard, otherwise the task waits (the core keeps serving its connections
+/// and stepping) for the owning core's reply, at most the engine's call timeout. `None` if
+/// this thread is not a core.
+pub async fn find_matches(seqs: &[SeqHash]) -> Option<engine::Result<Matches>> {
+    let sent = match with_core(|c| c.start_query(seqs))? {
+        Lookup::Done(r) => return Some(r),
+        Lookup::Sent(sent) => sent,
+    };
+    let timeout = with_core(|c| c.call_timeout())?;
+    let reply = tokio::time::timeout(
+        timeout,
+        std::future::poll_fn(|cx| match with_core(|c| c.poll_query(&sent)) {
+            Some(Some(r)) => Poll::Ready(r),
+            Some(None) => {
+                REPLY_WAITERS.with(|w| w.borrow_mut().push(cx.waker().clone()));
+                Poll::Pending
+            }
+            None => Poll::Ready(Err(EngineError::RuntimeStopped)),
+        }),
+    )
+    .await;
+    Some(match reply {
+        Ok(r) => r,
+        Err(_) => {
+            let core = CoreHost::<Sharding>::core_of(&sent);
+            with_core(|c| c.forget_query(sent));
+            Err(EngineError::Timeout {
+                core,
+                waited_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            })
+        }
+    })
+}
+
+/// Pending until a message for the core arrives (its pusher wakes this task).
+struct Parked {
+    polled: bool,
+}
+
+impl Future for Parked {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.polled {
+            return Poll::Ready(());
+        }
+        self.polled = true;
+        match with_core(|c| c.sleep_as(cx.waker())) {
+            Some(true) => Poll::Pending,
+            _ => Poll::Ready(()),
+        }
+    }
+}
+
+/// Takes this thread's core and runs it to its end (every client and peer gone); `None` if
+/// this thread has no core.
+pub fn finish() -> Option<CoreSummary> {
+    let host = HOST.with(|h| h.borrow_mut().take())?;
+    Some(host.run_to_end())
+}
