@@ -32,6 +32,10 @@ pub enum BenchCommand {
     /// on prefill and decode workers against aggregated kv); prints a table and writes the
     /// figures as JSON (--json) and an SVG (--plot).
     Replay(ReplayBench),
+    /// The machine's memory latency now (dependent random loads over 1, 4, 16 and 128 MB,
+    /// ns per load), as JSON: recorded beside every figure, since it swings from day to day
+    /// on a shared machine.
+    Memlat,
 }
 
 /// Which transport `kvengine bench ingest` drives.
@@ -112,7 +116,8 @@ fn run_ingest(b: &IngestBench) -> Result<()> {
 pub struct IndexerBench {
     #[command(flatten)]
     args: IndexerArgs,
-    /// What to measure: the threaded runtime (default), or a single-threaded baseline.
+    /// What to measure: the threaded runtime (default), the runtime with its cores hosted on
+    /// the benchmark's threads (hosted-runtime), or a single-threaded baseline.
     #[arg(long, value_enum, default_value_t = Baseline::Runtime, env = "KVENGINE_BENCH_INDEXER")]
     indexer: Baseline,
 }
@@ -122,6 +127,11 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Indexer(b) => b,
         BenchCommand::Ingest(b) => return run_ingest(b),
         BenchCommand::Replay(b) => return run_replay(b),
+        BenchCommand::Memlat => {
+            let m = kvengine_benches::calibrate::mem_latency();
+            println!("{}", serde_json::to_string(&m)?);
+            return Ok(());
+        }
     };
     if let Some(spec) = b.args.anchor_spec()? {
         return run_anchor(b, &spec);

@@ -33,6 +33,7 @@ pub mod index;
 pub mod kv_index;
 pub mod matches;
 pub mod ring;
+pub mod router;
 pub mod runtime;
 pub mod sched;
 pub mod sharding;

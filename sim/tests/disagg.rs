@@ -188,11 +188,13 @@ async fn the_decode_side_waits_the_transfer_time_of_what_it_does_not_cache() {
     let took = start.elapsed();
     assert_eq!(status, 200, "{v}");
     assert!(took >= Duration::from_millis(41), "{took:?}");
-    // The same prompt again: 192 tokens cached, 8 to receive: 1.08 ms / 50 of waiting.
+    // The same prompt again: 192 tokens cached, 8 to receive: 1.08 ms / 50 of waiting,
+    // well under the 41 ms the whole prompt's transfer takes (the bound is that one, not a
+    // tighter figure: a loaded test machine adds milliseconds to any request).
     let start = Instant::now();
     let (_, v) = post_json(&d, "/v1/completions", &body).await;
     assert!(
-        start.elapsed() < Duration::from_millis(30),
+        start.elapsed() < Duration::from_millis(41),
         "{:?}",
         start.elapsed()
     );

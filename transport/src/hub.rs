@@ -6,7 +6,9 @@
 //!    worker registers itself (vLLM data-parallel ranks publish separately).
 //! 2. One worker's events always travel through the same ingest handle (handle
 //!    `home(worker) % n`), so the engine applies them in the order they were handed over.
-//! 3. A request id is active in the scheduler iff it is in the id map.
+//! 3. A request id is active in the scheduler iff it is in the id map (kept by the sans-IO
+//!    [`Router`], which holds the scheduler, request ids, cached totals and approximate
+//!    mode; the hub drives it under one mutex and feeds it the index's overlaps).
 //!
 //! # Concurrency
 //! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
@@ -24,18 +26,16 @@
 use crate::cores;
 use crate::error::{Result, TransportError};
 use crate::metrics::Metrics;
-use engine::approx::{ApproxConfig, ApproxIndex};
+use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
+use engine::router::{NameError, RouteError, Router};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
-use engine::sched::{
-    ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
-    WorkerRole,
-};
+use engine::sched::{ActiveLoad, SchedulerConfig, WorkerLoad, WorkerRole};
 use engine::sharding::choice::Sharding;
-use engine::{DpRank, EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use engine::{DpRank, EngineError, Matches, SeqHash, WorkerId, WorkerKey};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Instant;
@@ -119,58 +119,20 @@ struct WorkerEntry {
     events: u64,
 }
 
-/// The scheduler and the request-id map, under one lock.
-#[derive(Debug)]
-struct Routing {
-    scheduler: Scheduler,
-    ids: HashMap<String, RequestId>,
-    names: HashMap<RequestId, String>,
-    next_id: u64,
-}
-
-impl Routing {
-    fn forget(&mut self, id: RequestId) {
-        if let Some(name) = self.names.remove(&id) {
-            self.ids.remove(&name);
-        }
-    }
-}
-
-/// A request to route.
-#[derive(Clone, Debug, Default)]
-pub struct RouteCall<'a> {
-    /// The caller's id (must not be active); generated when absent.
-    pub request_id: Option<String>,
-    /// The prompt's token ids.
-    pub tokens: &'a [u32],
-    /// The LoRA adapter, if any (selects the hash seed).
-    pub lora_name: Option<&'a str>,
-    /// Per-call settings.
-    pub overrides: RouteOverrides,
-}
-
-/// A routed request.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Routed {
-    /// Its id (the caller's or a generated one).
-    pub request_id: String,
-    /// The scheduler's decision.
-    pub decision: Decision,
-    /// Full blocks in the prompt.
-    pub blocks: usize,
-}
+pub use engine::router::{RouteCall, Routed};
 
 /// See the module docs.
 #[derive(Debug)]
 pub struct Hub {
     config: HubConfig,
     engine: Engine,
-    routing: Mutex<Routing>,
+    /// Scheduler, request ids, cached totals, approximate mode: one lock, held for one
+    /// decision.
+    routing: Mutex<Router>,
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
-    cached: RwLock<HashMap<WorkerKey, u64>>,
     metrics: Metrics,
     /// Approximate mode (`--no-kv-events`): routing decisions predict the caches.
-    approx: Option<Mutex<ApproxIndex>>,
+    approximate: bool,
     /// Whether healthy prefill and decode workers are both registered (the front door then
     /// disaggregates): kept with the scheduler's pools, read without a lock per request.
     disaggregating: AtomicBool,
@@ -218,20 +180,13 @@ impl Hub {
     }
 
     fn with_engine(config: HubConfig, engine: Engine) -> Result<Self> {
-        let scheduler = Scheduler::new(config.scheduler)?;
         Ok(Self {
             config,
             engine,
-            routing: Mutex::new(Routing {
-                scheduler,
-                ids: HashMap::new(),
-                names: HashMap::new(),
-                next_id: 0,
-            }),
+            routing: Mutex::new(Router::new(config.scheduler, None)?),
             registry: RwLock::new(BTreeMap::new()),
-            cached: RwLock::new(HashMap::new()),
             metrics: Metrics::default(),
-            approx: None,
+            approximate: false,
             disaggregating: AtomicBool::new(false),
         })
     }
@@ -240,19 +195,20 @@ impl Hub {
     /// each routing decision is taken as a prediction that the chosen worker now caches the
     /// request's blocks (see [`engine::approx`]). Events are then refused.
     pub fn without_kv_events(mut self, config: ApproxConfig) -> Result<Self> {
-        self.approx = Some(Mutex::new(ApproxIndex::new(config)?));
+        self.routing = Mutex::new(Router::new(self.config.scheduler, Some(config))?);
+        self.approximate = true;
         Ok(self)
     }
 
     /// Whether the hub routes on KV events (false in approximate mode).
     pub fn kv_events(&self) -> bool {
-        self.approx.is_none()
+        !self.approximate
     }
 
     fn refuse_events_if_approximate(&self) -> Result<()> {
-        match self.approx {
-            None => Ok(()),
-            Some(_) => Err(TransportError::Invalid {
+        match self.approximate {
+            false => Ok(()),
+            true => Err(TransportError::Invalid {
                 name: "events",
                 reason: "KV events are disabled on this router (--no-kv-events)".into(),
             }),
@@ -261,14 +217,12 @@ impl Hub {
 
     /// The request's overlaps from the index, or from the predictions in approximate mode.
     fn find_matches(&self, seqs: &[SeqHash], now: Instant) -> Result<Matches> {
-        match &self.approx {
-            Some(a) => {
-                let mut a = lock(a);
-                a.expire(now);
-                Ok(a.find_matches(seqs))
-            }
-            None => Ok(self.on_query(&mut |q| q.find_matches(seqs))?),
+        if self.approximate
+            && let Some(m) = lock(&self.routing).predicted_matches(now, seqs)
+        {
+            return Ok(m);
         }
+        Ok(self.on_query(&mut |q| q.find_matches(seqs))?)
     }
 
     /// The router's block size, in tokens.
@@ -362,10 +316,7 @@ impl Hub {
         let mut added = Ok(());
         for &r in &all {
             if entry.healthy && added.is_ok() {
-                added = routing
-                    .scheduler
-                    .add_worker_with_role(key(reg.worker, r), role)
-                    .map(|_| ());
+                added = routing.add_worker(key(reg.worker, r), role);
             }
             entry.ranks.insert(r);
         }
@@ -413,26 +364,10 @@ impl Hub {
         drop(registry);
         {
             let mut routing = lock(&self.routing);
-            routing.scheduler.remove_worker(worker);
+            routing.remove_worker(worker, true);
             self.note_pools(&routing);
-            let gone: Vec<RequestId> = routing
-                .names
-                .keys()
-                .copied()
-                .filter(|&id| !routing.scheduler.is_active(id))
-                .collect();
-            for id in gone {
-                routing.forget(id);
-            }
-        }
-        if let Some(a) = &self.approx {
-            lock(a).remove_worker(worker);
         }
         let dropped = self.on_ingest(worker, &mut |e| e.remove_worker(worker))?;
-        self.cached
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .retain(|k, _| k.worker != worker);
         Ok(Some(dropped))
     }
 
@@ -453,14 +388,11 @@ impl Hub {
             let role = entry.registration.role();
             for &r in &entry.ranks {
                 if added.is_ok() {
-                    added = routing
-                        .scheduler
-                        .add_worker_with_role(key(worker, r), role)
-                        .map(|_| ());
+                    added = routing.add_worker(key(worker, r), role);
                 }
             }
         } else {
-            routing.scheduler.remove_worker(worker);
+            routing.remove_worker(worker, false);
         }
         self.note_pools(&routing);
         added?;
@@ -502,15 +434,14 @@ impl Hub {
 
     /// Refreshes [`Hub::disaggregating`] after the scheduler's workers changed (called with
     /// the routing lock held, so updates are ordered).
-    fn note_pools(&self, routing: &Routing) {
-        let s = &routing.scheduler;
-        let both = s.has_role(WorkerRole::Prefill) && s.has_role(WorkerRole::Decode);
+    fn note_pools(&self, routing: &Router) {
+        let both = routing.has_role(WorkerRole::Prefill) && routing.has_role(WorkerRole::Decode);
         self.disaggregating.store(both, Relaxed);
     }
 
     /// The load routed requests put on `key` now.
     pub fn active_load(&self, key: WorkerKey) -> Option<ActiveLoad> {
-        lock(&self.routing).scheduler.active_load(key)
+        lock(&self.routing).active_load(key)
     }
 
     /// Every registered worker, by id.
@@ -530,11 +461,7 @@ impl Hub {
                     .iter()
                     .map(|&r| {
                         let k = key(e.registration.worker, r);
-                        (
-                            r,
-                            routing.scheduler.active_load(k),
-                            routing.scheduler.reported_load(k),
-                        )
+                        (r, routing.active_load(k), routing.reported_load(k))
                     })
                     .collect(),
             })
@@ -656,26 +583,18 @@ impl Hub {
                 })
                 .collect()
         };
-        let mut fresh = HashMap::with_capacity(keys.len());
+        let mut fresh = Vec::with_capacity(keys.len());
         for key in keys {
             let n = self.on_ingest(key.worker, &mut |e| e.cached_blocks(key))?;
-            fresh.insert(key, n);
+            fresh.push((key, n));
         }
-        *self
-            .cached
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        lock(&self.routing).set_cached_blocks(fresh);
         Ok(())
     }
 
     /// The cached-block total of `key` as of the last refresh.
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        self.cached
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&key)
-            .copied()
-            .unwrap_or(0)
+        lock(&self.routing).cached_blocks(key)
     }
 
     // ----- routing -----
@@ -703,7 +622,7 @@ impl Hub {
     /// waits without blocking the thread, which keeps serving meanwhile.
     pub async fn route_async(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
         let seqs = self.hash_prompt(call.tokens, call.lora_name);
-        let hosted = matches!(self.engine, Engine::Hosted { .. }) && self.approx.is_none();
+        let hosted = matches!(self.engine, Engine::Hosted { .. }) && !self.approximate;
         let matches = match hosted {
             true => match cores::find_matches(&seqs).await {
                 Some(r) => r?,
@@ -722,38 +641,10 @@ impl Hub {
         matches: &Matches,
         now: Instant,
     ) -> Result<Routed> {
-        let cached = self
-            .cached
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut routing = lock(&self.routing);
-        for id in routing.scheduler.expire(now) {
-            routing.forget(id);
-        }
-        let name = match &call.request_id {
-            Some(n) if routing.ids.contains_key(n) => {
-                return Err(TransportError::DuplicateRequest(n.clone()));
-            }
-            Some(n) => n.clone(),
-            None => format!("kvr-{}", routing.next_id),
-        };
-        let id = RequestId(routing.next_id);
-        let request = RouteRequest {
-            id,
-            blocks: seqs,
-            input_tokens: call.tokens.len() as u64,
-            overrides: call.overrides,
-        };
-        let decision = routing.scheduler.route(now, &request, matches, |k| {
-            cached.get(&k).copied().unwrap_or(0)
-        })?;
-        routing.next_id += 1;
-        routing.ids.insert(name.clone(), id);
-        routing.names.insert(id, name.clone());
-        drop(routing);
-        if let Some(a) = &self.approx {
-            lock(a).insert(now, decision.worker, seqs);
-        }
+        let routed = lock(&self.routing)
+            .route(now, call, seqs, matches)
+            .map_err(refused)?;
+        let decision = &routed.decision;
         self.metrics.decided(decision.mode);
         self.metrics
             .chosen_overlap
@@ -761,36 +652,17 @@ impl Hub {
         self.metrics
             .best_overlap
             .observe(f64::from(decision.best_available_overlap_blocks));
-        Ok(Routed {
-            request_id: name,
-            decision,
-            blocks: seqs.len(),
-        })
-    }
-
-    fn request(&self, routing: &Routing, name: &str) -> Result<RequestId> {
-        routing
-            .ids
-            .get(name)
-            .copied()
-            .ok_or_else(|| TransportError::UnknownRequest(name.to_owned()))
+        Ok(routed)
     }
 
     /// Marks a routed request prefilled (its first token streamed).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
-        let mut routing = lock(&self.routing);
-        let id = self.request(&routing, request_id)?;
-        routing.scheduler.prefilled(id)?;
-        Ok(())
+        lock(&self.routing).prefilled(request_id).map_err(refused)
     }
 
     /// Frees a routed request (finished or cancelled).
     pub fn finish(&self, request_id: &str) -> Result<()> {
-        let mut routing = lock(&self.routing);
-        let id = self.request(&routing, request_id)?;
-        routing.forget(id);
-        routing.scheduler.free(id)?;
-        Ok(())
+        lock(&self.routing).finish(request_id).map_err(refused)
     }
 
     /// Records the load a worker rank reported.
@@ -800,17 +672,22 @@ impl Hub {
             return Err(TransportError::UnknownWorker(key.worker.0));
         }
         self.admit(key)?;
-        let mut routing = lock(&self.routing);
-        match routing.scheduler.update_load(key, load) {
-            // An unhealthy worker is out of the scheduler; its report is not an error.
-            Err(EngineError::UnknownWorker { .. }) => Ok(()),
-            r => Ok(r?),
-        }
+        // An unhealthy worker is out of routing; its report is not an error.
+        Ok(lock(&self.routing).update_load(key, load)?)
     }
 
     /// Requests active over all workers.
     pub fn active_requests(&self) -> usize {
-        lock(&self.routing).scheduler.active_requests()
+        lock(&self.routing).active_requests()
+    }
+}
+
+/// A refusal of the router as the transports report it.
+fn refused(e: RouteError) -> TransportError {
+    match e {
+        RouteError::Name(NameError::Duplicate(n)) => TransportError::DuplicateRequest(n),
+        RouteError::Name(NameError::Unknown(n)) => TransportError::UnknownRequest(n),
+        RouteError::Engine(e) => e.into(),
     }
 }
 

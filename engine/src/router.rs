@@ -1,0 +1,319 @@
+//! Router state, sans-IO: the scheduler and its active load, request-id interning, the
+//! per-worker cached-block totals ties are broken with, and the match source of approximate
+//! mode. In the style of quinn-proto's `Connection`: it takes `now` and the request's
+//! overlaps as arguments and does no I/O; a driver (the transport's `Hub`) asks the index
+//! for overlaps and hands them in.
+//!
+//! # Invariants
+//! 1. A request name is interned iff its request is active in the scheduler (expired,
+//!    finished and removed-worker requests are forgotten with it).
+//! 2. Generated names (`kvr-N`) and request ids never repeat within one router.
+//! 3. In approximate mode every routing decision is recorded as a prediction of what the
+//!    chosen worker now caches, and overlaps come from those predictions.
+//!
+//! # Concurrency
+//! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
+//! mutex, held for one decision).
+
+use crate::approx::{ApproxConfig, ApproxIndex};
+use crate::error::{EngineError, Result};
+use crate::ids::{RequestId, SeqHash, WorkerId, WorkerKey};
+use crate::matches::Matches;
+use crate::sched::{
+    ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
+    WorkerRole,
+};
+use hashbrown::HashMap;
+use std::time::Instant;
+
+/// A request to route.
+#[derive(Clone, Debug, Default)]
+pub struct RouteCall<'a> {
+    /// The caller's id (must not be active); generated when absent.
+    pub request_id: Option<String>,
+    /// The prompt's token ids.
+    pub tokens: &'a [u32],
+    /// The LoRA adapter, if any (selects the hash seed).
+    pub lora_name: Option<&'a str>,
+    /// Per-call settings.
+    pub overrides: RouteOverrides,
+}
+
+/// A routed request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    /// Its id (the caller's or a generated one).
+    pub request_id: String,
+    /// The scheduler's decision.
+    pub decision: Decision,
+    /// Full blocks in the prompt.
+    pub blocks: usize,
+}
+
+/// Why a named request was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NameError {
+    /// The name is already active.
+    Duplicate(String),
+    /// No active request has this name.
+    Unknown(String),
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Router {
+    scheduler: Scheduler,
+    ids: HashMap<String, RequestId>,
+    names: HashMap<RequestId, String>,
+    next_id: u64,
+    cached: HashMap<WorkerKey, u64>,
+    approx: Option<ApproxIndex>,
+}
+
+impl Router {
+    /// A router with no workers; `approx`: route without KV events (approximate mode).
+    pub fn new(config: SchedulerConfig, approx: Option<ApproxConfig>) -> Result<Self> {
+        Ok(Self {
+            scheduler: Scheduler::new(config)?,
+            ids: HashMap::new(),
+            names: HashMap::new(),
+            next_id: 0,
+            cached: HashMap::new(),
+            approx: approx.map(ApproxIndex::new).transpose()?,
+        })
+    }
+
+    /// Whether overlaps come from routing predictions (approximate mode).
+    pub fn approximate(&self) -> bool {
+        self.approx.is_some()
+    }
+
+    // ----- workers -----
+
+    /// Adds `key` to routing with `role` (or changes its role).
+    pub fn add_worker(&mut self, key: WorkerKey, role: WorkerRole) -> Result<()> {
+        self.scheduler.add_worker_with_role(key, role).map(|_| ())
+    }
+
+    /// Takes every rank of `worker` out of routing: its active requests are freed and
+    /// forgotten (and, `forget`: its predictions and cached totals too, for a worker that
+    /// is gone rather than unhealthy).
+    pub fn remove_worker(&mut self, worker: WorkerId, forget: bool) {
+        self.scheduler.remove_worker(worker);
+        let gone: Vec<RequestId> = self
+            .names
+            .keys()
+            .copied()
+            .filter(|&id| !self.scheduler.is_active(id))
+            .collect();
+        for id in gone {
+            self.forget(id);
+        }
+        if forget {
+            if let Some(a) = &mut self.approx {
+                a.remove_worker(worker);
+            }
+            self.cached.retain(|k, _| k.worker != worker);
+        }
+    }
+
+    /// Whether some routable worker has `role`.
+    pub fn has_role(&self, role: WorkerRole) -> bool {
+        self.scheduler.has_role(role)
+    }
+
+    /// The load routed requests put on `key` now.
+    pub fn active_load(&self, key: WorkerKey) -> Option<ActiveLoad> {
+        self.scheduler.active_load(key)
+    }
+
+    /// The load `key` last reported.
+    pub fn reported_load(&self, key: WorkerKey) -> Option<WorkerLoad> {
+        self.scheduler.reported_load(key)
+    }
+
+    /// Records the load `key` reported (ignored for a worker out of routing).
+    pub fn update_load(&mut self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
+        match self.scheduler.update_load(key, load) {
+            Err(EngineError::UnknownWorker { .. }) => Ok(()),
+            r => r,
+        }
+    }
+
+    /// Replaces the cached-block totals ties are broken with.
+    pub fn set_cached_blocks(&mut self, totals: impl IntoIterator<Item = (WorkerKey, u64)>) {
+        self.cached = totals.into_iter().collect();
+    }
+
+    /// `key`'s cached-block total as of the last [`Router::set_cached_blocks`].
+    pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
+        self.cached.get(&key).copied().unwrap_or(0)
+    }
+
+    // ----- requests -----
+
+    /// Overlaps predicted in approximate mode (`None` in exact mode: ask the index).
+    pub fn predicted_matches(&mut self, now: Instant, seqs: &[SeqHash]) -> Option<Matches> {
+        let a = self.approx.as_mut()?;
+        a.expire(now);
+        Some(a.find_matches(seqs))
+    }
+
+    /// Routes `call` (whose full blocks are `seqs` and overlaps `matches`) and records it as
+    /// active on the chosen worker. Requests past their timeout are expired first.
+    pub fn route(
+        &mut self,
+        now: Instant,
+        call: &RouteCall<'_>,
+        seqs: &[SeqHash],
+        matches: &Matches,
+    ) -> std::result::Result<Routed, RouteError> {
+        for id in self.scheduler.expire(now) {
+            self.forget(id);
+        }
+        let name = match &call.request_id {
+            Some(n) if self.ids.contains_key(n) => {
+                return Err(RouteError::Name(NameError::Duplicate(n.clone())));
+            }
+            Some(n) => n.clone(),
+            None => format!("kvr-{}", self.next_id),
+        };
+        let id = RequestId(self.next_id);
+        let request = RouteRequest {
+            id,
+            blocks: seqs,
+            input_tokens: call.tokens.len() as u64,
+            overrides: call.overrides,
+        };
+        let cached = &self.cached;
+        let decision = self
+            .scheduler
+            .route(now, &request, matches, |k| {
+                cached.get(&k).copied().unwrap_or(0)
+            })
+            .map_err(RouteError::Engine)?;
+        self.next_id += 1;
+        self.ids.insert(name.clone(), id);
+        self.names.insert(id, name.clone());
+        if let Some(a) = &mut self.approx {
+            a.insert(now, decision.worker, seqs);
+        }
+        Ok(Routed {
+            request_id: name,
+            decision,
+            blocks: seqs.len(),
+        })
+    }
+
+    fn id(&self, name: &str) -> std::result::Result<RequestId, RouteError> {
+        self.ids
+            .get(name)
+            .copied()
+            .ok_or_else(|| RouteError::Name(NameError::Unknown(name.to_owned())))
+    }
+
+    fn forget(&mut self, id: RequestId) {
+        if let Some(name) = self.names.remove(&id) {
+            self.ids.remove(&name);
+        }
+    }
+
+    /// Marks request `name` prefilled (its first token streamed).
+    pub fn prefilled(&mut self, name: &str) -> std::result::Result<(), RouteError> {
+        let id = self.id(name)?;
+        self.scheduler.prefilled(id).map_err(RouteError::Engine)
+    }
+
+    /// Frees request `name` (finished or cancelled).
+    pub fn finish(&mut self, name: &str) -> std::result::Result<(), RouteError> {
+        let id = self.id(name)?;
+        self.forget(id);
+        self.scheduler.free(id).map_err(RouteError::Engine)
+    }
+
+    /// Requests active over all workers.
+    pub fn active_requests(&self) -> usize {
+        self.scheduler.active_requests()
+    }
+}
+
+/// Why routing or a request update was refused.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RouteError {
+    /// A request name problem.
+    Name(NameError),
+    /// The scheduler refused (no workers, an invalid override, ...).
+    Engine(EngineError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::{RouteMode, WorkerRole};
+
+    fn router() -> Router {
+        let config = SchedulerConfig {
+            mode: RouteMode::RoundRobin,
+            ..SchedulerConfig::default()
+        };
+        let mut r = Router::new(config, None).unwrap();
+        r.add_worker(WorkerKey::new(1, 0), WorkerRole::default())
+            .unwrap();
+        r
+    }
+
+    #[test]
+    fn names_are_interned_while_active_and_generated_ones_never_repeat() {
+        let mut r = router();
+        let now = Instant::now();
+        let call = RouteCall {
+            request_id: Some("a".into()),
+            tokens: &[1; 32],
+            ..RouteCall::default()
+        };
+        let routed = r.route(now, &call, &[], &Matches::default()).unwrap();
+        assert_eq!(routed.request_id, "a");
+        assert_eq!(
+            r.route(now, &call, &[], &Matches::default()),
+            Err(RouteError::Name(NameError::Duplicate("a".into())))
+        );
+        let anon = RouteCall {
+            tokens: &[1; 32],
+            ..RouteCall::default()
+        };
+        let g1 = r.route(now, &anon, &[], &Matches::default()).unwrap();
+        let g2 = r.route(now, &anon, &[], &Matches::default()).unwrap();
+        assert_ne!(g1.request_id, g2.request_id);
+        assert_eq!(r.active_requests(), 3);
+        r.finish("a").unwrap();
+        assert_eq!(
+            r.finish("a"),
+            Err(RouteError::Name(NameError::Unknown("a".into())))
+        );
+        // The name is free again once finished.
+        r.route(now, &call, &[], &Matches::default()).unwrap();
+        // Removing the worker forgets its requests.
+        r.remove_worker(WorkerId(1), true);
+        assert_eq!(r.active_requests(), 0);
+        assert!(r.prefilled("a").is_err());
+    }
+
+    #[test]
+    fn approximate_mode_predicts_what_it_routed() {
+        let config = SchedulerConfig::default();
+        let mut r = Router::new(config, Some(ApproxConfig::default())).unwrap();
+        r.add_worker(WorkerKey::new(7, 0), WorkerRole::default())
+            .unwrap();
+        let now = Instant::now();
+        let seqs = [SeqHash(1), SeqHash(2)];
+        assert_eq!(r.predicted_matches(now, &seqs).unwrap().best(), 0);
+        let call = RouteCall {
+            tokens: &[0; 32],
+            ..RouteCall::default()
+        };
+        let m = r.predicted_matches(now, &seqs).unwrap();
+        r.route(now, &call, &seqs, &m).unwrap();
+        let m = r.predicted_matches(now, &seqs).unwrap();
+        assert_eq!(m.overlap(WorkerKey::new(7, 0)), 2);
+    }
+}
