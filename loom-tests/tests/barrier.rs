@@ -4,17 +4,24 @@
 //! The client (the model's main thread) sends core A an operation that belongs to core B's
 //! shard (as an event homed on A whose operation B owns), then `Sync` (tag 1) to A and to B.
 //! A forwards the operation to B on its peer ring and, on the `Sync`, sends its `Fence`
-//! behind it on that same ring; B sends its `Fence` to A. Each core feeds its own `Sync`
-//! and the peer's fence into its barrier and replies `Synced` when the barrier completes.
-//! Checked in every interleaving:
-//! * each core replies `Synced` exactly once, and its barrier is empty at the end;
-//! * once the client has both replies, B has applied the operation: a barrier that
-//!   completes on the own sync alone, or a fence that overtakes the operation, fails here.
+//! behind it on that same ring; B sends its `Fence` to A. Each core applies the operations
+//! that reach it, feeds its own `Sync` and the peer's fence into its barrier, and replies
+//! `Synced` (carrying the operations it had applied by then) when the barrier completes.
+//! The client waits for both replies. Checked in every interleaving of the two cores and
+//! the client's waits:
+//! * B's `Synced` comes after B applied the operation: a barrier that completes on the own
+//!   sync alone, or a fence that overtakes the operation, fails here;
+//! * each core replies `Synced` exactly once, its barrier is empty when it exits, and the
+//!   operation is applied once, by B.
 //!
-//! An idle thread waits on its bell (a loom `Notify`, rung by whoever pushes to or closes
-//! one of its rings: the runtime's `Waker`, whose own model is in `runtime/waker.rs`)
-//! instead of spinning: three threads spinning with `yield_now` make loom's exploration
-//! unbounded. No ring here ever holds more than 2 messages, so no push waits either.
+//! To keep the state space small (loom is exponential in it): the client queues its three
+//! messages and closes its request rings before the cores start (the cores still handle
+//! everything queued before a close); rings hold 2 messages, the most any carries here, so
+//! no push waits; and an idle thread waits on its bell (a loom `Notify`, rung by whoever
+//! pushes to or closes one of its rings, like the runtime's `Waker`, modelled in
+//! `runtime/waker.rs`) instead of spinning, since three threads spinning with `yield_now`
+//! make the exploration unbounded. At most 2 preemptions unless `LOOM_MAX_PREEMPTIONS` is
+//! set (about a minute in release).
 //!
 //! Run with `RUSTFLAGS="--cfg kvengine_loom" cargo test -p kvengine-loom-tests --release
 //! --test barrier`.
@@ -95,11 +102,11 @@ impl Core {
                 match self.client_in.try_pop() {
                     Ok(ToCore::OpForPeer) => {
                         progressed = true;
-                        self.to_peer(PeerMsg::Op);
+                        self.send_peer(PeerMsg::Op);
                     }
                     Ok(ToCore::Sync(tag)) => {
                         progressed = true;
-                        self.to_peer(PeerMsg::Fence {
+                        self.send_peer(PeerMsg::Fence {
                             client: CLIENT,
                             tag,
                         });
@@ -124,7 +131,7 @@ impl Core {
         applied
     }
 
-    fn to_peer(&mut self, msg: PeerMsg) {
+    fn send_peer(&mut self, msg: PeerMsg) {
         let ring = self
             .peer_out
             .as_mut()
@@ -177,10 +184,13 @@ fn synced_only_after_every_earlier_operation_is_applied() {
         let (a_reply, mut from_a) = ring::<Reply>(2);
         let (b_reply, mut from_b) = ring::<Reply>(2);
         let (bell_a, bell_b, bell_client) = (Bell::default(), Bell::default(), Bell::default());
-        // The client's requests: an operation for B through A, then a sync on both cores.
+        // The client's requests: an operation for B through A, then a sync on both cores;
+        // it sends nothing more, so it closes its request rings.
         send(&mut to_a, ToCore::OpForPeer, &bell_a);
         send(&mut to_a, ToCore::Sync(TAG), &bell_a);
         send(&mut to_b, ToCore::Sync(TAG), &bell_b);
+        drop(to_a);
+        drop(to_b);
         let core_a = Core {
             client_in: a_in,
             peer_in: a_from_b,
@@ -209,11 +219,8 @@ fn synced_only_after_every_earlier_operation_is_applied() {
             "B replied Synced before applying the operation sent before the Sync"
         );
 
-        // Shut down: no second `Synced`, and nothing lost or applied twice.
-        drop(to_a);
-        bell_a.notify();
-        drop(to_b);
-        bell_b.notify();
+        // The cores exit once their rings are closed: no second `Synced`, and nothing lost
+        // or applied twice.
         assert_eq!(a.join().unwrap(), 0);
         assert_eq!(b.join().unwrap(), 1);
         assert_eq!(drain(&mut from_a), vec![], "A replied twice");
