@@ -234,6 +234,11 @@ pub enum Baseline {
     /// The threaded runtime: --cores pinned shard threads, --producers ingest threads,
     /// --query-threads query threads.
     Runtime,
+    /// The runtime with its cores hosted on the benchmark's threads: each thread owns a
+    /// core, applies its producer stream through it and issues queries through it, as
+    /// kvengine's HTTP edge does (--cores threads; --producers streams and --query-threads
+    /// query lists run on them).
+    HostedRuntime,
     /// The one-shard `KvIndex` (requires --cores 1).
     KvIndex,
     /// `ShardedIndex` with the fixed-depth policy, --cores shards in one thread.
@@ -257,15 +262,29 @@ impl Baseline {
                 args.query_threads,
                 true,
             )?),
+            Self::HostedRuntime => Box::new(crate::driver::hosted::HostedUnderTest::new(
+                args.sharding()?,
+                args.producers,
+                args.query_threads,
+                true,
+            )?),
         })
     }
 
     /// The indexer for an anchor workload ([`crate::anchor`]): events come from one
     /// stream; the runtime gets one ingest handle and two query handles (phase 3's two
-    /// callers use handles 0 and 1; phase 4's one query thread uses handle 1).
+    /// callers use handles 0 and 1; phase 4's one query thread uses handle 1); the hosted
+    /// runtime runs the stream and the query thread on core 0's thread (phase 3's callers
+    /// on cores 0 and 1, or on core 0 and a thread of its own with one core).
     pub fn build_anchor(self, args: &IndexerArgs) -> Result<Box<dyn IndexerUnderTest>> {
         match self {
             Self::Runtime => Ok(Box::new(crate::driver::runtime::RuntimeUnderTest::new(
+                args.sharding()?,
+                1,
+                1,
+                true,
+            )?)),
+            Self::HostedRuntime => Ok(Box::new(crate::driver::hosted::HostedUnderTest::new(
                 args.sharding()?,
                 1,
                 1,

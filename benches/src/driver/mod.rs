@@ -12,6 +12,9 @@
 //!   fixed-depth policy, N shards in one thread (for `shard_balance`; `cores` = shards).
 //! * [`runtime::RuntimeUnderTest`]: the threaded runtime, N pinned shard threads fed by
 //!   producer threads over SPSC rings (`cores` = shard threads).
+//! * [`hosted::HostedUnderTest`]: the same runtime with its cores hosted on N threads of the
+//!   driver, each applying its producer streams and issuing its queries through its core
+//!   (`cores` = threads).
 //!
 //! [`IndexerUnderTest::query_callers`] runs K concurrent query callers on a quiet index
 //! ([`callers`]): the single-threaded indexes are `Sync` and share `&index` across K scoped
@@ -33,6 +36,7 @@
 //! events applied, all queries answered) when the call returns.
 
 pub mod callers;
+pub mod hosted;
 pub mod kv_index;
 pub mod runtime;
 pub mod sharded;
