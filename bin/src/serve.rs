@@ -2,9 +2,11 @@
 //! process.
 //!
 //! Starts one core thread per core (`--cores`, default: the CPUs this process may use),
-//! pinned where a CPU exists; a small tokio runtime serves the HTTP edge (`--http-port`),
-//! subscribes to every `--zmq-worker`'s vLLM/SGLang KV events (and to workers registered
-//! later over HTTP with a `zmq` endpoint), and, with `--quic`, accepts native publishers.
+//! pinned where a CPU exists. Each core thread runs a single-threaded tokio runtime that
+//! serves its share of the HTTP edge (`--http-port`, one `SO_REUSEPORT` listener per core),
+//! the subscriptions to the vLLM/SGLang KV events of the `--zmq-worker`s homed on it (and of
+//! workers registered later over HTTP with a `zmq` endpoint), and its engine core in between
+//! (`transport::cores`); core 0 also accepts native publishers (`--quic`).
 //! Waits for SIGINT or SIGTERM; then stops accepting, lets each core drain what it was sent,
 //! joins them and prints their figures.
 //!
@@ -73,7 +75,9 @@ pub struct ServeArgs {
     /// Port of the HTTP edge (0: any free port, printed at start).
     #[arg(long, env = "KVENGINE_HTTP_PORT", default_value_t = 8000)]
     pub http_port: u16,
-    /// Threads serving HTTP and the ingest transports (default: the CPUs available).
+    /// Serve HTTP and the ingest transports on N threads of their own, apart from the
+    /// cores (the layout before the edge moved onto the cores; kept to compare against).
+    /// Default: HTTP and ingest run on the core threads, one listener per core.
     #[arg(long, env = "KVENGINE_HTTP_THREADS",
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub http_threads: Option<u16>,
@@ -435,6 +439,12 @@ fn reuseport_listeners(host: &str, port: u16, cores: usize) -> Result<Vec<std::n
         .with_context(context)?
         .next()
         .with_context(context)?;
+    // SO_REUSEPORT lets any process of this user join a port already listened on; a second
+    // kvengine started on the same port would silently take half the connections. Probe
+    // with a plain socket first, which fails if anything listens there.
+    if port != 0 {
+        drop(std::net::TcpListener::bind(addr).with_context(context)?);
+    }
     // Registering a socket needs a runtime; the listeners move to the cores' runtimes.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_io()

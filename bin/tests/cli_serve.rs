@@ -95,6 +95,30 @@ fn serves_with_http_on_threads_of_its_own_when_asked() {
 }
 
 #[test]
+fn a_port_in_use_is_refused_not_shared() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args([
+            "--cores",
+            "2",
+            "--no-pin",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            &port,
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--http-port"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
 fn bad_cores_exit_non_zero() {
     let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
         .args(["--cores", "0"])
