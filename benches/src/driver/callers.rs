@@ -70,13 +70,35 @@ impl CallersOutcome {
     }
 }
 
-/// One caller's run.
-struct CallerRun {
-    start: Instant,
-    end: Instant,
-    hist: Histogram<u64>,
-    summaries: Vec<AnswerSummary>,
-    answers: Vec<Matches>,
+/// One caller's run (on a thread of its own, or on a hosted core's thread).
+pub(super) struct CallerRun {
+    pub(super) start: Instant,
+    pub(super) end: Instant,
+    pub(super) hist: Histogram<u64>,
+    pub(super) summaries: Vec<AnswerSummary>,
+    pub(super) answers: Vec<Matches>,
+}
+
+/// The callers' runs as one outcome: elapsed from the first start to the last end.
+pub(super) fn outcome(runs: Vec<CallerRun>) -> CallersOutcome {
+    let start = runs.iter().map(|r| r.start).min();
+    let end = runs.iter().map(|r| r.end).max();
+    let elapsed = match (start, end) {
+        (Some(s), Some(e)) => e.saturating_duration_since(s),
+        _ => Duration::ZERO,
+    };
+    let mut out = CallersOutcome {
+        elapsed,
+        latencies_ns: Vec::with_capacity(runs.len()),
+        summaries: Vec::with_capacity(runs.len()),
+        answers: Vec::with_capacity(runs.len()),
+    };
+    for run in runs {
+        out.latencies_ns.push(run.hist);
+        out.summaries.push(run.summaries);
+        out.answers.push(run.answers);
+    }
+    out
 }
 
 fn one_caller<H>(
@@ -152,24 +174,7 @@ pub fn run_callers<H: Send>(
             })?
         }
     };
-    let start = runs.iter().map(|r| r.start).min();
-    let end = runs.iter().map(|r| r.end).max();
-    let elapsed = match (start, end) {
-        (Some(s), Some(e)) => e.saturating_duration_since(s),
-        _ => Duration::ZERO,
-    };
-    let mut out = CallersOutcome {
-        elapsed,
-        latencies_ns: Vec::with_capacity(runs.len()),
-        summaries: Vec::with_capacity(runs.len()),
-        answers: Vec::with_capacity(runs.len()),
-    };
-    for run in runs {
-        out.latencies_ns.push(run.hist);
-        out.summaries.push(run.summaries);
-        out.answers.push(run.answers);
-    }
-    Ok(out)
+    Ok(outcome(runs))
 }
 
 #[cfg(test)]

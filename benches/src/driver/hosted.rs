@@ -48,7 +48,7 @@
 //!   otherwise ignore), concurrently across cores: `mixed_mode` says `concurrent` with two
 //!   cores or more and `interleaved` with one.
 
-use super::callers::AnswerSummary;
+use super::callers::{AnswerSummary, CallerRun, outcome};
 use super::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
     latency_histogram,
@@ -114,15 +114,6 @@ enum Reply {
         hist: Histogram<u64>,
         settled: Option<Instant>,
     },
-}
-
-/// One caller's run on a core thread.
-struct CallerRun {
-    start: Instant,
-    end: Instant,
-    hist: Histogram<u64>,
-    summaries: Vec<AnswerSummary>,
-    answers: Vec<Matches>,
 }
 
 /// The harness's side of one core thread.
@@ -640,24 +631,7 @@ impl IndexerUnderTest for HostedUnderTest {
             runs.push(run);
         }
         runs.extend(outsider_run);
-        let start = runs.iter().map(|r| r.start).min();
-        let end = runs.iter().map(|r| r.end).max();
-        let elapsed = match (start, end) {
-            (Some(s), Some(e)) => e.saturating_duration_since(s),
-            _ => Duration::ZERO,
-        };
-        let mut out = CallersOutcome {
-            elapsed,
-            latencies_ns: Vec::with_capacity(runs.len()),
-            summaries: Vec::with_capacity(runs.len()),
-            answers: Vec::with_capacity(runs.len()),
-        };
-        for run in runs {
-            out.latencies_ns.push(run.hist);
-            out.summaries.push(run.summaries);
-            out.answers.push(run.answers);
-        }
-        Ok(out)
+        Ok(outcome(runs))
     }
 
     fn max_callers(&self) -> usize {

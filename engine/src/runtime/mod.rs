@@ -163,7 +163,7 @@ pub struct Hosted<P> {
 }
 
 /// Builds one core per shard of `policy` without starting threads: the caller hosts each
-/// [`CoreHost`] on a thread of its own (see [`hosted`]). `config`'s handle counts are
+/// [`CoreHost`] on a thread of its own (see its docs). `config`'s handle counts are
 /// ignored: each core gets one ingest and one query ring to every core, and one handle of
 /// each kind serves the threads that are not cores.
 pub fn start_hosted<P: ShardPolicy + Clone + 'static>(
