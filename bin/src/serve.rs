@@ -270,10 +270,10 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_pinning(args: &ServeArgs, pinned: &[Option<usize>]) {
+fn print_pinning(no_pin: bool, pinned: &[Option<usize>]) {
     let cores = pinned.len();
     let pinned_count = pinned.iter().flatten().count();
-    if args.no_pin {
+    if no_pin {
         println!("kvengine: pinning disabled (--no-pin)");
     } else if pinned_count < cores {
         println!(
@@ -341,7 +341,7 @@ fn run_on_cores(
                             tokio::net::TcpListener::from_std(listener).context("HTTP listener")?;
                         match setup {
                             Some((app_tx, handles)) => {
-                                let handles = collect_handles(handles, cores)?;
+                                let handles = collect_handles(handles, cores, args.no_pin)?;
                                 serve(hub, args, stop, listener, handles, Some(app_tx)).await
                             }
                             None => serve_share(listener, app_rx, stop).await,
@@ -381,6 +381,7 @@ fn run_on_cores(
 fn collect_handles(
     rx: std::sync::mpsc::Receiver<(usize, Option<usize>, tokio::runtime::Handle)>,
     cores: usize,
+    no_pin: bool,
 ) -> Result<Spawner> {
     let mut handles: Vec<Option<tokio::runtime::Handle>> = vec![None; cores];
     let mut pinned = vec![None; cores];
@@ -392,20 +393,12 @@ fn collect_handles(
             (*slot, *p) = (Some(h), cpu);
         }
     }
-    print_pinning_hosted(&pinned);
+    print_pinning(no_pin, &pinned);
+    println!("kvengine: HTTP and ingest run on the core threads");
     let handles: Option<Vec<_>> = handles.into_iter().collect();
     Ok(Spawner(
         handles.context("a core's runtime is missing")?.into(),
     ))
-}
-
-fn print_pinning_hosted(pinned: &[Option<usize>]) {
-    let n = pinned.iter().flatten().count();
-    println!(
-        "kvengine: {n} of {} core threads pinned to a CPU of their own; HTTP and ingest run on \
-         the core threads",
-        pinned.len()
-    );
 }
 
 /// Another core's share of the HTTP edge: the app core 0 built, on this core's listener.
@@ -489,7 +482,7 @@ fn run_threaded(
     let (hub, runtime) =
         start_engine(config, sharding, engine).context("cannot start the shards")?;
     let hub = hub_for(args, hub)?;
-    print_pinning(args, runtime.pinned());
+    print_pinning(args.no_pin, runtime.pinned());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(http_threads)
         .thread_name("kvengine-io")

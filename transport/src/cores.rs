@@ -52,11 +52,6 @@ pub fn with_core<R>(f: impl FnOnce(&mut CoreHost<Sharding>) -> R) -> Option<R> {
     })
 }
 
-/// Whether this thread is a core.
-pub fn on_core() -> bool {
-    HOST.with(|h| h.try_borrow().map(|h| h.is_some()).unwrap_or(true))
-}
-
 /// Steps this thread's core between the runtime's other tasks until the core ends. Spawn it
 /// on the core's runtime (a `LocalSet` or a current-thread runtime).
 pub async fn drive() {
@@ -119,7 +114,7 @@ pub async fn find_matches(seqs: &[SeqHash]) -> Option<engine::Result<Matches>> {
     Some(match reply {
         Ok(r) => r,
         Err(_) => {
-            let core = CoreHost::<Sharding>::core_of(&sent);
+            let core = sent.core();
             with_core(|c| c.forget_query(sent));
             Err(EngineError::Timeout {
                 core,

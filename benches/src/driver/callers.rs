@@ -101,11 +101,14 @@ pub(super) fn outcome(runs: Vec<CallerRun>) -> CallersOutcome {
     out
 }
 
-fn one_caller<H>(
+/// Issues `list` in order with `state`, timing each query, and calls `between` after each
+/// (untimed: a hosted core steps there).
+pub(super) fn one_caller<H>(
     state: &mut H,
     list: &[Query],
     keep: bool,
-    query: &(impl Fn(&mut H, &[SeqHash]) -> Result<Matches> + Sync),
+    query: &impl Fn(&mut H, &[SeqHash]) -> Result<Matches>,
+    between: &impl Fn(&mut H),
 ) -> Result<CallerRun> {
     let mut hist = latency_histogram();
     let mut summaries = Vec::with_capacity(list.len());
@@ -121,6 +124,7 @@ fn one_caller<H>(
         } else {
             drop(black_box(m));
         }
+        between(state);
     }
     Ok(CallerRun {
         start,
@@ -143,7 +147,7 @@ pub fn run_callers<H: Send>(
     }
     let runs: Vec<CallerRun> = match (states, lists) {
         (_, []) => Vec::new(),
-        ([state, ..], [list]) => vec![one_caller(state, list, keep, &query)?],
+        ([state, ..], [list]) => vec![one_caller(state, list, keep, &query, &|_| {})?],
         (states, lists) => {
             let barrier = Barrier::new(lists.len());
             let (barrier, query) = (&barrier, &query);
@@ -154,7 +158,7 @@ pub fn run_callers<H: Send>(
                     .map(|(state, list)| {
                         s.spawn(move || {
                             barrier.wait();
-                            one_caller(state, list, keep, query)
+                            one_caller(state, list, keep, query, &|_| {})
                         })
                     })
                     .collect();

@@ -48,7 +48,7 @@
 //!   otherwise ignore), concurrently across cores: `mixed_mode` says `concurrent` with two
 //!   cores or more and `interleaved` with one.
 
-use super::callers::{AnswerSummary, CallerRun, outcome};
+use super::callers::{CallerRun, one_caller, outcome};
 use super::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
     latency_histogram,
@@ -360,15 +360,9 @@ fn run_cmd(host: &mut CoreHost<Sharding>, cmd: Cmd) -> Result<Reply> {
             start_together(&ready, || host.step())?;
             // A query answered in place does not step the core: step it after each, so the
             // queries the other callers forward here are answered.
-            caller(
-                host,
-                &list,
-                keep,
-                |h, q| Ok(h.find_matches(q)?),
-                |h| {
-                    h.step();
-                },
-            )
+            one_caller(host, &list, keep, &|h, q| Ok(h.find_matches(q)?), &|h| {
+                h.step();
+            })
             .map(Reply::Caller)
         }
         Cmd::Mixed {
@@ -394,40 +388,6 @@ fn settle(host: &mut CoreHost<Sharding>) -> Result<()> {
             std::thread::yield_now();
         }
     }
-}
-
-/// Issues `list` in order on `path`, timing each query (as [`super::callers`] does), and
-/// calls `between` after each (untimed).
-fn caller<S>(
-    path: &mut S,
-    list: &[Query],
-    keep: bool,
-    query: impl Fn(&mut S, &[SeqHash]) -> Result<Matches>,
-    between: impl Fn(&mut S),
-) -> Result<CallerRun> {
-    let mut hist = latency_histogram();
-    let mut summaries = Vec::with_capacity(list.len());
-    let mut answers = Vec::with_capacity(if keep { list.len() } else { 0 });
-    let start = Instant::now();
-    for q in list {
-        let t = Instant::now();
-        let m = query(path, q)?;
-        hist.saturating_record(t.elapsed().as_nanos() as u64);
-        summaries.push(AnswerSummary::of(&m));
-        if keep {
-            answers.push(m);
-        } else {
-            drop(black_box(m));
-        }
-        between(path);
-    }
-    Ok(CallerRun {
-        start,
-        end: Instant::now(),
-        hist,
-        summaries,
-        answers,
-    })
 }
 
 /// One core's part of the mixed phase (invariant 4).
@@ -610,7 +570,7 @@ impl IndexerUnderTest for HostedUnderTest {
                     let ready = ready.clone();
                     Some(s.spawn(move || {
                         start_together(&ready, || false)?;
-                        caller(h, list, keep, |h, q| Ok(h.find_matches(q)?), |_| {})
+                        one_caller(h, list, keep, &|h, q| Ok(h.find_matches(q)?), &|_| {})
                     }))
                 }
                 (Some(_), None) => bail!("the handle for threads that are not cores is gone"),

@@ -80,6 +80,8 @@ pub(crate) struct Link {
     /// with the reply once it arrived: a wait for another call keeps these instead of
     /// discarding them as late.
     pub awaited: HashMap<(usize, u64), Option<FromCore>>,
+    /// Scratch for [`Link::send_events`]: which cores a chunk of events goes to.
+    pub homes: Vec<bool>,
 }
 
 /// When a wait gives up, and how long it was allowed.
@@ -272,7 +274,9 @@ impl Link {
         work: Work<'_>,
     ) -> Result<()> {
         let cores = self.cores();
-        let mut homes = vec![false; cores];
+        // Reused across batches: this is the ingest hot path.
+        let mut homes = std::mem::take(&mut self.homes);
+        homes.resize(cores, false);
         let mut start = 0;
         while start < events.len() {
             let end = (start + SEND_CHUNK).min(events.len());
@@ -283,10 +287,14 @@ impl Link {
                 }
             }
             for (c, _) in homes.iter().enumerate().filter(|(_, h)| **h) {
-                self.post(c, ToCore::Events((events.clone(), start..end)), work)?;
+                if let Err(e) = self.post(c, ToCore::Events((events.clone(), start..end)), work) {
+                    self.homes = homes;
+                    return Err(e);
+                }
             }
             start = end;
         }
+        self.homes = homes;
         Ok(())
     }
 

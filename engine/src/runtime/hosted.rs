@@ -46,6 +46,21 @@ pub struct SentQuery {
     tag: u64,
 }
 
+impl SentQuery {
+    /// The core it went to.
+    pub fn core(&self) -> usize {
+        self.core
+    }
+}
+
+/// Where a query is answered.
+enum Place {
+    /// Here and now (no blocks, or this core owns the query's shard).
+    Here(Matches),
+    /// By this core.
+    Core(usize),
+}
+
 /// What [`CoreHost::start_query`] did.
 #[derive(Debug)]
 pub enum Lookup {
@@ -137,37 +152,40 @@ impl<P: ShardPolicy> CoreHost<P> {
     /// Overlaps of `seqs`: read in place when this core owns the query's shard, otherwise
     /// asked of the core that does (stepping this core meanwhile).
     pub fn find_matches(&mut self, seqs: &[SeqHash]) -> Result<Matches> {
+        match self.place(seqs) {
+            Place::Here(m) => Ok(m),
+            Place::Core(core) => {
+                let runner = &mut self.runner;
+                self.query.query(core, seqs, &mut || runner.step())
+            }
+        }
+    }
+
+    /// Answers `seqs` in place where this core can, or names the core that owns them.
+    fn place(&mut self, seqs: &[SeqHash]) -> Place {
         if seqs.is_empty() {
-            return Ok(Matches::default());
+            return Place::Here(Matches::default());
         }
         self.policy.refresh();
         let shard = self.policy.query_shard(seqs);
         if shard == self.runner.shard_id() {
-            return Ok(self.runner.query_local(seqs));
+            return Place::Here(self.runner.query_local(seqs));
         }
-        let runner = &mut self.runner;
-        self.query.query(shard.idx(), seqs, &mut || runner.step())
+        Place::Core(shard.idx())
     }
 
     /// Starts a query without waiting for another core: answered in place when this core
     /// owns the query's shard, otherwise sent (see [`Lookup`]).
     pub fn start_query(&mut self, seqs: &[SeqHash]) -> Lookup {
-        if seqs.is_empty() {
-            return Lookup::Done(Ok(Matches::default()));
-        }
-        self.policy.refresh();
-        let shard = self.policy.query_shard(seqs);
-        if shard == self.runner.shard_id() {
-            return Lookup::Done(Ok(self.runner.query_local(seqs)));
-        }
-        match self.query.begin_query(shard.idx(), seqs) {
-            Ok(Some(tag)) => Lookup::Sent(SentQuery {
-                core: shard.idx(),
-                tag,
-            }),
+        let core = match self.place(seqs) {
+            Place::Here(m) => return Lookup::Done(Ok(m)),
+            Place::Core(core) => core,
+        };
+        match self.query.begin_query(core, seqs) {
+            Ok(Some(tag)) => Lookup::Sent(SentQuery { core, tag }),
             Ok(None) => {
                 let runner = &mut self.runner;
-                Lookup::Done(self.query.query(shard.idx(), seqs, &mut || runner.step()))
+                Lookup::Done(self.query.query(core, seqs, &mut || runner.step()))
             }
             Err(e) => Lookup::Done(Err(e)),
         }
@@ -186,11 +204,6 @@ impl<P: ShardPolicy> CoreHost<P> {
     /// Whether a reply to this host is waiting to be collected.
     pub fn replies_waiting(&self) -> bool {
         self.query.replies_waiting()
-    }
-
-    /// The core `sent` went to.
-    pub fn core_of(sent: &SentQuery) -> usize {
-        sent.core
     }
 
     /// How long a call on this host may wait.

@@ -273,6 +273,7 @@ fn build<P: ShardPolicy + Clone>(
             sync_timeout: config.sync_timeout,
             last_tag: 0,
             awaited: Default::default(),
+            homes: Vec::with_capacity(cores),
         })
         .collect();
     let mut clients_in: Vec<Vec<_>> = (0..cores).map(|_| Vec::with_capacity(clients)).collect();
