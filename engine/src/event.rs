@@ -33,3 +33,14 @@ pub enum KvEvent {
     /// The worker key's whole cache was emptied.
     Cleared,
 }
+
+impl KvEvent {
+    /// Blocks the event names (0 for `Cleared`): a measure of the work applying it takes.
+    pub fn blocks(&self) -> usize {
+        match self {
+            KvEvent::Stored { blocks, .. } => blocks.len(),
+            KvEvent::Removed { blocks } => blocks.len(),
+            KvEvent::Cleared => 0,
+        }
+    }
+}

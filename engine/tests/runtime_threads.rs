@@ -360,3 +360,68 @@ fn hosted_cores_answer_as_one_thread_does() {
         assert_eq!(applied, want, "{shards} shards");
     }
 }
+
+/// A long slice of events is applied a bounded share per round, in order, with the core
+/// usable in between: after one round of a 4,000-block slice the first sequence is
+/// indexed and the last is not; stepping on applies the rest (shard_loop invariant 4).
+#[test]
+fn a_long_slice_is_applied_across_rounds_in_order() {
+    use engine::runtime::start_hosted;
+    use std::sync::Arc;
+    let policy = FixedDepth::new(1, 0).unwrap();
+    let config = RuntimeConfig {
+        pin_cores: false,
+        ..RuntimeConfig::default()
+    };
+    let mut hosted = start_hosted(policy, config).unwrap();
+    let mut host = hosted.cores.remove(0);
+    let key = WorkerKey::new(3, 0);
+    let mut slice = vec![];
+    let mut queries = vec![];
+    for s in 0..40u64 {
+        let mut prev = None;
+        let mut blocks = vec![];
+        let mut seqs = vec![];
+        for b in 0..100u64 {
+            let t = TokensHash(s * 1_000 + b);
+            let h = seq_hash(prev, t);
+            blocks.push(StoredBlock {
+                engine_hash: EngineHash(h.0),
+                tokens_hash: t,
+            });
+            seqs.push(h);
+            prev = Some(h);
+        }
+        slice.push((
+            key,
+            KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        ));
+        queries.push(seqs);
+    }
+    let overlap = |host: &mut engine::runtime::CoreHost<FixedDepth>, q: &[SeqHash]| {
+        host.find_matches(q).unwrap().overlap(key)
+    };
+    host.send(&Arc::from(slice)).unwrap();
+    // One core owns the only shard: queries are read in place and do not step it.
+    assert_eq!(
+        overlap(&mut host, &queries[0]),
+        0,
+        "nothing applied before a round"
+    );
+    host.step();
+    assert_eq!(overlap(&mut host, &queries[0]), 100);
+    assert_eq!(
+        overlap(&mut host, &queries[39]),
+        0,
+        "one round took the whole slice"
+    );
+    while host.step() {}
+    for q in &queries {
+        assert_eq!(overlap(&mut host, q), 100);
+    }
+    drop(hosted);
+    host.run_to_end();
+}

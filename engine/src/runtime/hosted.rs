@@ -156,7 +156,7 @@ impl<P: ShardPolicy> CoreHost<P> {
             Place::Here(m) => Ok(m),
             Place::Core(core) => {
                 let runner = &mut self.runner;
-                self.query.query(core, seqs, &mut || runner.step())
+                self.query.query(core, seqs, &mut || runner.step_queries())
             }
         }
     }
@@ -185,7 +185,7 @@ impl<P: ShardPolicy> CoreHost<P> {
             Ok(Some(tag)) => Lookup::Sent(SentQuery { core, tag }),
             Ok(None) => {
                 let runner = &mut self.runner;
-                Lookup::Done(self.query.query(core, seqs, &mut || runner.step()))
+                Lookup::Done(self.query.query(core, seqs, &mut || runner.step_queries()))
             }
             Err(e) => Lookup::Done(Err(e)),
         }
