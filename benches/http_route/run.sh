@@ -5,6 +5,9 @@
 #
 #   benches/http_route/run.sh     # PORT=8088 DURATION=10s CONNS=16 THREADS=1 CORES=2
 #
+# BIN=path/to/kvengine runs that binary instead of building this checkout's (to compare two
+# commits side by side on the same day).
+#
 # HTTP runs on the core threads; HTTP_THREADS=N selects the comparison layout instead (HTTP
 # on N threads of its own, cores on theirs; see docs/architecture.md).
 #
@@ -19,11 +22,15 @@ THREADS=${THREADS:-1}
 CORES=${CORES:-2}
 HTTP_THREADS=${HTTP_THREADS:-}
 EXTRA=${EXTRA:-}
+BIN=${BIN:-}
 
-cargo build --release -q -p kvengine
+if [ -z "$BIN" ]; then
+  cargo build --release -q -p kvengine
+  BIN=target/release/kvengine
+fi
 LAYOUT=()
 [ -n "$HTTP_THREADS" ] && LAYOUT=(--http-threads "$HTTP_THREADS")
-target/release/kvengine --cores "$CORES" "${LAYOUT[@]}" --http-host 127.0.0.1 \
+"$BIN" --cores "$CORES" "${LAYOUT[@]}" --http-host 127.0.0.1 \
   --http-port "$PORT" --request-timeout-secs 2 $EXTRA >/dev/null 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT
