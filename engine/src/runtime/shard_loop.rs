@@ -369,9 +369,9 @@ impl<P: ShardPolicy> Core<P> {
                         for b in &batches {
                             self.shard.apply(b);
                             applied += b.seqs.len().max(1);
-                            self.serve_queries(st);
                         }
                         self.note_hub(st);
+                        self.serve_queries(st);
                     }
                     Ok(PeerMsg::Fence { client, tag }) => {
                         progressed = true;
@@ -521,7 +521,6 @@ impl<P: ShardPolicy> Core<P> {
             if s == me {
                 for b in &batches {
                     self.shard.apply(b);
-                    self.serve_queries(st);
                 }
             } else {
                 self.send_peer(st, s, PeerMsg::Ops(batches));
