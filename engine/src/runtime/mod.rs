@@ -343,6 +343,10 @@ fn build<P: ShardPolicy + Clone>(
                 client_wakers: client_wakers.clone(),
                 pinned_core: cpu.map(|c| c.id),
                 yield_rounds,
+                step_blocks: match layout {
+                    Layout::Threads => usize::MAX,
+                    Layout::Hosted => shard_loop::HOSTED_STEP_BLOCKS,
+                },
             };
             (core, cpu)
         })

@@ -19,8 +19,8 @@
 //!    stays bounded) but keeps draining its peers (so two cores pushing to each other never
 //!    deadlock).
 //! 4. Serving order each round: peer operations, queries, then at most [`INGEST_BURST`]
-//!    messages from each ingest client. A round applies at most about [`STEP_BLOCKS`]
-//!    blocks of one event slice (at least one event); the rest of the slice is kept and
+//!    messages from each ingest client. A round applies at most about `step_blocks` blocks
+//!    of one event slice (at least one event); the rest of the slice is kept and
 //!    applied first in the next rounds, before any further ingest message, under the same
 //!    conditions as a new message (not while frozen or backed up). Between two events the
 //!    core answers waiting queries, so a query on the rings waits for at most one event,
@@ -50,10 +50,13 @@ use std::time::Duration;
 const QUERY_BURST: usize = 64;
 /// Messages taken from one ingest client per round.
 const INGEST_BURST: usize = 2;
-/// Blocks of an event slice applied per round. A hosted core's own caller waits for the
-/// round to end before it sees a reply from another core: one round of ~256 blocks is
-/// ~10-20 µs here, where a whole 64-event slice of 128-block stores took ~200 µs.
-const STEP_BLOCKS: usize = 256;
+/// Blocks of an event slice (and of peers' operations) a hosted core applies per round. Its
+/// thread runs other tasks between rounds (the HTTP edge, awaited replies): one round of
+/// ~256 blocks is ~10-20 µs here, where a whole 64-event slice of 128-block stores took
+/// ~200 µs. A core on a thread of its own has no such tasks and answers ring queries
+/// between events anyway, so it takes whole slices: measured, the bound cost its QUIC
+/// ingest 10-15% in polls and peer messages (docs/benchmarks.md, issue 10).
+pub(crate) const HOSTED_STEP_BLOCKS: usize = 256;
 /// Messages taken from one peer per round.
 const PEER_BURST: usize = 16;
 /// Idle rounds spent spinning, then yielding, before parking.
@@ -108,6 +111,8 @@ pub(crate) struct Core<P> {
     /// Idle rounds before parking ([`YIELD_ROUNDS_SPARE_CPU`] or
     /// [`YIELD_ROUNDS_SHARED_CPU`]).
     pub yield_rounds: u32,
+    /// Blocks applied per round ([`HOSTED_STEP_BLOCKS`] or unbounded; invariant 4).
+    pub step_blocks: usize,
 }
 
 /// Per-run state of a core.
@@ -351,13 +356,13 @@ impl<P: ShardPolicy> Core<P> {
     }
 
     /// Takes at most [`PEER_BURST`] messages from each peer, and stops taking operations
-    /// once about [`STEP_BLOCKS`] blocks of them are applied this round (invariant 4).
+    /// once about `step_blocks` blocks of them are applied this round (invariant 4).
     fn serve_peers(&mut self, st: &mut State, open: &mut [bool]) -> bool {
         let mut progressed = false;
         let mut applied = 0usize;
         for i in 0..self.peers_in.len() {
             for _ in 0..PEER_BURST {
-                if applied >= STEP_BLOCKS {
+                if applied >= self.step_blocks {
                     break;
                 }
                 let Some(inbox) = self.peers_in.get_mut(i) else {
@@ -456,7 +461,7 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    /// Applies the events of `st.rest` whose worker lives here, until about [`STEP_BLOCKS`]
+    /// Applies the events of `st.rest` whose worker lives here, until about `step_blocks`
     /// blocks are done (invariant 4); what is left stays in `st.rest`.
     fn continue_events(&mut self, st: &mut State) {
         let Some((events, range)) = st.rest.take() else {
@@ -464,7 +469,7 @@ impl<P: ShardPolicy> Core<P> {
         };
         let me = self.me();
         let cores = self.cores();
-        let mut budget = STEP_BLOCKS;
+        let mut budget = self.step_blocks;
         let mut next = range.start;
         while next < range.end && budget > 0 {
             let Some((key, ev)) = events.get(next) else {
