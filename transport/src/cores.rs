@@ -38,6 +38,20 @@ thread_local! {
     static REPLY_WAITERS: RefCell<Vec<std::task::Waker>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Runs `f`, a synchronous engine call (it may wait briefly for a core), from async code:
+/// in place on a core thread (the call steps this thread's core while it waits, so nothing
+/// waits for this thread) and on any single-threaded runtime; through `block_in_place` on
+/// a multi-threaded one, so its other tasks move to other threads meanwhile. The one
+/// boundary between async tasks and the engine's synchronous calls (issue 10).
+pub fn engine_call<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
 /// Makes `host` this thread's core.
 pub fn install(host: CoreHost<Sharding>) {
     HOST.with(|h| *h.borrow_mut() = Some(host));

@@ -505,7 +505,9 @@ impl Hub {
     }
 
     /// Applies `events` of `key` one by one and waits for each result (the HTTP events
-    /// endpoint reports them). Fails only for unregistered workers or a stopped engine.
+    /// endpoint reports them), then until every shard has its share: a query made after
+    /// this returns sees the batch. Fails only for unregistered workers or a stopped (or
+    /// timed-out) engine.
     pub fn apply(
         &self,
         key: WorkerKey,
@@ -524,6 +526,9 @@ impl Hub {
                     r => out.push(r),
                 }
             }
+            // The answer says the batch is in: every shard's share must be, so the next
+            // query (on any core) sees it.
+            engine.sync()?;
             Ok(out)
         })
     }
@@ -714,6 +719,7 @@ trait EngineOps {
     fn clear(&mut self, key: WorkerKey) -> engine::Result<usize>;
     fn remove_worker(&mut self, worker: WorkerId) -> engine::Result<usize>;
     fn cached_blocks(&mut self, key: WorkerKey) -> engine::Result<u64>;
+    fn sync(&mut self) -> engine::Result<()>;
 }
 
 /// What the hub asks of the engine about the index.
@@ -739,6 +745,9 @@ macro_rules! engine_ops {
             }
             fn cached_blocks(&mut self, key: WorkerKey) -> engine::Result<u64> {
                 <$t>::cached_blocks(self, key)
+            }
+            fn sync(&mut self) -> engine::Result<()> {
+                <$t>::sync(self)
             }
         }
     };

@@ -14,10 +14,12 @@
 //! A batch consumes its number once it passes the fence, even if none of its events applied.
 
 use super::errors::{ApiError, RejectedEvent, json};
-use super::{AppState, RawBody, lock, malformed};
+use super::{AppState, RawBody, malformed};
+use crate::cores::engine_call;
 use crate::error::{DropReason, TransportError};
-use crate::json_events::{parse_events_body, to_engine};
-use crate::stream::{Action, BatchId, ClearKind, clear_keys, skip_duplicate};
+use crate::hub::Hub;
+use crate::json_events::{EventsBody, parse_events_body, to_engine};
+use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -62,20 +64,13 @@ fn is_zero(n: &usize) -> bool {
 }
 
 pub(super) async fn post_events(State(st): State<AppState>, body: RawBody) -> Response {
-    let task = tokio::task::spawn_blocking(move || apply_batch(&st, &body.0));
-    match task.await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => e.into_response(),
-        Err(e) => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            format!("event batch task failed: {e}"),
-        )
-        .into_response(),
+    match apply_batch(&st, &body.0).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
     }
 }
 
-fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
+async fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
     let hub = &st.hub;
     let body = parse_events_body(bytes).map_err(|e| malformed(hub, e))?;
     let key = WorkerKey {
@@ -88,13 +83,30 @@ fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
             .drop_input(DropReason::UnknownWorker, body.events.len() as u64, &e);
         return Err(e.into());
     }
+    // Hold the rank's stream for the whole batch so concurrent batches of one rank apply in
+    // fence order. The lock is async: a task waiting for it never blocks its core thread,
+    // which the holder's engine calls may be waiting for.
+    let stream = body.seq.map(|_| st.event_stream(key));
+    let mut guard = match &stream {
+        Some(f) => Some(f.lock().await),
+        None => None,
+    };
+    engine_call(|| apply_in_order(hub, key, &body, bytes, guard.as_deref_mut()))
+}
 
+/// Fences (when the batch has a seq), converts and applies one rank's batch; `stream` is
+/// the rank's fence, held by the caller.
+fn apply_in_order(
+    hub: &Hub,
+    key: WorkerKey,
+    body: &EventsBody,
+    bytes: &[u8],
+    stream: Option<&mut EventStream>,
+) -> Result<Response, ApiError> {
     // Hold the rank's stream for the whole batch so concurrent batches of one rank apply in
     // fence order.
-    let stream = body.seq.map(|_| st.event_stream(key));
-    let mut guard = stream.as_ref().map(|f| lock(f));
     let mut outcome = None;
-    if let (Some(seq), Some(f)) = (body.seq, guard.as_deref_mut()) {
+    if let (Some(seq), Some(f)) = (body.seq, stream) {
         let why = format_args!("worker {} rank {}: batch {seq}", key.worker, key.dp_rank);
         let action = f.live(BatchId::of(seq, bytes));
         match action {
@@ -153,7 +165,6 @@ fn apply_batch(st: &AppState, bytes: &[u8]) -> Result<Response, ApiError> {
             }
         }
     }
-    drop(guard);
     rejected_reasons.sort_by_key(|r| r.index);
     let rejected = rejected_reasons.len();
     if applied == 0 && rejected > 0 {

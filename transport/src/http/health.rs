@@ -131,11 +131,8 @@ pub async fn health_loop(
                 }
             }
         }
-        let h = hub.clone();
-        match tokio::task::spawn_blocking(move || h.refresh_cached_blocks()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!("refreshing cached blocks: {e}"),
-            Err(e) => tracing::debug!("refreshing cached blocks: {e}"),
+        if let Err(e) = crate::cores::engine_call(|| hub.refresh_cached_blocks()) {
+            tracing::debug!("refreshing cached blocks: {e}");
         }
     }
 }

@@ -80,7 +80,7 @@ pub(crate) struct Shared {
     pub hub: Arc<Hub>,
     pub cfg: HttpConfig,
     /// Event streams of `POST /v1/events` batches that carry a `seq`, per worker rank.
-    fences: Mutex<HashMap<WorkerKey, Arc<Mutex<EventStream>>>>,
+    fences: Mutex<HashMap<WorkerKey, Arc<tokio::sync::Mutex<EventStream>>>>,
 }
 
 pub(crate) type AppState = Arc<Shared>;
@@ -91,7 +91,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     /// The event stream of `key` (created on first use).
-    pub fn event_stream(&self, key: WorkerKey) -> Arc<Mutex<EventStream>> {
+    pub fn event_stream(&self, key: WorkerKey) -> Arc<tokio::sync::Mutex<EventStream>> {
         lock(&self.fences).entry(key).or_default().clone()
     }
 

@@ -19,6 +19,7 @@ use super::frame::{
 };
 use super::schema::{ArchivedClientFrame, ArchivedEventBatch, PROTOCOL_VERSION, ServerFrame};
 use super::tls::{self, TlsSource};
+use crate::cores::engine_call;
 use crate::error::{DropReason, Result, TransportError};
 use crate::hub::{Hub, Registration};
 use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
@@ -221,17 +222,6 @@ async fn write_frame(send: &mut SendStream, out: &mut FrameBuf, frame: &ServerFr
     Ok(())
 }
 
-/// Runs `f`, which may block briefly on engine backpressure, without stalling the runtime's
-/// other tasks (on a multi-thread runtime).
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
-}
-
 /// Closes `conn` after a refusal: sends `Refused`, lets the publisher read it, closes.
 async fn refuse(
     conn: &Connection,
@@ -421,7 +411,7 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
             hub.block_size()
         );
         // Registered (out of routing, when new) so `/v1/workers` shows the error.
-        let registered = blocking(|| -> Result<()> {
+        let registered = engine_call(|| -> Result<()> {
             if hub.register(registration)? {
                 hub.set_healthy(worker, false)?;
             }
@@ -432,7 +422,7 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
         }
         return Err((DropReason::BlockSizeMismatch, message));
     }
-    blocking(|| hub.register(registration))
+    engine_call(|| hub.register(registration))
         .map_err(|e| (DropReason::Other, format!("registration failed: {e}")))?;
     Ok(Hello { worker })
 }
@@ -477,7 +467,7 @@ impl Stream {
             .live(BatchId::of(seq, bytes));
         self.batches += 1;
         let n = events.len() as u64;
-        let result = blocking(|| -> Result<()> {
+        let result = engine_call(|| -> Result<()> {
             match action {
                 Action::Apply => {}
                 Action::ClearThenApply(kind) => {
