@@ -13,7 +13,10 @@
 //! 2. Everything a core does for its peers and clients happens in `step`, whichever way it
 //!    is called: from the owner's loop, or from a call on this host that waits for another
 //!    core (a host waiting for a reply steps its own core meanwhile, so two cores that wait
-//!    for each other both progress, and neither stops serving the rest).
+//!    for each other both progress, and neither stops serving the rest). While it waits
+//!    for another core's answer to a query, it serves only the queries on its rings
+//!    (`Runner::step_queries`): the answer needs nothing else from it, and an event begun
+//!    meanwhile would delay the caller by the event's whole work.
 //! 3. A query for the host's own shard reads the shard in place; any other goes over the
 //!    host's query ring to the shard's core, exactly as a [`QueryHandle`]'s would.
 //! 4. Events, clears and syncs go over the host's ingest ring, even to its own core, so the
