@@ -592,9 +592,12 @@ async fn serve(
                 },
             };
             let token = args.ingest_token.clone().unwrap_or_default();
-            let server = serve_quic(hub.clone(), QuicServerConfig::new(listen, token, tls))
-                .await
-                .context("--quic")?;
+            let config = QuicServerConfig {
+                // Each publisher's batches run on its worker's home core.
+                homes: spawner.0.to_vec(),
+                ..QuicServerConfig::new(listen, token, tls)
+            };
+            let server = serve_quic(hub.clone(), config).await.context("--quic")?;
             println!(
                 "kvengine: QUIC ingest on {} (ALPN kvengine/1), certificate sha256 {}",
                 server.local_addr(),

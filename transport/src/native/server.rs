@@ -55,6 +55,10 @@ pub struct QuicServerConfig {
     pub tls: TlsSource,
     /// Largest frame body accepted ([`MAX_FRAME_BYTES`] by default).
     pub max_frame_bytes: usize,
+    /// The runtimes of the engine's cores, by core: once a publisher's hello names its
+    /// worker, its batches are read, decoded and applied on the worker's home core
+    /// (`engine::runtime::home_core`). Empty: on the runtime that accepted it.
+    pub homes: Vec<tokio::runtime::Handle>,
 }
 
 impl QuicServerConfig {
@@ -65,6 +69,7 @@ impl QuicServerConfig {
             token: token.into(),
             tls,
             max_frame_bytes: MAX_FRAME_BYTES,
+            homes: Vec::new(),
         }
     }
 }
@@ -106,6 +111,15 @@ struct Shared {
     hub: Arc<Hub>,
     token: String,
     max_frame: usize,
+    homes: Vec<tokio::runtime::Handle>,
+}
+
+impl Shared {
+    /// The runtime of `worker`'s home core, if the cores have runtimes.
+    fn home(&self, worker: WorkerId) -> Option<&tokio::runtime::Handle> {
+        let k = engine::runtime::home_core(worker, self.homes.len().max(1)).idx();
+        self.homes.get(k)
+    }
 }
 
 fn io(
@@ -145,6 +159,7 @@ pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServ
         hub,
         token: cfg.token,
         max_frame: cfg.max_frame_bytes,
+        homes: cfg.homes,
     });
     tokio::spawn(accept_loop(endpoint.clone(), shared));
     tracing::info!(%local_addr, %fingerprint, "native QUIC ingest listening");
@@ -265,7 +280,7 @@ struct Hello {
     worker: WorkerId,
 }
 
-async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
+async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()> {
     let hub = &*shared.hub;
     let (mut send, mut recv) = conn
         .accept_bi()
@@ -314,9 +329,41 @@ async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
     .await?;
     tracing::info!(worker = hello.worker.0, remote = %conn.remote_address(), "native publisher connected");
 
+    // The worker's batches are read, decoded and applied on its home core, so they reach
+    // its directory without a hop between cores (the endpoint stays here).
+    let batches = serve_batches(
+        conn.clone(),
+        send,
+        recv,
+        buf,
+        out,
+        hello.worker,
+        shared.clone(),
+    );
+    match shared.home(hello.worker) {
+        Some(home) => home
+            .spawn(batches)
+            .await
+            .map_err(|e| io("publisher task", e))?,
+        None => batches.await,
+    }
+}
+
+/// A publisher's batches after its hello, then `Done`.
+async fn serve_batches(
+    conn: Connection,
+    mut send: SendStream,
+    mut recv: RecvStream,
+    mut buf: FrameBuf,
+    mut out: FrameBuf,
+    worker: WorkerId,
+    shared: Arc<Shared>,
+) -> Result<()> {
+    let conn = &conn;
+    let hub = &*shared.hub;
     // ----- batches -----
     let mut state = Stream {
-        worker: hello.worker,
+        worker,
         streams: HashMap::new(),
         batches: 0,
         events: 0,
@@ -333,7 +380,7 @@ async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
                 hub.metrics().drop_input(
                     DropReason::MalformedFrame,
                     1,
-                    &format_args!("worker {}: stream ended inside a frame", hello.worker),
+                    &format_args!("worker {}: stream ended inside a frame", worker),
                 );
                 break;
             }
@@ -344,12 +391,12 @@ async fn serve_connection(conn: &Connection, shared: &Shared) -> Result<()> {
             Ok(ArchivedClientFrame::Hello { .. }) => hub.metrics().drop_input(
                 DropReason::MalformedFrame,
                 1,
-                &format_args!("worker {}: a second hello", hello.worker),
+                &format_args!("worker {}: a second hello", worker),
             ),
             Err(e) => hub.metrics().drop_input(
                 DropReason::MalformedFrame,
                 1,
-                &format_args!("worker {}: {e}", hello.worker),
+                &format_args!("worker {}: {e}", worker),
             ),
         }
     }
