@@ -87,6 +87,8 @@ fn bench_indexer_anchor_workload_repeats_and_reports_every_key() {
         "mixed_store_blocks_per_s",
         "mixed_query_p50_us",
         "mixed_query_p99_us",
+        "mixed_query_p999_us",
+        "mixed_query_max_us",
         "bytes_per_block",
         "bytes_per_block_entry",
         "shard_balance",

@@ -196,6 +196,8 @@ pub fn run_once(
         mixed_store_blocks_per_s: rate(plan.extra.stored_blocks, mixed_s),
         mixed_query_p50_us: mixed_lat.p50_us,
         mixed_query_p99_us: mixed_lat.p99_us,
+        mixed_query_p999_us: mixed_lat.p999_us,
+        mixed_query_max_us: mixed_lat.max_us,
         bytes_per_block: ratio(rss_built, rss_before, base_blocks as f64),
         bytes_per_block_entry: ratio(built.bytes as u64, 0, built.live_entries as f64),
         shard_balance: shard_balance(&shard_ops),

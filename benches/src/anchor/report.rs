@@ -69,6 +69,10 @@ figures! {
     mixed_query_p50_us,
     /// 99th percentile.
     mixed_query_p99_us,
+    /// 99.9th percentile (the tail a p99 hides: table growth, preemption).
+    mixed_query_p999_us,
+    /// Slowest.
+    mixed_query_max_us,
     /// Resident memory after phase 1 minus before the indexer existed, per base block.
     bytes_per_block,
     /// The indexer's own heap bytes after phase 1 per live entry.
