@@ -103,8 +103,6 @@ fn apply_in_order(
     bytes: &[u8],
     stream: Option<&mut EventStream>,
 ) -> Result<Response, ApiError> {
-    // Hold the rank's stream for the whole batch so concurrent batches of one rank apply in
-    // fence order.
     let mut outcome = None;
     if let (Some(seq), Some(f)) = (body.seq, stream) {
         let why = format_args!("worker {} rank {}: batch {seq}", key.worker, key.dp_rank);
