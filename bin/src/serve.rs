@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
-use transport::cores;
+use transport::cores::{self, Homes};
 use transport::http::{HttpConfig, health::health_loop, router, serve_http};
 use transport::hub::{Hub, HubConfig, Registration, start_engine};
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
@@ -382,7 +382,7 @@ fn collect_handles(
     rx: std::sync::mpsc::Receiver<(usize, Option<usize>, tokio::runtime::Handle)>,
     cores: usize,
     no_pin: bool,
-) -> Result<Spawner> {
+) -> Result<Homes> {
     let mut handles: Vec<Option<tokio::runtime::Handle>> = vec![None; cores];
     let mut pinned = vec![None; cores];
     for _ in 0..cores {
@@ -396,9 +396,7 @@ fn collect_handles(
     print_pinning(no_pin, &pinned);
     println!("kvengine: HTTP and ingest run on the core threads");
     let handles: Option<Vec<_>> = handles.into_iter().collect();
-    Ok(Spawner(
-        handles.context("a core's runtime is missing")?.into(),
-    ))
+    Homes::new(handles.context("a core's runtime is missing")?).context("no core runtimes")
 }
 
 /// Another core's share of the HTTP edge: the app core 0 built, on this core's listener.
@@ -498,7 +496,8 @@ fn run_threaded(
                     args.http_host, args.http_port
                 )
             })?;
-        let spawner = Spawner(vec![tokio::runtime::Handle::current()].into());
+        let spawner = Homes::new(vec![tokio::runtime::Handle::current()])
+            .context("no runtime for the subscriptions")?;
         serve(hub.clone(), args, stop, listener, spawner, None).await
     });
     // Dropping the runtime ends every task (subscriptions, connections, health checks).
@@ -511,24 +510,11 @@ fn run_threaded(
     Ok(summaries)
 }
 
-/// Where tasks for a worker go: the runtime of its home core (one runtime in the comparison
-/// layout).
-#[derive(Clone)]
-struct Spawner(Arc<[tokio::runtime::Handle]>);
-
-impl Spawner {
-    fn home(&self, worker: WorkerId) -> &tokio::runtime::Handle {
-        let k = engine::runtime::home_core(worker, self.0.len()).idx();
-        // `home_core` is below the count it is given.
-        &self.0[k]
-    }
-}
-
 /// One subscription per (worker, publisher endpoint): a data-parallel worker has one
 /// publisher per rank, all under the same worker id.
 type Subscriptions = Arc<Mutex<HashMap<(WorkerId, String), JoinHandle<()>>>>;
 
-fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Spawner, source: ZmqSource) {
+fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqSource) {
     let mut subs = subs
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -537,7 +523,8 @@ fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Spawner, source: Zm
         // Already subscribed (a repeated registration): keep the stream and its fence.
         return;
     }
-    let on = spawner.home(source.worker);
+    let current = tokio::runtime::Handle::current();
+    let on = spawner.home(source.worker).unwrap_or(&current);
     let task = spawn_subscriber_on(on, hub.clone(), source, SubscriberConfig::default());
     subs.insert(id, task);
 }
@@ -550,7 +537,7 @@ async fn serve(
     args: &ServeArgs,
     mut stop: tokio::sync::watch::Receiver<bool>,
     listener: tokio::net::TcpListener,
-    spawner: Spawner,
+    spawner: Homes,
     share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
@@ -594,7 +581,7 @@ async fn serve(
             let token = args.ingest_token.clone().unwrap_or_default();
             let config = QuicServerConfig {
                 // Each publisher's batches run on its worker's home core.
-                homes: spawner.0.to_vec(),
+                homes: Some(spawner.clone()),
                 ..QuicServerConfig::new(listen, token, tls)
             };
             let server = serve_quic(hub.clone(), config).await.context("--quic")?;
@@ -692,7 +679,7 @@ async fn serve(
 async fn start_sim_workers(
     hub: &Arc<Hub>,
     subs: &Subscriptions,
-    spawner: &Spawner,
+    spawner: &Homes,
     args: &ServeArgs,
     tokenizer: Option<Arc<PromptTokenizer>>,
 ) -> Result<Vec<SimWorkerHandle>> {

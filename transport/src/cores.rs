@@ -18,10 +18,11 @@
 
 use engine::runtime::{CoreHost, CoreSummary, Lookup};
 use engine::sharding::choice::Sharding;
-use engine::{EngineError, Matches, SeqHash};
+use engine::{EngineError, Matches, SeqHash, WorkerId};
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -36,6 +37,27 @@ thread_local! {
     static HOST: RefCell<Option<CoreHost<Sharding>>> = const { RefCell::new(None) };
     /// Tasks waiting for another core's reply: woken by [`drive`] when replies arrive.
     static REPLY_WAITERS: RefCell<Vec<std::task::Waker>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The runtimes of the engine's cores, by core: where a worker's tasks (its ZMQ
+/// subscription, a QUIC publisher's batches) run, on its home core
+/// (`engine::runtime::home_core`), so its events reach its directory without a hop between
+/// cores. One runtime in the layout whose cores have threads of their own.
+#[derive(Clone, Debug)]
+pub struct Homes(Arc<[tokio::runtime::Handle]>);
+
+impl Homes {
+    /// `handles[k]` is core `k`'s runtime; at least one.
+    pub fn new(handles: Vec<tokio::runtime::Handle>) -> Option<Self> {
+        (!handles.is_empty()).then(|| Self(handles.into()))
+    }
+
+    /// The runtime `worker`'s tasks run on (always `Some`: `home_core` is below the count
+    /// it is given, and there is at least one runtime).
+    pub fn home(&self, worker: WorkerId) -> Option<&tokio::runtime::Handle> {
+        self.0
+            .get(engine::runtime::home_core(worker, self.0.len()).idx())
+    }
 }
 
 /// Runs `f`, a synchronous engine call (it may wait briefly for a core), from async code:

@@ -19,7 +19,7 @@ use super::frame::{
 };
 use super::schema::{ArchivedClientFrame, ArchivedEventBatch, PROTOCOL_VERSION, ServerFrame};
 use super::tls::{self, TlsSource};
-use crate::cores::engine_call;
+use crate::cores::{Homes, engine_call};
 use crate::error::{DropReason, Result, TransportError};
 use crate::hub::{Hub, Registration};
 use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
@@ -55,10 +55,10 @@ pub struct QuicServerConfig {
     pub tls: TlsSource,
     /// Largest frame body accepted ([`MAX_FRAME_BYTES`] by default).
     pub max_frame_bytes: usize,
-    /// The runtimes of the engine's cores, by core: once a publisher's hello names its
-    /// worker, its batches are read, decoded and applied on the worker's home core
-    /// (`engine::runtime::home_core`). Empty: on the runtime that accepted it.
-    pub homes: Vec<tokio::runtime::Handle>,
+    /// The cores' runtimes: once a publisher's hello names its worker, its batches are
+    /// read, decoded and applied on the worker's home core. `None`: on the runtime that
+    /// accepted it.
+    pub homes: Option<Homes>,
 }
 
 impl QuicServerConfig {
@@ -69,7 +69,7 @@ impl QuicServerConfig {
             token: token.into(),
             tls,
             max_frame_bytes: MAX_FRAME_BYTES,
-            homes: Vec::new(),
+            homes: None,
         }
     }
 }
@@ -111,15 +111,7 @@ struct Shared {
     hub: Arc<Hub>,
     token: String,
     max_frame: usize,
-    homes: Vec<tokio::runtime::Handle>,
-}
-
-impl Shared {
-    /// The runtime of `worker`'s home core, if the cores have runtimes.
-    fn home(&self, worker: WorkerId) -> Option<&tokio::runtime::Handle> {
-        let k = engine::runtime::home_core(worker, self.homes.len().max(1)).idx();
-        self.homes.get(k)
-    }
+    homes: Option<Homes>,
 }
 
 fn io(
@@ -340,7 +332,7 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
         hello.worker,
         shared.clone(),
     );
-    match shared.home(hello.worker) {
+    match shared.homes.as_ref().and_then(|h| h.home(hello.worker)) {
         Some(home) => home
             .spawn(batches)
             .await
