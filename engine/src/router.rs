@@ -20,8 +20,8 @@ use crate::error::{EngineError, Result};
 use crate::ids::{RequestId, SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::sched::{
-    ActiveLoad, Decision, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
-    WorkerRole,
+    ActiveLoad, Decision, Policy, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig,
+    WorkerLoad, WorkerRole,
 };
 use hashbrown::HashMap;
 use std::time::Instant;
@@ -168,6 +168,19 @@ impl Router {
         seqs: &[SeqHash],
         matches: &Matches,
     ) -> std::result::Result<Routed, RouteError> {
+        self.route_with(now, call, seqs, matches, None)
+    }
+
+    /// [`Router::route`] with `custom` choosing the worker (see
+    /// [`Scheduler::route_with`](crate::sched::Scheduler::route_with)).
+    pub fn route_with(
+        &mut self,
+        now: Instant,
+        call: &RouteCall<'_>,
+        seqs: &[SeqHash],
+        matches: &Matches,
+        custom: Option<&mut dyn Policy>,
+    ) -> std::result::Result<Routed, RouteError> {
         for id in self.scheduler.expire(now) {
             self.forget(id);
         }
@@ -188,9 +201,13 @@ impl Router {
         let cached = &self.cached;
         let decision = self
             .scheduler
-            .route(now, &request, matches, |k| {
-                cached.get(&k).copied().unwrap_or(0)
-            })
+            .route_with(
+                now,
+                &request,
+                matches,
+                &|k| cached.get(&k).copied().unwrap_or(0),
+                custom,
+            )
             .map_err(RouteError::Engine)?;
         self.next_id += 1;
         self.ids.insert(name.clone(), id);

@@ -32,7 +32,7 @@ use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
 use engine::router::{NameError, RouteError, Router};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
-use engine::sched::{ActiveLoad, SchedulerConfig, WorkerLoad, WorkerRole};
+use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
 use engine::sharding::choice::Sharding;
 use engine::{DpRank, EngineError, Matches, SeqHash, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet};
@@ -623,6 +623,19 @@ impl Hub {
         self.decide(call, &seqs, &matches, now)
     }
 
+    /// [`Hub::route`] with `custom` choosing the worker among the scored candidates (the
+    /// Python package's custom policies). It runs under the routing lock, once per call.
+    pub fn route_with(
+        &self,
+        call: &RouteCall<'_>,
+        now: Instant,
+        custom: &mut dyn Policy,
+    ) -> Result<Routed> {
+        let seqs = self.hash_prompt(call.tokens, call.lora_name);
+        let matches = self.find_matches(&seqs, now)?;
+        self.decide_with(call, &seqs, &matches, now, Some(custom))
+    }
+
     /// [`Hub::route`] for async callers: on a hosted core, a query for another core's shard
     /// waits without blocking the thread, which keeps serving meanwhile.
     pub async fn route_async(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
@@ -646,8 +659,19 @@ impl Hub {
         matches: &Matches,
         now: Instant,
     ) -> Result<Routed> {
+        self.decide_with(call, seqs, matches, now, None)
+    }
+
+    fn decide_with(
+        &self,
+        call: &RouteCall<'_>,
+        seqs: &[SeqHash],
+        matches: &Matches,
+        now: Instant,
+        custom: Option<&mut dyn Policy>,
+    ) -> Result<Routed> {
         let routed = lock(&self.routing)
-            .route(now, call, seqs, matches)
+            .route_with(now, call, seqs, matches, custom)
             .map_err(refused)?;
         let decision = &routed.decision;
         self.metrics.decided(decision.mode);

@@ -31,10 +31,14 @@ pub enum RouteMode {
     Random,
     /// The caller names the worker; the KV cost picks among its data-parallel ranks.
     Direct,
+    /// A policy the embedding program passes to [`crate::sched::Scheduler::route_with`]
+    /// chose (the Python package's `KvRouter(policy=...)`). Not selectable by name: it is
+    /// not in [`RouteMode::ALL`] and does not parse.
+    Custom,
 }
 
 impl RouteMode {
-    /// Every mode, in documentation order.
+    /// Every mode selectable by name, in documentation order.
     pub const ALL: [RouteMode; 4] = [
         RouteMode::Kv,
         RouteMode::RoundRobin,
@@ -49,6 +53,7 @@ impl RouteMode {
             RouteMode::RoundRobin => "round-robin",
             RouteMode::Random => "random",
             RouteMode::Direct => "direct",
+            RouteMode::Custom => "custom",
         }
     }
 }
@@ -227,12 +232,13 @@ pub(crate) fn resolve(config: &SchedulerConfig, overrides: &RouteOverrides) -> R
             name: "worker",
             reason: "direct mode needs a worker id",
         }),
-        (RouteMode::Kv | RouteMode::RoundRobin | RouteMode::Random, Some(_)) => {
-            Err(EngineError::InvalidArgument {
-                name: "worker",
-                reason: "only direct mode takes a worker id",
-            })
-        }
+        (
+            RouteMode::Kv | RouteMode::RoundRobin | RouteMode::Random | RouteMode::Custom,
+            Some(_),
+        ) => Err(EngineError::InvalidArgument {
+            name: "worker",
+            reason: "only direct mode takes a worker id",
+        }),
         (mode, worker) => Ok(Effective {
             mode,
             worker,

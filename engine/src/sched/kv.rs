@@ -128,6 +128,7 @@ fn sample_softmax(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sched::policy::KeyLoad;
     use rand::SeedableRng;
 
     fn cand(worker: u64, logit: f64) -> CandidateScore {
@@ -149,6 +150,7 @@ mod tests {
             candidates: c,
             temperature: t,
             cached_blocks: cached,
+            load: &|_| KeyLoad::default(),
         }
     }
 

@@ -43,7 +43,7 @@ pub use active::ActiveLoad;
 pub use config::{BusyThresholds, RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad};
 pub use cost::CandidateScore;
 pub use disagg::{Split, SplitConfig, SplitMode};
-pub use policy::{Policy, Scope, SelectionInput};
+pub use policy::{KeyLoad, Policy, Scope, SelectionInput};
 pub use role::{Pool, WorkerRole};
 pub use scheduler::{Decision, RouteRequest, Scheduler, WorkerRemoval};
 pub use transfer::TransferModel;

@@ -17,7 +17,8 @@ use rand::rngs::SmallRng;
 
 use crate::error::Result;
 use crate::ids::{WorkerId, WorkerKey};
-use crate::sched::config::RouteMode;
+use crate::sched::active::ActiveLoad;
+use crate::sched::config::{RouteMode, WorkerLoad};
 use crate::sched::cost::CandidateScore;
 
 /// Which registered worker keys a policy may choose among.
@@ -29,6 +30,15 @@ pub enum Scope {
     Worker(WorkerId),
 }
 
+/// What a candidate key carries now, for a policy that weighs load its own way.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KeyLoad {
+    /// The load the router's active requests put on the key.
+    pub active: ActiveLoad,
+    /// What the key last reported about itself (scraped metrics), if it ever did.
+    pub reported: Option<WorkerLoad>,
+}
+
 /// What a policy chooses from.
 pub struct SelectionInput<'a> {
     /// Scored candidates: non-empty, sorted by key, each key once.
@@ -38,6 +48,8 @@ pub struct SelectionInput<'a> {
     /// Blocks each key caches in total (tie-break: fewer is better). Pure; may be called
     /// more than once per key.
     pub cached_blocks: &'a dyn Fn(WorkerKey) -> u64,
+    /// Each candidate's current load (the built-in modes read it through the scores).
+    pub load: &'a dyn Fn(WorkerKey) -> KeyLoad,
 }
 
 impl fmt::Debug for SelectionInput<'_> {

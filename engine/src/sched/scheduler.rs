@@ -29,7 +29,7 @@ use crate::sched::config::{RouteMode, RouteOverrides, SchedulerConfig, WorkerLoa
 use crate::sched::cost::{CandidateScore, CostInputs};
 use crate::sched::direct::Direct;
 use crate::sched::kv::KvPolicy;
-use crate::sched::policy::{Policy, Scope, SelectionInput};
+use crate::sched::policy::{KeyLoad, Policy, Scope, SelectionInput};
 use crate::sched::random::RandomPolicy;
 use crate::sched::role::{Pool, WorkerRole};
 use crate::sched::round_robin::RoundRobin;
@@ -167,6 +167,21 @@ impl Scheduler {
         matches: &Matches,
         cached_blocks: impl Fn(WorkerKey) -> u64,
     ) -> Result<Decision> {
+        self.route_with(now, request, matches, &cached_blocks, None)
+    }
+
+    /// [`Scheduler::route`], with `custom` choosing instead of the mode's policy when given:
+    /// everything else (validation, busy filtering, scoring, recording the request) is the
+    /// same, and the decision reports the policy's mode. Overrides of the mode and worker
+    /// are still validated, but a custom policy decides.
+    pub fn route_with(
+        &mut self,
+        now: Instant,
+        request: &RouteRequest<'_>,
+        matches: &Matches,
+        cached_blocks: &dyn Fn(WorkerKey) -> u64,
+        custom: Option<&mut dyn Policy>,
+    ) -> Result<Decision> {
         let eff = resolve(&self.config, &request.overrides)?;
         if self.workers.len() == 0 {
             return Err(EngineError::NoWorkers);
@@ -186,12 +201,13 @@ impl Scheduler {
         let mut kv = KvPolicy;
         let mut random = RandomPolicy;
         let mut direct = eff.worker.map(|worker| Direct { worker });
-        let policy: &mut dyn Policy = match (eff.mode, direct.as_mut()) {
-            (RouteMode::Kv, _) => &mut kv,
-            (RouteMode::RoundRobin, _) => &mut round_robin[request.overrides.pool.index()],
-            (RouteMode::Random, _) => &mut random,
-            (RouteMode::Direct, Some(d)) => d,
-            (RouteMode::Direct, None) => {
+        let policy: &mut dyn Policy = match (custom, eff.mode, direct.as_mut()) {
+            (Some(custom), _, _) => custom,
+            (None, RouteMode::Kv | RouteMode::Custom, _) => &mut kv,
+            (None, RouteMode::RoundRobin, _) => &mut round_robin[request.overrides.pool.index()],
+            (None, RouteMode::Random, _) => &mut random,
+            (None, RouteMode::Direct, Some(d)) => d,
+            (None, RouteMode::Direct, None) => {
                 return Err(EngineError::InvalidArgument {
                     name: "worker",
                     reason: "direct mode needs a worker id",
@@ -230,11 +246,20 @@ impl Scheduler {
             },
         );
         let candidates = gathered.candidates;
+        let load = |key: WorkerKey| match workers.slot(key) {
+            Some(slot) => KeyLoad {
+                active: active.load(slot),
+                reported: workers.load(slot).copied(),
+            },
+            None => KeyLoad::default(),
+        };
+        let mode = policy.mode();
         let worker = policy.select(
             &SelectionInput {
                 candidates: &candidates,
                 temperature: eff.temperature,
-                cached_blocks: &cached_blocks,
+                cached_blocks,
+                load: &load,
             },
             rng,
         )?;
@@ -262,7 +287,7 @@ impl Scheduler {
 
         Ok(Decision {
             worker,
-            mode: eff.mode,
+            mode,
             pool: request.overrides.pool,
             overlap_blocks,
             best_available_overlap_blocks: candidates
@@ -386,6 +411,89 @@ mod tests {
             s.check_invariants();
         }
         assert_eq!(s.expire(t0 + Duration::from_secs(301)).len(), 4);
+        s.check_invariants();
+    }
+
+    /// Chooses the key with the most requests waiting (as reported) and records what it saw.
+    struct MostWaiting {
+        seen: Vec<(WorkerKey, KeyLoad)>,
+        answer: Option<WorkerKey>,
+    }
+
+    impl Policy for MostWaiting {
+        fn mode(&self) -> RouteMode {
+            RouteMode::Custom
+        }
+
+        fn select(&mut self, input: &SelectionInput<'_>, _: &mut SmallRng) -> Result<WorkerKey> {
+            self.seen = input
+                .candidates
+                .iter()
+                .map(|c| (c.key, (input.load)(c.key)))
+                .collect();
+            let best = self
+                .seen
+                .iter()
+                .max_by_key(|(_, l)| l.reported.map_or(0, |r| r.num_requests_waiting))
+                .map(|(k, _)| *k);
+            Ok(self.answer.or(best).unwrap_or(WorkerKey::new(0, 0)))
+        }
+    }
+
+    #[test]
+    fn a_custom_policy_sees_each_candidates_load_and_its_choice_is_recorded() {
+        let t0 = Instant::now();
+        let mut s = Scheduler::new(SchedulerConfig {
+            block_size: 4,
+            ..Default::default()
+        })
+        .unwrap();
+        for w in 0..3 {
+            s.add_worker(WorkerKey::new(w, 0)).unwrap();
+        }
+        let waiting = WorkerLoad {
+            num_requests_waiting: 5,
+            kv_usage: 0.5,
+        };
+        s.update_load(WorkerKey::new(2, 0), waiting).unwrap();
+        let blocks = hs(&[1, 2]);
+        let req = |id| RouteRequest {
+            id: RequestId(id),
+            blocks: &blocks,
+            input_tokens: 8,
+            overrides: RouteOverrides::default(),
+        };
+        let mut p = MostWaiting {
+            seen: vec![],
+            answer: None,
+        };
+        let d = s
+            .route_with(t0, &req(0), &Matches::default(), &|_| 0, Some(&mut p))
+            .unwrap();
+        assert_eq!(
+            (d.worker, d.mode),
+            (WorkerKey::new(2, 0), RouteMode::Custom)
+        );
+        assert_eq!(p.seen.len(), 3);
+        assert_eq!(p.seen[2].1.reported, Some(waiting));
+        assert_eq!(p.seen[0].1, KeyLoad::default());
+        // The request is active on the chosen key, and the next call sees it.
+        let active = s.active_load(WorkerKey::new(2, 0)).unwrap();
+        assert_eq!((active.active_requests, active.active_blocks), (1, 2));
+        s.route_with(t0, &req(1), &Matches::default(), &|_| 0, Some(&mut p))
+            .unwrap();
+        assert_eq!(p.seen[2].1.active, active);
+
+        // A key it was not offered is refused and changes nothing.
+        p.answer = Some(WorkerKey::new(9, 0));
+        let before = s.active_requests();
+        assert_eq!(
+            s.route_with(t0, &req(2), &Matches::default(), &|_| 0, Some(&mut p)),
+            Err(EngineError::UnknownWorker {
+                worker: WorkerId(9)
+            })
+        );
+        assert_eq!(s.active_requests(), before);
         s.check_invariants();
     }
 }
