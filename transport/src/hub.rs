@@ -609,6 +609,12 @@ impl Hub {
         seq_hashes(tokens, self.block_size() as usize, lora_seed(lora_name))
     }
 
+    /// Which workers hold how much of the prompt whose full blocks are `seqs`. No state
+    /// changes.
+    pub fn find_matches_for(&self, seqs: &[SeqHash]) -> Result<Matches> {
+        self.find_matches(seqs, Instant::now())
+    }
+
     /// Which workers hold how much of the prompt. No state changes.
     pub fn overlap(&self, tokens: &[u32], lora_name: Option<&str>) -> Result<(usize, Matches)> {
         let seqs = self.hash_prompt(tokens, lora_name);

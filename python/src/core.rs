@@ -1,0 +1,187 @@
+//! What a `KvIndexer` and a `KvRouter` share: the hub over a running engine (shard threads
+//! of their own, unpinned: this is a guest in someone else's process), and, from the first
+//! `subscribe_zmq`, a one-thread tokio runtime running the ZMQ subscriptions.
+//!
+//! # Invariants
+//! 1. Every engine call from Python goes through the hub with the GIL released (callers use
+//!    `Python::detach`), so Python threads run while the index works, and a thread holding
+//!    the GIL never waits for a hub lock (see `router.rs` for why that matters).
+//! 2. Dropping the last handle stops the subscriptions, then drops the hub, then joins the
+//!    shard threads: nothing outlives the Python object but what the process exit reaps.
+
+use crate::error::from_transport;
+use engine::runtime::{Runtime, RuntimeConfig};
+use engine::sched::SchedulerConfig;
+use engine::sharding::adaptive::Adaptive;
+use engine::sharding::choice::Sharding;
+use engine::{WorkerId, WorkerKey};
+use pyo3::PyResult;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber_on};
+
+/// Engine settings a caller may choose.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EngineSettings {
+    pub scheduler: SchedulerConfig,
+    pub cores: usize,
+    pub ring_capacity: usize,
+    pub call_timeout: Duration,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    hub: Option<Arc<Hub>>,
+    runtime: Option<Runtime>,
+    io: OnceLock<tokio::runtime::Runtime>,
+    subscriptions: Mutex<BTreeMap<WorkerId, JoinHandle<()>>>,
+    /// Workers seen with a data-parallel rank other than 0 (their matches are keyed by
+    /// `(worker_id, dp_rank)`, as Dynamo keys them).
+    ranked: Mutex<BTreeSet<WorkerId>>,
+    cores: usize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    /// Starts `settings.cores` shard threads and a hub over them.
+    pub(crate) fn start(settings: EngineSettings) -> PyResult<Arc<Self>> {
+        let cores = settings.cores.max(1);
+        let sharding = Sharding::configured(cores, None, Adaptive::DEFAULT_HUB_FANOUT)
+            .map_err(crate::error::from_engine)?;
+        let engine = RuntimeConfig {
+            ring_capacity: settings.ring_capacity,
+            pin_cores: false,
+            ingest_handles: cores,
+            query_handles: 2 * cores,
+            call_timeout: settings.call_timeout,
+            ..RuntimeConfig::default()
+        };
+        let config = HubConfig {
+            scheduler: settings.scheduler,
+        };
+        let (hub, runtime) = start_engine(config, sharding, engine).map_err(from_transport)?;
+        Ok(Arc::new(Self {
+            hub: Some(Arc::new(hub)),
+            runtime: Some(runtime),
+            io: OnceLock::new(),
+            subscriptions: Mutex::new(BTreeMap::new()),
+            ranked: Mutex::new(BTreeSet::new()),
+            cores,
+        }))
+    }
+
+    /// The hub.
+    pub(crate) fn hub(&self) -> &Arc<Hub> {
+        // Only `drop` takes it out.
+        self.hub
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("the hub lives until drop"))
+    }
+
+    /// Shard threads.
+    pub(crate) fn cores(&self) -> usize {
+        self.cores
+    }
+
+    /// Registers `worker` if it is not yet (its rank 0 then joins routing).
+    pub(crate) fn ensure_worker(&self, worker: WorkerId) -> PyResult<()> {
+        let hub = self.hub();
+        if !hub.is_registered(worker) {
+            hub.register(Registration::new(worker))
+                .map_err(from_transport)?;
+        }
+        Ok(())
+    }
+
+    /// Notes that `key` exists (for the keys of match results).
+    pub(crate) fn note_rank(&self, key: WorkerKey) {
+        if key.dp_rank.0 != 0 {
+            lock(&self.ranked).insert(key.worker);
+        }
+    }
+
+    /// Whether `worker`'s matches are keyed with their rank.
+    pub(crate) fn is_ranked(&self, worker: WorkerId) -> bool {
+        lock(&self.ranked).contains(&worker)
+    }
+
+    /// Forgets a removed worker's rank note and subscription.
+    pub(crate) fn forget(&self, worker: WorkerId) {
+        lock(&self.ranked).remove(&worker);
+        if let Some(task) = lock(&self.subscriptions).remove(&worker) {
+            task.abort();
+        }
+    }
+
+    /// Subscribes to `source` (replacing an earlier subscription of the same worker).
+    pub(crate) fn subscribe(&self, source: ZmqSource) -> PyResult<()> {
+        let hub = self.hub();
+        hub.register(Registration {
+            zmq: Some(source.publisher.clone()),
+            replay: source.replay.clone(),
+            ..Registration::new(source.worker)
+        })
+        .map_err(from_transport)?;
+        let io = match self.io.get() {
+            Some(io) => io,
+            None => {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .thread_name("kvengine-zmq")
+                    .enable_all()
+                    .build()
+                    .map_err(|e| {
+                        pyo3::exceptions::PyOSError::new_err(format!(
+                            "cannot start the ZMQ runtime: {e}"
+                        ))
+                    })?;
+                // Another thread may have won the race; its runtime is used and ours dropped.
+                let _ = self.io.set(rt);
+                self.io.get().ok_or_else(|| {
+                    pyo3::exceptions::PyRuntimeError::new_err("the ZMQ runtime did not start")
+                })?
+            }
+        };
+        let worker = source.worker;
+        let task = spawn_subscriber_on(
+            io.handle(),
+            Arc::clone(hub),
+            source,
+            SubscriberConfig::default(),
+        );
+        if let Some(old) = lock(&self.subscriptions).insert(worker, task) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// Workers with a running subscription.
+    pub(crate) fn subscribed(&self) -> Vec<WorkerId> {
+        lock(&self.subscriptions).keys().copied().collect()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for (_, task) in std::mem::take(&mut *lock(&self.subscriptions)) {
+            task.abort();
+        }
+        if let Some(io) = self.io.take() {
+            // Drops the aborted tasks (and their hub handles) before returning.
+            io.shutdown_timeout(Duration::from_secs(2));
+        }
+        let hub = self.hub.take();
+        let last = hub.map(|h| Arc::strong_count(&h) == 1);
+        if let (Some(true), Some(runtime)) = (last, self.runtime.take()) {
+            // The hub (and its engine handles) is gone: the shard threads stop.
+            let _ = runtime.join();
+        }
+    }
+}
