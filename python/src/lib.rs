@@ -26,6 +26,9 @@ mod tokens;
 
 use pyo3::prelude::*;
 
+// No mimalloc here, unlike the server: as a global allocator in a dlopen()ed extension it
+// fails to load ("cannot allocate memory in static TLS block").
+
 #[pymodule]
 fn _kvengine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<indexer::KvIndexer>()?;

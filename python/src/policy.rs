@@ -32,14 +32,16 @@ const POLICY_FAILED: EngineError = EngineError::InvalidArgument {
 /// See the module docs.
 pub(crate) struct PyPolicy {
     callable: Py<PyAny>,
+    prompt_blocks: usize,
     /// What the callable raised (or why its answer was refused).
     pub(crate) error: Option<PyErr>,
 }
 
 impl PyPolicy {
-    pub(crate) fn new(callable: Py<PyAny>) -> Self {
+    pub(crate) fn new(callable: Py<PyAny>, prompt_blocks: usize) -> Self {
         Self {
             callable,
+            prompt_blocks,
             error: None,
         }
     }
@@ -60,7 +62,14 @@ impl Policy for PyPolicy {
             let candidates = input
                 .candidates
                 .iter()
-                .map(|c| Candidate::with_load(c, (input.load)(c.key), (input.cached_blocks)(c.key)))
+                .map(|c| {
+                    Candidate::with_load(
+                        c,
+                        self.prompt_blocks,
+                        (input.load)(c.key),
+                        (input.cached_blocks)(c.key),
+                    )
+                })
                 .collect::<Vec<_>>();
             let list = PyList::new(py, candidates)?;
             let chosen = self.callable.call1(py, (list,))?;

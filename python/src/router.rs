@@ -51,10 +51,12 @@ pub struct Candidate {
     pub kv_usage: Option<f64>,
     /// Blocks it caches in total (as of the last refresh).
     pub cached_blocks: Option<u64>,
+    /// Full blocks in the prompt (the same for every candidate of a call).
+    pub prompt_blocks: usize,
 }
 
 impl Candidate {
-    fn from_score(c: &CandidateScore) -> Self {
+    fn from_score(c: &CandidateScore, prompt_blocks: usize) -> Self {
         Self {
             worker_id: c.key.worker.0,
             dp_rank: c.key.dp_rank.0,
@@ -68,10 +70,16 @@ impl Candidate {
             num_requests_waiting: None,
             kv_usage: None,
             cached_blocks: None,
+            prompt_blocks,
         }
     }
 
-    pub(crate) fn with_load(c: &CandidateScore, load: KeyLoad, cached: u64) -> Self {
+    pub(crate) fn with_load(
+        c: &CandidateScore,
+        prompt_blocks: usize,
+        load: KeyLoad,
+        cached: u64,
+    ) -> Self {
         Self {
             active_blocks: Some(load.active.active_blocks),
             active_prefill_tokens: Some(load.active.active_prefill_tokens),
@@ -79,7 +87,7 @@ impl Candidate {
             num_requests_waiting: load.reported.map(|r| r.num_requests_waiting),
             kv_usage: load.reported.map(|r| r.kv_usage),
             cached_blocks: Some(cached),
-            ..Self::from_score(c)
+            ..Self::from_score(c, prompt_blocks)
         }
     }
 
@@ -484,7 +492,10 @@ impl KvRouter {
             ..RouteOverrides::default()
         };
         let policy = match (mode, worker_id, &self.policy) {
-            (None, None, Some(p)) => Some(PyPolicy::new(p.clone_ref(py))),
+            (None, None, Some(p)) => Some(PyPolicy::new(
+                p.clone_ref(py),
+                tokens.len() / self.config.block_size as usize,
+            )),
             _ => None,
         };
         let shared = Arc::clone(&self.shared);
@@ -518,7 +529,11 @@ impl KvRouter {
             best_available_overlap_blocks: d.best_available_overlap_blocks,
             blocks: routed.blocks,
             busy_skipped: d.busy_skipped,
-            candidates: d.candidates.iter().map(Candidate::from_score).collect(),
+            candidates: d
+                .candidates
+                .iter()
+                .map(|c| Candidate::from_score(c, routed.blocks))
+                .collect(),
         })
     }
 

@@ -15,15 +15,11 @@ import http.server
 import importlib.util
 import itertools
 import json
-import os
 import re
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -45,124 +41,12 @@ except ImportError:
     ApiError = _client.ApiError  # type: ignore[misc]
     Client = _client.Client  # type: ignore[misc]
 
-BLOCK = 16  # the router's --kv-cache-block-size
-STARTUP_TIMEOUT = 30.0
-
-
-# --------------------------------------------------------------------------- the router
-
-
-def _binary() -> Optional[Path]:
-    env = os.environ.get("KVENGINE_BIN")
-    if env:
-        return Path(env)
-    for profile in ("debug", "release"):
-        p = REPO / "target" / profile / "kvengine"
-        if p.is_file():
-            return p
-    return None
-
-
-class Router:
-    """A `kvengine` router process and its base URL."""
-
-    def __init__(self, binary: Path) -> None:
-        # Flags win over KVENGINE_* variables, but a stray one (e.g. KVENGINE_SIM_WORKERS)
-        # could still add workers or change defaults: start from a clean slate.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVENGINE_")}
-        env["KVENGINE_LOG"] = "warn"
-        self.args = [
-            str(binary),
-            "--http-host", "127.0.0.1",
-            "--http-port", "0",
-            "--cores", "1",
-            "--no-pin",
-            "--kv-cache-block-size", str(BLOCK),
-        ]
-        self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            self.args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            env=env,
-        )
-        self.lines: List[str] = []
-        self._url: Optional[str] = None
-        self._have_url = threading.Event()
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
-        self._reader.start()
-        self.url = self._wait_ready()
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.lines.append(line)
-            m = re.search(r"HTTP on (http://[^\s]+)", line)
-            if m and self._url is None:
-                self._url = m.group(1)
-                self._have_url.set()
-        self._have_url.set()  # the process ended
-
-    def output(self) -> str:
-        self.stderr.seek(0)
-        err = self.stderr.read().decode("utf-8", errors="replace")
-        return "stdout:\n" + "\n".join(self.lines) + "\nstderr:\n" + err[-4000:]
-
-    def _fail(self, why: str) -> None:
-        self.stop()
-        pytest.fail(f"kvengine router ({' '.join(self.args)}) {why}\n{self.output()}")
-
-    def _wait_ready(self) -> str:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        self._have_url.wait(STARTUP_TIMEOUT)
-        if self._url is None:
-            code = self.proc.poll()
-            exited = "" if code is None else f" and exited with {code}"
-            self._fail(f"printed no 'HTTP on http://...' line{exited}")
-        url = self._url
-        assert url is not None
-        while True:
-            if self.proc.poll() is not None:
-                self._fail(f"exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
-                    if r.status == 200:
-                        return url
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self._fail(f"did not answer {url}/healthz within {STARTUP_TIMEOUT} s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+from server import BLOCK, Router, start_router  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[Router]:
-    binary = _binary()
-    if binary is None or not binary.is_file():
-        why = (
-            f"no kvengine binary (KVENGINE_BIN={os.environ.get('KVENGINE_BIN', '')!r}, "
-            f"{REPO / 'target/debug/kvengine'}, {REPO / 'target/release/kvengine'}): "
-            "build it with `cargo build -p kvengine`"
-        )
-        if os.environ.get("KVENGINE_PY_REQUIRED") == "1":
-            pytest.fail(why + " (KVENGINE_PY_REQUIRED=1)")
-        print(f"skipping: {why}")
-        pytest.skip(why)
-    r = Router(binary)
+    r = start_router()
     try:
         yield r
     finally:

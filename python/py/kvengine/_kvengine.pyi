@@ -71,6 +71,7 @@ class Candidate:
     num_requests_waiting: Optional[int]
     kv_usage: Optional[float]
     cached_blocks: Optional[int]
+    prompt_blocks: int
     @property
     def key(self) -> Tuple[int, int]: ...
 
