@@ -69,7 +69,10 @@ impl KvIndexer {
         py.detach(move || {
             let worker = WorkerId(worker_id);
             shared.forget(worker);
-            let removed = shared.hub().remove_worker(worker).map_err(from_transport)?;
+            let hub = shared.hub();
+            let removed = hub.remove_worker(worker).map_err(from_transport)?;
+            // As for `clear`: every shard's share is gone when this returns.
+            hub.sync().map_err(from_transport)?;
             Ok(removed.is_some())
         })
     }
@@ -227,10 +230,14 @@ impl KvIndexer {
         not_in_policy()?;
         let shared = Arc::clone(&self.shared);
         py.detach(move || {
-            shared
-                .hub()
+            let hub = shared.hub();
+            let n = hub
                 .clear(WorkerKey::new(worker_id, dp_rank))
-                .map_err(from_transport)
+                .map_err(from_transport)?;
+            // The home core answers at once; the other shards drop their share at their next
+            // round. Wait for them, so a query made after this returns sees the clear.
+            hub.sync().map_err(from_transport)?;
+            Ok(n)
         })
     }
 

@@ -27,7 +27,7 @@ pub(crate) fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     {
         let raw = obj.call_method0("tobytes")?;
         let raw = raw.cast::<PyBytes>()?;
-        return match (size, is_signed(obj)) {
+        return match (size, int_signedness(obj)?) {
             (4, false) => le_u32s(raw.as_bytes()),
             (4, true) => fixed::<4>(raw.as_bytes(), |b| i64::from(i32::from_le_bytes(b))),
             (8, false) => fixed::<8>(raw.as_bytes(), |b| {
@@ -119,13 +119,45 @@ pub(crate) fn block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     .collect()
 }
 
-/// Whether an array object's items are signed (array typecode or numpy dtype kind).
-fn is_signed(obj: &Bound<'_, PyAny>) -> bool {
-    let code = obj
-        .getattr("typecode")
-        .or_else(|_| obj.getattr("dtype").and_then(|d| d.getattr("kind")))
-        .and_then(|c| c.extract::<String>());
-    matches!(code.as_deref(), Ok("i" | "l" | "q" | "b" | "h"))
+/// Whether an array object's items are signed integers, from its `typecode` (array.array),
+/// `dtype` (numpy) or `format` (memoryview); a `TypeError` for anything but native-order
+/// integers (floats, characters, big-endian data would otherwise be read as ids).
+fn int_signedness(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let not_ints = |what: String| {
+        PyTypeError::new_err(format!(
+            "token ids: an array of {what}; use integers (array(\"I\"), numpy uint32/int64)"
+        ))
+    };
+    if let Ok(code) = obj.getattr("typecode") {
+        let code: String = code.extract()?;
+        return match code.as_str() {
+            "b" | "h" | "i" | "l" | "q" => Ok(true),
+            "B" | "H" | "I" | "L" | "Q" => Ok(false),
+            other => Err(not_ints(format!("typecode {other:?}"))),
+        };
+    }
+    if let Ok(dtype) = obj.getattr("dtype") {
+        let kind: String = dtype.getattr("kind")?.extract()?;
+        let order: String = dtype.getattr("byteorder")?.extract()?;
+        let little = cfg!(target_endian = "little");
+        let native = matches!(order.as_str(), "=" | "|") || (order == "<") == little;
+        return match (kind.as_str(), native) {
+            ("i", true) => Ok(true),
+            ("u", true) => Ok(false),
+            (_, false) => Err(not_ints(format!("byte order {order:?}"))),
+            (k, _) => Err(not_ints(format!("dtype kind {k:?}"))),
+        };
+    }
+    if let Ok(format) = obj.getattr("format") {
+        let format: String = format.extract()?;
+        return match format.trim_start_matches(['@', '=', '<']) {
+            _ if format.starts_with(['>', '!']) => Err(not_ints(format!("format {format:?}"))),
+            "b" | "h" | "i" | "l" | "q" => Ok(true),
+            "B" | "H" | "I" | "L" | "Q" => Ok(false),
+            _ => Err(not_ints(format!("format {format:?}"))),
+        };
+    }
+    Err(not_ints("items of unknown type".into()))
 }
 
 fn le_u32s(bytes: &[u8]) -> PyResult<Vec<u32>> {
