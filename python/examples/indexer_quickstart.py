@@ -17,7 +17,7 @@ BLOCK = 16
 def vllm_batch(token_ids, hashes, parent=None):
     """One BlockStored event in vLLM's msgpack shape, or the dict shape without msgpack."""
     try:
-        import msgpack
+        import msgpack  # type: ignore[import-untyped]
     except ImportError:
         return {"events": [{"type": "stored", "parent_hash": parent, "blocks": [
             {"block_hash": h, "token_ids": token_ids[i * BLOCK:(i + 1) * BLOCK]}

@@ -1,6 +1,6 @@
 """Type stubs for the compiled module `kvengine._kvengine` (python/src)."""
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
 
 # A prompt: a list of ints, or (faster for long prompts) bytes of little-endian u32s, an
 # array.array("I") or a numpy integer array.
@@ -18,19 +18,20 @@ class EngineError(RuntimeError):
     """The engine stopped, missed its call deadline, or no registered worker can serve."""
 
 def compute_block_hashes(
-    token_ids: TokenIds, block_size: int = 16, lora_name: Optional[str] = None
+    token_ids: TokenIds, block_size: int = ..., lora_name: Optional[str] = None
 ) -> List[int]:
     """Each full block's XXH3-64 (seed 1337, or the adapter's): Dynamo's LocalBlockHash."""
 
 def compute_seq_hashes(
-    token_ids: TokenIds, block_size: int = 16, lora_name: Optional[str] = None
+    token_ids: TokenIds, block_size: int = ..., lora_name: Optional[str] = None
 ) -> List[int]:
     """Chained hashes: block i's names the whole prefix up to it (the index's keys)."""
 
+@final
 class KvIndexer:
     """The exact KV-block index of a cluster's workers, in-process."""
 
-    def __init__(self, block_size: int = 16, cores: Optional[int] = None) -> None: ...
+    def __new__(cls, block_size: int = ..., cores: Optional[int] = None) -> "KvIndexer": ...
     @property
     def block_size(self) -> int: ...
     @property
@@ -56,6 +57,7 @@ class KvIndexer:
     ) -> List[int]: ...
     def stats(self) -> Dict[str, Any]: ...
 
+@final
 class Candidate:
     """One candidate worker rank as the cost function saw it."""
 
@@ -75,6 +77,7 @@ class Candidate:
     @property
     def key(self) -> Tuple[int, int]: ...
 
+@final
 class Decision:
     """Where a request went, and every candidate's cost."""
 
@@ -93,16 +96,17 @@ class Decision:
     def chosen(self) -> Optional[Candidate]: ...
     def to_dict(self) -> Dict[str, Any]: ...
 
+@final
 class KvRouter:
     """The index plus the scheduler, in-process; settings named as the CLI's flags."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         config: Optional[Mapping[str, Any]] = None,
         *,
         policy: Optional[Callable[[List[Candidate]], PolicyChoice]] = None,
-        **settings: Any,
-    ) -> None: ...
+        **kwargs: Any,
+    ) -> "KvRouter": ...
     @property
     def indexer(self) -> KvIndexer: ...
     @property
