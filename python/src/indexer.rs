@@ -109,7 +109,7 @@ impl KvIndexer {
         matches_dict(py, &self.shared, &matches)
     }
 
-    pub(crate) fn apply_decoded(
+    fn apply_decoded(
         &self,
         py: Python<'_>,
         worker_id: u64,
@@ -212,7 +212,7 @@ impl KvIndexer {
     /// number of tokens (nothing of that batch applies), or stored events of another block
     /// size (the rest of the batch applies).
     #[pyo3(signature = (worker_id, batch, *, wait = true))]
-    fn apply_events(
+    pub(crate) fn apply_events(
         &self,
         py: Python<'_>,
         worker_id: u64,
@@ -310,13 +310,7 @@ impl KvIndexer {
         token_ids: &Bound<'_, PyAny>,
         lora_name: Option<&str>,
     ) -> PyResult<Vec<u64>> {
-        let tokens = crate::tokens::token_ids(token_ids)?;
-        Ok(
-            tokens_hashes(&tokens, self.block_size as usize, lora_seed(lora_name))
-                .into_iter()
-                .map(|h| h.0)
-                .collect(),
-        )
+        compute_block_hashes(token_ids, self.block_size, lora_name)
     }
 
     /// The index's figures: `{"cores", "applied", "queries", "entries", "rejected":
@@ -367,14 +361,12 @@ pub fn compute_block_hashes(
     block_size: u32,
     lora_name: Option<&str>,
 ) -> PyResult<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
-    let tokens = crate::tokens::token_ids(token_ids)?;
-    Ok(
-        tokens_hashes(&tokens, block_size as usize, lora_seed(lora_name))
+    hash_prompt(token_ids, block_size, lora_name, |t, bs, seed| {
+        tokens_hashes(t, bs, seed)
             .into_iter()
             .map(|h| h.0)
-            .collect(),
-    )
+            .collect()
+    })
 }
 
 /// The prompt's sequence hashes: block i's hash names the whole prefix up to it (what the
@@ -386,12 +378,22 @@ pub fn compute_seq_hashes(
     block_size: u32,
     lora_name: Option<&str>,
 ) -> PyResult<Vec<u64>> {
-    let block_size = check_block_size(block_size)?;
+    hash_prompt(token_ids, block_size, lora_name, |t, bs, seed| {
+        seq_hashes(t, bs, seed).into_iter().map(|h| h.0).collect()
+    })
+}
+
+/// Reads the prompt, then hashes it with `hash(tokens, block_size, seed)`, GIL released.
+fn hash_prompt(
+    token_ids: &Bound<'_, PyAny>,
+    block_size: u32,
+    lora_name: Option<&str>,
+    hash: fn(&[u32], usize, u64) -> Vec<u64>,
+) -> PyResult<Vec<u64>> {
+    let block_size = check_block_size(block_size)? as usize;
     let tokens = crate::tokens::token_ids(token_ids)?;
-    Ok(
-        seq_hashes(&tokens, block_size as usize, lora_seed(lora_name))
-            .into_iter()
-            .map(|h| h.0)
-            .collect(),
-    )
+    let seed = lora_seed(lora_name);
+    Ok(token_ids
+        .py()
+        .detach(move || hash(&tokens, block_size, seed)))
 }

@@ -403,9 +403,7 @@ impl KvRouter {
         batch: &Bound<'_, PyAny>,
         wait: bool,
     ) -> PyResult<Py<PyDict>> {
-        not_in_policy()?;
-        let raw = crate::events::RawBatch::from_py(batch)?;
-        self.indexer.get().apply_decoded(py, worker_id, raw, wait)
+        self.indexer.get().apply_events(py, worker_id, batch, wait)
     }
 
     /// Subscribes to a worker's ZMQ KV events (see `KvIndexer.subscribe_zmq`).

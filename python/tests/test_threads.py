@@ -108,8 +108,13 @@ def test_the_gil_is_released_during_index_work():
         for _ in range(50):
             assert ix.find_matches_for_request(long_prompt) == {1: 500}
         during = len(ticks)
+        ticks.clear()
+        for _ in range(50):
+            assert len(kvengine.compute_block_hashes(long_prompt, BS)) == 500
+        while_hashing = len(ticks)
         stop.set()
         t.join()
     finally:
         sys.setswitchinterval(old)
     assert during > 0, "no other thread ran while 50 index calls were made"
+    assert while_hashing > 0, "no other thread ran while 50 prompts were hashed"
