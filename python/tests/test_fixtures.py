@@ -17,6 +17,7 @@ import msgpack
 import pytest
 
 import kvengine
+from conftest import need
 
 # conftest.py's SHARED_DATA / "kv_events" (needed at collection, for the parameters).
 KV = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "kv_events"
@@ -307,3 +308,25 @@ def test_every_fixture_file_is_listed(kv_events_dir):
     files = sorted(p.name for p in kv_events_dir.glob("*.msgpack"))
     assert files == sorted(f["file"] for f in fixtures.values())
     assert set(KNOWN) <= set(fixtures)
+
+
+def test_numpy_token_arrays_hash_like_lists():
+    """numpy integer arrays are read in one copy; other dtypes and byte orders are refused."""
+    try:
+        import numpy as np
+    except ImportError:
+        need(False, "numpy is not installed")
+    ids = [0, 1, 2**31, 2**32 - 1] * 8
+    want = kvengine.compute_block_hashes(ids, 16)
+    for dtype in ("<u4", "=u4", "<i8", "<u8"):
+        assert kvengine.compute_block_hashes(np.array(ids, dtype=dtype), 16) == want, dtype
+    small = [i % 2**31 for i in ids]
+    assert kvengine.compute_block_hashes(np.array(small, dtype="<i4"), 16) == \
+        kvengine.compute_block_hashes(small, 16)
+    with pytest.raises(ValueError):
+        kvengine.compute_block_hashes(np.array([-1] * 16, dtype="<i4"), 16)
+    with pytest.raises(ValueError):
+        kvengine.compute_block_hashes(np.array([2**32] * 16, dtype="<i8"), 16)
+    for bad in (np.zeros(16, dtype="<f4"), np.zeros(16, dtype=">u4"), np.zeros(16, dtype="<u2")):
+        with pytest.raises(TypeError):
+            kvengine.compute_block_hashes(bad, 16)
