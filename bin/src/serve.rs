@@ -127,6 +127,10 @@ pub struct ServeArgs {
     /// The token QUIC publishers must present.
     #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
     pub ingest_token: Option<String>,
+    /// The bearer token HTTP control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
+    /// `/v1/load`) must carry. Without it, control calls are accepted from this host only.
+    #[arg(long, env = "KVENGINE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// TLS certificate (PEM) for QUIC; without it a self-signed one is generated and its
     /// fingerprint logged.
     #[arg(long, env = "KVENGINE_TLS_CERT", requires = "tls_key")]
@@ -625,6 +629,7 @@ async fn serve(
             max_body_bytes: args.max_body_bytes,
             on_register: Some(on_register),
             on_remove: Some(on_remove),
+            admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
         },
     )
     .merge(openai_router(

@@ -10,6 +10,7 @@
 //! 2. Generated names (`kvr-N`) and request ids never repeat within one router.
 //! 3. In approximate mode every routing decision is recorded as a prediction of what the
 //!    chosen worker now caches, and overlaps come from those predictions.
+//! 4. A caller's name is at most [`MAX_REQUEST_ID_BYTES`] long.
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -50,6 +51,10 @@ pub struct Routed {
     pub blocks: usize,
 }
 
+/// The longest request id accepted, in bytes: ids are kept while their request is active,
+/// so an unbounded one would let a caller grow the router's memory at will.
+pub const MAX_REQUEST_ID_BYTES: usize = 256;
+
 /// Why a named request was refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NameError {
@@ -57,6 +62,8 @@ pub enum NameError {
     Duplicate(String),
     /// No active request has this name.
     Unknown(String),
+    /// The name is longer than [`MAX_REQUEST_ID_BYTES`] (its length).
+    TooLong(usize),
 }
 
 /// See the module docs.
@@ -185,6 +192,9 @@ impl Router {
             self.forget(id);
         }
         let name = match &call.request_id {
+            Some(n) if n.len() > MAX_REQUEST_ID_BYTES => {
+                return Err(RouteError::Name(NameError::TooLong(n.len())));
+            }
             Some(n) if self.ids.contains_key(n) => {
                 return Err(RouteError::Name(NameError::Duplicate(n.clone())));
             }
@@ -309,6 +319,25 @@ mod tests {
         );
         // The name is free again once finished.
         r.route(now, &call, &[], &Matches::default()).unwrap();
+        // Ids have a length cap; the refusal records nothing.
+        let before = r.active_requests();
+        let long = RouteCall {
+            request_id: Some("x".repeat(MAX_REQUEST_ID_BYTES + 1)),
+            tokens: &[1; 32],
+            ..RouteCall::default()
+        };
+        assert_eq!(
+            r.route(now, &long, &[], &Matches::default()),
+            Err(RouteError::Name(NameError::TooLong(
+                MAX_REQUEST_ID_BYTES + 1
+            )))
+        );
+        assert_eq!(r.active_requests(), before);
+        let longest = RouteCall {
+            request_id: Some("x".repeat(MAX_REQUEST_ID_BYTES)),
+            ..long
+        };
+        r.route(now, &longest, &[], &Matches::default()).unwrap();
         // Removing the worker forgets its requests.
         r.remove_worker(WorkerId(1), true);
         assert_eq!(r.active_requests(), 0);

@@ -722,6 +722,13 @@ fn refused(e: RouteError) -> TransportError {
     match e {
         RouteError::Name(NameError::Duplicate(n)) => TransportError::DuplicateRequest(n),
         RouteError::Name(NameError::Unknown(n)) => TransportError::UnknownRequest(n),
+        RouteError::Name(NameError::TooLong(n)) => TransportError::Invalid {
+            name: "request_id",
+            reason: format!(
+                "{n} bytes is longer than the limit of {} bytes",
+                engine::router::MAX_REQUEST_ID_BYTES
+            ),
+        },
         RouteError::Engine(e) => e.into(),
     }
 }

@@ -402,3 +402,29 @@ async fn seeded_random_and_mutated_bodies_never_break_the_server() {
     let (st, _) = s.send(Method::GET, "/metrics", Vec::new()).await;
     assert_eq!(st, StatusCode::OK);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_have_a_length_cap() {
+    let s = start().await;
+    s.expect(
+        "/v1/workers",
+        json!({"worker_id": 1}).to_string(),
+        StatusCode::CREATED,
+        "",
+    )
+    .await;
+    let cap = engine::router::MAX_REQUEST_ID_BYTES;
+    let long = json!({"token_ids": [1, 2, 3], "request_id": "x".repeat(cap + 1)});
+    s.expect(
+        "/v1/route",
+        long.to_string(),
+        StatusCode::BAD_REQUEST,
+        "invalid_argument",
+    )
+    .await;
+    assert_eq!(s.hub.active_requests(), 0, "a refused id records nothing");
+    let longest = json!({"token_ids": [1, 2, 3], "request_id": "x".repeat(cap)});
+    s.expect("/v1/route", longest.to_string(), StatusCode::OK, "")
+        .await;
+    assert_eq!(s.hub.active_requests(), 1);
+}

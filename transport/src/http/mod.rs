@@ -12,6 +12,7 @@
 //! 2. Bodies larger than [`HttpConfig::max_body_bytes`] are refused with 413 before being
 //!    buffered past the limit.
 
+mod admin;
 pub mod errors;
 mod events;
 pub mod health;
@@ -52,6 +53,9 @@ pub struct HttpConfig {
     pub on_register: Option<RegisterHook>,
     /// Called after every successful `DELETE /v1/workers/{id}`. Must not block.
     pub on_remove: Option<RemoveHook>,
+    /// The bearer token control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
+    /// `/v1/load`) must carry; `None`: control calls only from this host (see `admin`).
+    pub admin_token: Option<String>,
 }
 
 impl Default for HttpConfig {
@@ -60,6 +64,7 @@ impl Default for HttpConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             on_register: None,
             on_remove: None,
+            admin_token: None,
         }
     }
 }
@@ -70,6 +75,7 @@ impl fmt::Debug for HttpConfig {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("on_register", &self.on_register.is_some())
             .field("on_remove", &self.on_remove.is_some())
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
             .finish()
     }
 }
@@ -157,6 +163,7 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
         cfg,
         fences: Mutex::new(HashMap::new()),
     });
+    let admin = axum::middleware::from_fn_with_state(state.clone(), admin::require_admin);
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/metrics", get(metrics_text::metrics))
@@ -164,10 +171,20 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
         .route("/v1/route", post(routing::route))
         .route("/v1/requests/{id}/prefilled", post(routing::prefilled))
         .route("/v1/requests/{id}", delete(routing::finish))
-        .route("/v1/events", post(events::post_events))
-        .route("/v1/workers", get(workers::list).post(workers::register))
-        .route("/v1/workers/{id}", delete(workers::remove))
-        .route("/v1/load", post(workers::load))
+        // Control calls: the admin gate first (module `admin`).
+        .route(
+            "/v1/events",
+            post(events::post_events).route_layer(admin.clone()),
+        )
+        .route(
+            "/v1/workers",
+            get(workers::list).merge(post(workers::register).route_layer(admin.clone())),
+        )
+        .route(
+            "/v1/workers/{id}",
+            delete(workers::remove).route_layer(admin.clone()),
+        )
+        .route("/v1/load", post(workers::load).route_layer(admin))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(limit))
@@ -187,11 +204,16 @@ pub async fn serve_http(
             tracing::debug!("could not set TCP_NODELAY: {e}");
         }
     });
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|source| TransportError::Io {
-            context: "serving HTTP".into(),
-            source,
-        })
+    // The peer address feeds the admin gate (control calls from this host only, without a
+    // token).
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .map_err(|source| TransportError::Io {
+        context: "serving HTTP".into(),
+        source,
+    })
 }

@@ -1,0 +1,196 @@
+//! Who may change the router: the control-plane endpoints (registering and removing workers,
+//! KV events, load reports) re-point prompts and rewrite the index, so anyone able to reach
+//! port 8000 must not be able to call them.
+//!
+//! * With an admin token (`--admin-token`), a control call must carry
+//!   `Authorization: Bearer <token>`; otherwise 401 `unauthorized`.
+//! * Without one, only clients on this host (a loopback peer address) may make control
+//!   calls; others get 403 `admin_forbidden`, which names the flag. The read and routing
+//!   endpoints (`/v1/route`, `/v1/overlap`, `/v1/requests/...`, `GET /v1/workers`,
+//!   `/metrics`, health) stay open: front ends call them per request.
+//!
+//! # Invariants
+//! 1. A control call from a peer whose address is unknown (a router served without
+//!    [`axum::extract::ConnectInfo`]) is refused unless it carries the token: the gate fails
+//!    closed. [`super::serve_http`] always supplies the peer address.
+//! 2. The token is compared by digest (no timing hint); refusals are counted
+//!    ([`crate::DropReason::Unauthorized`]) and logged without the presented secret.
+
+use super::AppState;
+use super::errors::ApiError;
+use crate::error::{DropReason, TransportError};
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use std::net::SocketAddr;
+
+/// Middleware on every control endpoint (see the module docs).
+pub(crate) async fn require_admin(
+    State(st): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    match check(st.cfg.admin_token.as_deref(), req.headers(), peer) {
+        Ok(()) => next.run(req).await,
+        Err(refusal) => {
+            let e = TransportError::Unauthorized(refusal.reason());
+            st.hub.metrics().drop_input(
+                DropReason::Unauthorized,
+                1,
+                &format!("{e} (peer {peer:?})"),
+            );
+            refusal.into_response()
+        }
+    }
+}
+
+/// Why a control call was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// A token is configured and the call did not present it.
+    BadToken,
+    /// No token is configured and the peer is not on this host.
+    NotLocal,
+}
+
+impl Refusal {
+    fn reason(self) -> &'static str {
+        match self {
+            Refusal::BadToken => "control call without the admin token",
+            Refusal::NotLocal => "control call from another host and no admin token set",
+        }
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::BadToken => {
+                let mut r = ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "this endpoint changes the router: send Authorization: Bearer <admin token>",
+                )
+                .into_response();
+                r.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    header::HeaderValue::from_static("Bearer"),
+                );
+                r
+            }
+            Refusal::NotLocal => ApiError::new(
+                StatusCode::FORBIDDEN,
+                "admin_forbidden",
+                "this endpoint changes the router and is open to this host only; start \
+                 kvengine with --admin-token (KVENGINE_ADMIN_TOKEN) to manage it from others",
+            )
+            .into_response(),
+        }
+    }
+}
+
+/// The decision, on its own for tests: `token` configured, the request's headers, its peer.
+pub(crate) fn check(
+    token: Option<&str>,
+    headers: &HeaderMap,
+    peer: Option<SocketAddr>,
+) -> Result<(), Refusal> {
+    match token {
+        Some(token) => {
+            let presented = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim);
+            match presented {
+                Some(p) if same_secret(p, token) => Ok(()),
+                _ => Err(Refusal::BadToken),
+            }
+        }
+        None => match peer {
+            Some(addr) if addr.ip().to_canonical().is_loopback() => Ok(()),
+            _ => Err(Refusal::NotLocal),
+        },
+    }
+}
+
+/// Compares SHA-256 digests rather than the strings: how long the comparison takes then
+/// says nothing about how much of the token a guess got right.
+fn same_secret(presented: &str, token: &str) -> bool {
+    use ring::digest::{SHA256, digest};
+    digest(&SHA256, presented.as_bytes()).as_ref() == digest(&SHA256, token.as_bytes()).as_ref()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn auth(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::AUTHORIZATION, value.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn without_a_token_only_loopback_peers_pass() {
+        let none = HeaderMap::new();
+        for ok in ["127.0.0.1:9", "[::1]:9", "[::ffff:127.0.0.1]:9"] {
+            assert_eq!(
+                check(None, &none, Some(ok.parse().unwrap())),
+                Ok(()),
+                "{ok}"
+            );
+        }
+        for bad in ["10.0.0.5:9", "[2001:db8::1]:9", "0.0.0.0:9"] {
+            assert_eq!(
+                check(None, &none, Some(bad.parse().unwrap())),
+                Err(Refusal::NotLocal),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            check(None, &none, None),
+            Err(Refusal::NotLocal),
+            "unknown peer"
+        );
+        // A token presented where none is configured does not open the door.
+        assert_eq!(
+            check(None, &auth("Bearer x"), Some("10.0.0.5:9".parse().unwrap())),
+            Err(Refusal::NotLocal)
+        );
+    }
+
+    #[test]
+    fn with_a_token_every_peer_must_present_it() {
+        let local = Some("127.0.0.1:9".parse().unwrap());
+        let remote = Some("10.0.0.5:9".parse().unwrap());
+        assert_eq!(
+            check(Some("s3cret"), &auth("Bearer s3cret"), remote),
+            Ok(())
+        );
+        assert_eq!(check(Some("s3cret"), &auth("Bearer s3cret"), None), Ok(()));
+        for bad in [
+            "Bearer s3cre",
+            "Bearer s3cret2",
+            "Basic s3cret",
+            "s3cret",
+            "Bearer ",
+        ] {
+            assert_eq!(
+                check(Some("s3cret"), &auth(bad), remote),
+                Err(Refusal::BadToken),
+                "{bad}"
+            );
+        }
+        // Loopback is no exemption once a token is set.
+        assert_eq!(
+            check(Some("s3cret"), &HeaderMap::new(), local),
+            Err(Refusal::BadToken)
+        );
+    }
+}
