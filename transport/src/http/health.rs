@@ -1,4 +1,12 @@
-//! `GET /healthz`, and the loop that health-checks registered workers.
+//! Probes for orchestrators (`GET /live`, `/ready`, `/health`; `/healthz` is `/live`'s older
+//! name), and the loop that health-checks registered workers.
+//!
+//! * `/live`: the process serves HTTP (nothing else is checked: restarting a live router
+//!   that has no workers would not give it any).
+//! * `/ready`: 200 when the router can route: its engine answers and at least one worker is
+//!   healthy; 503 otherwise, with the reasons. Readiness gates traffic, so a router whose
+//!   workers are all down is taken out of its Service instead of answering 503s.
+//! * `/health`: the same assessment with its details, always 200 (for people and dashboards).
 //!
 //! [`health_loop`] GETs `{url}/health` of every worker registered with a `url`, all at once,
 //! once per interval. `failures_to_down` consecutive failures (a non-2xx status, a refused
@@ -31,6 +39,7 @@ struct Healthz {
     workers: usize,
 }
 
+/// `GET /healthz` and `GET /live`: the process serves.
 pub(super) async fn healthz(State(st): State<AppState>) -> Response {
     json(
         StatusCode::OK,
@@ -39,6 +48,93 @@ pub(super) async fn healthz(State(st): State<AppState>) -> Response {
             workers: st.hub.workers().len(),
         },
     )
+}
+
+/// What `/ready` and `/health` report.
+#[derive(Debug, Serialize)]
+pub(crate) struct Assessment {
+    /// `ready` or `not_ready`.
+    status: &'static str,
+    ready: bool,
+    /// Why not ready (empty when ready).
+    reasons: Vec<String>,
+    /// Whether the router routes on KV events (false: approximate mode).
+    kv_events: bool,
+    engine: EngineHealth,
+    workers: WorkersHealth,
+}
+
+#[derive(Debug, Serialize)]
+struct EngineHealth {
+    /// Every core answered a stats query within the engine's deadline.
+    responsive: bool,
+    cores: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct WorkersHealth {
+    registered: usize,
+    /// In routing (passing health checks).
+    healthy: usize,
+    /// With a rank whose event stream broke and was cleared, until its next batch.
+    resyncing: usize,
+    /// Whose events showed a configuration error (another block size).
+    config_errors: usize,
+}
+
+/// Assesses whether `hub` can route (see the module docs).
+pub(crate) fn assess(hub: &Hub) -> Assessment {
+    let mut reasons = Vec::new();
+    let engine = match crate::cores::engine_call(|| hub.core_stats()) {
+        Ok(cores) => EngineHealth {
+            responsive: true,
+            cores: cores.len(),
+        },
+        Err(e) => {
+            reasons.push(format!("the engine did not answer: {e}"));
+            EngineHealth {
+                responsive: false,
+                cores: 0,
+            }
+        }
+    };
+    let all = hub.workers();
+    let workers = WorkersHealth {
+        registered: all.len(),
+        healthy: all.iter().filter(|w| w.healthy).count(),
+        resyncing: all.iter().filter(|w| !w.resyncing.is_empty()).count(),
+        config_errors: all.iter().filter(|w| w.config_error.is_some()).count(),
+    };
+    if workers.healthy == 0 {
+        reasons.push(format!(
+            "no healthy worker ({} registered)",
+            workers.registered
+        ));
+    }
+    let ready = reasons.is_empty();
+    Assessment {
+        status: if ready { "ready" } else { "not_ready" },
+        ready,
+        reasons,
+        kv_events: hub.kv_events(),
+        engine,
+        workers,
+    }
+}
+
+/// `GET /ready`: 200 when the router can route, else 503; the assessment as the body.
+pub(super) async fn ready(State(st): State<AppState>) -> Response {
+    let a = assess(&st.hub);
+    let status = match a.ready {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    json(status, &a)
+}
+
+/// `GET /health`: the assessment, always 200.
+pub(super) async fn health(State(st): State<AppState>) -> Response {
+    json(StatusCode::OK, &assess(&st.hub))
 }
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;

@@ -166,6 +166,9 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
     let admin = axum::middleware::from_fn_with_state(state.clone(), admin::require_admin);
     Router::new()
         .route("/healthz", get(health::healthz))
+        .route("/live", get(health::healthz))
+        .route("/ready", get(health::ready))
+        .route("/health", get(health::health))
         .route("/metrics", get(metrics_text::metrics))
         .route("/v1/overlap", post(routing::overlap))
         .route("/v1/route", post(routing::route))
