@@ -55,7 +55,10 @@ async fn readiness_follows_the_workers_health_and_liveness_does_not() {
     // One down: still ready; both down: not ready, though alive.
     hub.set_healthy(WorkerId(1), false).unwrap();
     let (s, v) = get(&base, "/ready").await;
-    assert_eq!((s, &v["workers"]["healthy"]), (StatusCode::OK, &Value::from(1)));
+    assert_eq!(
+        (s, &v["workers"]["healthy"]),
+        (StatusCode::OK, &Value::from(1))
+    );
     hub.set_healthy(WorkerId(2), false).unwrap();
     let (s, v) = get(&base, "/ready").await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE, "{v}");
