@@ -127,6 +127,13 @@ def test_add_list_update_remove_worker(client: Client, wid: int) -> None:
     assert w["role"] == "prefill" and w["bootstrap_port"] == 9001
     assert w["zmq"] == "tcp://127.0.0.1:1" and w["dp_ranks"] == [0, 1]
     assert client.health()["workers"] == before + 1
+    # A worker's API key is taken, never shown.
+    assert w["api_key"] is False
+    w = client.add_worker(wid, api_key="sk-worker")
+    assert w["api_key"] is True and "sk-worker" not in json.dumps(client.workers())
+    with pytest.raises(ApiError) as e:
+        client.add_worker(wid, api_key="has space")
+    assert e.value.status == 400 and e.value.code == "invalid_argument"
 
     assert client.remove_worker(wid) == {"removed": True}
     assert worker_entry(client, wid) is None

@@ -66,6 +66,9 @@ pub struct Registration {
     /// SGLang prefill workers: the KV bootstrap port decode workers connect to
     /// (`--disaggregation-bootstrap-port`).
     pub bootstrap_port: Option<u16>,
+    /// Its API key (vLLM `--api-key`): sent as `Authorization: Bearer` on the requests the
+    /// front door forwards to it, instead of the client's. Never shown.
+    pub api_key: Option<String>,
 }
 
 impl Registration {
@@ -79,6 +82,7 @@ impl Registration {
             replay: None,
             role: None,
             bootstrap_port: None,
+            api_key: None,
         }
     }
 
@@ -328,6 +332,7 @@ impl Hub {
         e.url = reg.url.or(e.url.take());
         e.zmq = reg.zmq.or(e.zmq.take());
         e.replay = reg.replay.or(e.replay.take());
+        e.api_key = reg.api_key.or(e.api_key.take());
         e.dp_ranks = entry.ranks.iter().copied().collect();
         Ok(new)
     }
@@ -417,6 +422,13 @@ impl Hub {
         self.registry_read()
             .get(&worker)
             .and_then(|e| e.registration.url.clone())
+    }
+
+    /// The API key `worker` was registered with, if any.
+    pub fn worker_api_key(&self, worker: WorkerId) -> Option<String> {
+        self.registry_read()
+            .get(&worker)
+            .and_then(|e| e.registration.api_key.clone())
     }
 
     /// A registered worker's registration.

@@ -126,7 +126,8 @@ class Client:
         api_key: Optional[str] = None,
     ) -> None:
         """A client of the router at `base_url`; `timeout` (seconds) bounds every call;
-        `api_key`, when set, is sent as `Authorization: Bearer <api_key>`."""
+        `api_key`, when set, is sent as `Authorization: Bearer <api_key>` (the router's
+        `--admin-token`, needed for control calls from other hosts)."""
         parsed = urllib.parse.urlsplit(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"base_url must be an http:// or https:// URL, not {base_url!r}")
@@ -301,6 +302,7 @@ class Client:
         dp_ranks: Optional[Sequence[int]] = None,
         role: Optional[str] = None,
         bootstrap_port: Optional[int] = None,
+        api_key: Optional[str] = None,
     ) -> JsonDict:
         """Register a worker, or add ranks and addresses to a registered one
         (`POST /v1/workers`); returns the worker object as `workers()` lists it.
@@ -308,7 +310,9 @@ class Client:
         `url` is its HTTP base URL (health-checked at `{url}/health`), `zmq` / `replay` its
         KV-event publisher and replay endpoints, `dp_ranks` its data-parallel ranks (default
         `[0]`), `role` `aggregated`, `prefill` or `decode`, `bootstrap_port` an SGLang
-        prefill worker's bootstrap port. Fields left out keep their stored values.
+        prefill worker's bootstrap port, `api_key` the worker's own API key (sent to it on
+        forwarded OpenAI requests; never shown back). Fields left out keep their stored
+        values.
         """
         body: JsonDict = {"worker_id": _int("worker_id", worker_id)}
         _put(body, "url", url)
@@ -319,6 +323,7 @@ class Client:
                 raise TypeError("dp_ranks must be a sequence of ints")
             body["dp_ranks"] = [_int(f"dp_ranks[{i}]", r) for i, r in enumerate(dp_ranks)]
         _put(body, "role", role)
+        _put(body, "api_key", api_key)
         _put(
             body,
             "bootstrap_port",

@@ -31,6 +31,8 @@ pub(super) struct WorkerJson {
     replay: Option<String>,
     role: &'static str,
     bootstrap_port: Option<u16>,
+    /// Whether an API key is set (the key itself is never shown).
+    api_key: bool,
     healthy: bool,
     resyncing: Vec<u32>,
     config_error: Option<String>,
@@ -50,6 +52,7 @@ impl From<WorkerInfo> for WorkerJson {
             replay: r.replay,
             role,
             bootstrap_port: r.bootstrap_port,
+            api_key: r.api_key.is_some(),
             healthy: w.healthy,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
             config_error: w.config_error,
@@ -99,6 +102,9 @@ struct RegisterBody {
     role: Option<String>,
     #[serde(default)]
     bootstrap_port: Option<u16>,
+    /// The worker's API key (vLLM `--api-key`), sent on the requests forwarded to it.
+    #[serde(default)]
+    api_key: Option<String>,
 }
 
 /// Accepts `http://host[:port][/path]` (what the health checker can reach).
@@ -134,6 +140,13 @@ pub(super) async fn register(
 ) -> Result<Response, ApiError> {
     let hub = &st.hub;
     let b: RegisterBody = decode(hub, &body.0)?;
+    if let Some(k) = &b.api_key
+        && !k.bytes().all(|c| c.is_ascii_graphic())
+    {
+        return Err(ApiError::invalid(
+            "invalid api_key: printable ASCII without spaces only",
+        ));
+    }
     if let Some(u) = &b.url {
         check_url(u)?;
     }
@@ -164,6 +177,7 @@ pub(super) async fn register(
         replay: b.replay,
         role,
         bootstrap_port: b.bootstrap_port,
+        api_key: b.api_key.filter(|k| !k.is_empty()),
     })?;
     let Some(info) = hub
         .workers()

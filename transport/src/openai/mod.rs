@@ -10,6 +10,7 @@
 pub mod disagg;
 pub mod errors;
 pub mod fallback;
+pub mod headers;
 pub mod prompt;
 pub mod proxy;
 mod relay;

@@ -19,6 +19,7 @@
 
 use super::disagg::{self, DisaggConfig};
 use super::errors::{OpenAiError, openai_error};
+use super::headers::{Forwarded, X_REQUEST_ID};
 use super::prompt::{PromptSource, prompt_token_ids};
 use super::relay::{Active, Relay};
 use super::tokenize::PromptTokenizer;
@@ -88,12 +89,26 @@ pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
         .with_state(state)
 }
 
-async fn chat(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
-    forward(p, "/v1/chat/completions", PromptSource::Chat, body).await
+async fn chat(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(
+        p,
+        "/v1/chat/completions",
+        PromptSource::Chat,
+        &headers,
+        body,
+    )
+    .await
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, body: Bytes) -> Response {
-    forward(p, "/v1/completions", PromptSource::Completion, body).await
+async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(
+        p,
+        "/v1/completions",
+        PromptSource::Completion,
+        &headers,
+        body,
+    )
+    .await
 }
 
 /// The models of the first healthy worker that answers (they serve the same model).
@@ -166,15 +181,16 @@ pub(crate) async fn send(
     key: WorkerKey,
     path: &str,
     body: &Bytes,
+    fwd: &Forwarded,
 ) -> Result<hyper::Response<Incoming>, String> {
     let url = p
         .hub
         .worker_url(key.worker)
         .ok_or_else(|| format!("worker {} has no url", key.worker))?;
-    let req = hyper::Request::post(format!("{}{path}", url.trim_end_matches('/')))
-        .header(header::CONTENT_TYPE, "application/json")
+    let mut req = hyper::Request::post(format!("{}{path}", url.trim_end_matches('/')))
         .body(Full::new(body.clone()))
         .map_err(|e| e.to_string())?;
+    *req.headers_mut() = fwd.for_worker(p.hub.worker_api_key(key.worker).as_deref());
     let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
@@ -185,7 +201,28 @@ pub(crate) async fn send(
     Ok(resp)
 }
 
-async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -> Response {
+async fn forward(
+    p: Arc<Proxy>,
+    path: &str,
+    source: PromptSource,
+    client: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let fwd = Forwarded::from_client(client);
+    let mut resp = forward_with(p, path, source, &fwd, body).await;
+    // Every answer names the request, errors included.
+    resp.headers_mut()
+        .insert(X_REQUEST_ID.clone(), fwd.request_id().clone());
+    resp
+}
+
+async fn forward_with(
+    p: Arc<Proxy>,
+    path: &str,
+    source: PromptSource,
+    fwd: &Forwarded,
+    body: Bytes,
+) -> Response {
     let tokens = match prompt_token_ids(&body, source, p.cfg.tokenizer.as_deref()) {
         Ok(t) => t,
         Err(e) => {
@@ -196,36 +233,48 @@ async fn forward(p: Arc<Proxy>, path: &str, source: PromptSource, body: Bytes) -
         }
     };
     if disagg::applies(&p.hub) {
-        return disagg::forward(&p, path, &body, &tokens).await;
+        return disagg::forward(&p, path, &body, &tokens, fwd).await;
     }
     let routed = match route(&p.hub, &tokens, RouteOverrides::default()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     let active = Active::new(p.hub.clone(), routed.request_id.clone());
-    send_or_retry(&p, path, &body, &tokens, &routed, active, Pool::Whole).await
+    let out = Outgoing {
+        path,
+        body: &body,
+        fwd,
+    };
+    send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
 }
 
 /// Forwards `body` to the worker `routed` chose (its request tracked by `active`); if that
 /// worker fails before answering, frees the request and tries [`retry_elsewhere`].
 pub(crate) async fn send_or_retry(
     p: &Proxy,
-    path: &str,
-    body: &Bytes,
+    out: Outgoing<'_>,
     tokens: &[u32],
     routed: &Routed,
     mut active: Active,
     pool: Pool,
 ) -> Response {
     let first = routed.decision.worker;
-    match send(p, first, path, body).await {
+    match send(p, first, out.path, out.body, out.fwd).await {
         Ok(resp) => respond(resp, active, first, None, None),
         Err(e) => {
             tracing::warn!(worker = %first.worker, "forwarding failed, retrying once: {e}");
             active.finish();
-            retry_elsewhere(p, path, body, tokens, routed, pool, &e).await
+            retry_elsewhere(p, out, tokens, routed, pool, &e).await
         }
     }
+}
+
+/// What one client request sends to a worker: the path, the body and the headers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Outgoing<'a> {
+    pub path: &'a str,
+    pub body: &'a Bytes,
+    pub fwd: &'a Forwarded,
 }
 
 /// The whole request once more, on the next-best candidate (in `pool`) of `routed`'s
@@ -233,8 +282,7 @@ pub(crate) async fn send_or_retry(
 /// client's 502.
 pub(crate) async fn retry_elsewhere(
     p: &Proxy,
-    path: &str,
-    body: &Bytes,
+    out: Outgoing<'_>,
     tokens: &[u32],
     routed: &Routed,
     pool: Pool,
@@ -256,7 +304,7 @@ pub(crate) async fn retry_elsewhere(
         Err(e) => return e.into_response(),
     };
     let active = Active::new(p.hub.clone(), retry.request_id.clone());
-    match send(p, next, path, body).await {
+    match send(p, next, out.path, out.body, out.fwd).await {
         Ok(resp) => respond(resp, active, next, None, None),
         Err(e) => gateway(format!(
             "workers {} and {} failed: {first_error}; {e}",

@@ -15,8 +15,9 @@
 use super::SGLANG_BOOTSTRAP_PORT;
 use super::handoff::{Body, Handoff, Pair};
 use crate::openai::errors::{OpenAiError, openai_error};
+use crate::openai::headers::Forwarded;
 use crate::openai::proxy::{
-    Proxy, respond, retry_elsewhere, route, runner_up, send, send_or_retry,
+    Outgoing, Proxy, respond, retry_elsewhere, route, runner_up, send, send_or_retry,
 };
 use crate::openai::relay::Active;
 use crate::openai::sse::whole_answer_as_sse;
@@ -65,8 +66,15 @@ enum Failure {
 }
 
 /// Serves one client request over a prefill and a decode worker.
-pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[u32]) -> Response {
+pub(crate) async fn forward(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: &Bytes,
+    tokens: &[u32],
+    fwd: &Forwarded,
+) -> Response {
     let hub = &p.hub;
+    let out = Outgoing { path, body, fwd };
     let client: Body = match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => m,
         _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
@@ -104,7 +112,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
     if !split.remote {
         drop(p_active);
         metrics.disagg_local.fetch_add(1, Relaxed);
-        return send_or_retry(p, path, body, tokens, &decode, d_active, Pool::Decode).await;
+        return send_or_retry(p, out, tokens, &decode, d_active, Pool::Decode).await;
     }
     metrics.disagg_remote.fetch_add(1, Relaxed);
     let handoff = p.cfg.disagg.protocol.handoff();
@@ -118,6 +126,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
             pair: pair(p, p_key, &routed.request_id, attempt),
             p_key,
             d_key,
+            fwd,
         };
         let outcome = if handoff.concurrent() {
             concurrent(p, &halves).await
@@ -142,7 +151,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
                 tracing::warn!(worker = %d_key.worker, "decode half failed: {e}");
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 d_active.finish();
-                return retry_elsewhere(p, path, body, tokens, &decode, Pool::Decode, &e).await;
+                return retry_elsewhere(p, out, tokens, &decode, Pool::Decode, &e).await;
             }
             Err(Failure::Prefill(e)) => {
                 tracing::warn!(worker = %p_key.worker, attempt, "prefill half failed: {e}");
@@ -158,7 +167,7 @@ pub(crate) async fn forward(p: &Arc<Proxy>, path: &str, body: &Bytes, tokens: &[
         }
     }
     // No prefill worker could serve: prefill on the decode worker.
-    send_or_retry(p, path, body, tokens, &decode, d_active, Pool::Decode).await
+    send_or_retry(p, out, tokens, &decode, d_active, Pool::Decode).await
 }
 
 /// Where the two halves meet: the prefill worker's host and bootstrap port, and a fresh room.
@@ -197,8 +206,9 @@ async fn prefill_answer(
     key: WorkerKey,
     path: &str,
     body: &Body,
+    fwd: &Forwarded,
 ) -> Result<Value, Failure> {
-    let resp = send(p, key, path, &to_bytes(body))
+    let resp = send(p, key, path, &to_bytes(body), fwd)
         .await
         .map_err(Failure::Prefill)?;
     let status = resp.status();
@@ -228,11 +238,14 @@ struct Attempt<'a> {
     pair: Pair,
     p_key: WorkerKey,
     d_key: WorkerKey,
+    /// What the client's request carries to both workers.
+    fwd: &'a Forwarded,
 }
 
 async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
     let (client, handoff) = (a.client, a.handoff);
-    let answer = prefill_answer(p, a.p_key, a.path, &handoff.prefill_body(client, &a.pair)).await?;
+    let prefill_body = handoff.prefill_body(client, &a.pair);
+    let answer = prefill_answer(p, a.p_key, a.path, &prefill_body, a.fwd).await?;
     if handoff.finished_in_prefill(&answer) {
         let stream = (client.get("stream").and_then(Value::as_bool) == Some(true)).then(|| {
             client
@@ -246,7 +259,7 @@ async fn sequential(p: &Proxy, a: &Attempt<'_>) -> Result<Started, Failure> {
     let body = handoff
         .decode_body(client, &a.pair, Some(&answer))
         .map_err(Failure::Prefill)?;
-    let resp = send(p, a.d_key, a.path, &to_bytes(&body))
+    let resp = send(p, a.d_key, a.path, &to_bytes(&body), a.fwd)
         .await
         .map_err(Failure::Decode)?;
     Ok((resp, cached_tokens(&answer)))
@@ -259,12 +272,13 @@ async fn concurrent(p: &Arc<Proxy>, a: &Attempt<'_>) -> Result<Started, Failure>
             .decode_body(client, &a.pair, None)
             .map_err(Failure::Prefill)?,
     );
-    let (pp, d_path, d_key) = (p.clone(), a.path.to_owned(), a.d_key);
+    let (pp, d_path, d_key, d_fwd) = (p.clone(), a.path.to_owned(), a.d_key, a.fwd.clone());
     // Aborting the task drops the decode request: the decode worker sees its client go.
     let mut decode = AbortOnDrop(tokio::spawn(async move {
-        send(&pp, d_key, &d_path, &d_body).await
+        send(&pp, d_key, &d_path, &d_body, &d_fwd).await
     }));
-    let answer = prefill_answer(p, a.p_key, a.path, &handoff.prefill_body(client, &a.pair)).await?;
+    let prefill_body = handoff.prefill_body(client, &a.pair);
+    let answer = prefill_answer(p, a.p_key, a.path, &prefill_body, a.fwd).await?;
     let resp = match (&mut decode.0).await {
         Ok(r) => r.map_err(Failure::Decode)?,
         Err(e) => return Err(Failure::Decode(e.to_string())),
