@@ -257,7 +257,8 @@ def test_duplicate_request_id_is_409(client: Client, wid: int) -> None:
     err = e.value
     assert err.status == 409 and err.code == "duplicate_request"
     assert err.message == f'request "{rid}" is already active'
-    assert err.body == {"error": {"code": "duplicate_request", "message": err.message}}
+    assert err.body == {"error": {"code": "duplicate_request", "message": err.message,
+                                  "type": "invalid_request_error", "param": None}}
     assert "409" in str(err) and rid in str(err)
     client.free(rid)
     # Once freed, the id may be used again.

@@ -1,4 +1,8 @@
-//! The HTTP edge's error responses: `{"error": {"code": "<snake_case>", "message": "..."}}`.
+//! The HTTP edge's error responses, in OpenAI's shape so that one client library reads
+//! every error of the process: `{"error": {"message": "...", "type": "...", "param": null,
+//! "code": "<snake_case>"}}`. `code` is ours and stable; `type` is OpenAI's class of the
+//! status (`invalid_request_error`, `authentication_error`, `permission_error`,
+//! `not_found_error`, `rate_limit_error`, `service_unavailable`, `server_error`).
 //!
 //! Status codes: 400 for any bad input (syntax, schema or value), 404 for an unknown worker,
 //! request or path, 405 for a wrong method, 409 for a duplicate request id, 413 for a body
@@ -42,8 +46,11 @@ struct Envelope<'a> {
 
 #[derive(Serialize)]
 struct Body<'a> {
-    code: &'a str,
     message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    param: Option<&'a str>,
+    code: &'a str,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     rejected_reasons: &'a [RejectedEvent],
 }
@@ -172,13 +179,16 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::to_vec(&Envelope {
             error: Body {
-                code: self.code,
                 message: &self.message,
+                kind: kind_of(self.status),
+                param: None,
+                code: self.code,
                 rejected_reasons: &self.rejected_reasons,
             },
         })
         .unwrap_or_else(|_| {
-            br#"{"error":{"code":"internal","message":"unserializable error"}}"#.to_vec()
+            br#"{"error":{"message":"unserializable error","type":"server_error","param":null,"code":"internal"}}"#
+                .to_vec()
         });
         let mut r = (self.status, body).into_response();
         r.headers_mut().insert(
@@ -186,6 +196,19 @@ impl IntoResponse for ApiError {
             HeaderValue::from_static("application/json"),
         );
         r
+    }
+}
+
+/// OpenAI's error `type` for `status`.
+pub fn kind_of(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::FORBIDDEN => "permission_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        StatusCode::SERVICE_UNAVAILABLE => "service_unavailable",
+        s if s.is_client_error() => "invalid_request_error",
+        _ => "server_error",
     }
 }
 

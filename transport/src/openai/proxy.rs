@@ -27,6 +27,7 @@ use super::usage::UsagePatch;
 use crate::hub::{Hub, RouteCall, Routed};
 use axum::Router;
 use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -85,30 +86,71 @@ pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .method_not_allowed_fallback(|| async {
+            openai_error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "this endpoint does not take that method",
+            )
+        })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
-async fn chat(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
-    forward(
-        p,
-        "/v1/chat/completions",
-        PromptSource::Chat,
-        &headers,
-        body,
-    )
-    .await
+type BodyResult = Result<Bytes, BytesRejection>;
+
+async fn chat(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: BodyResult) -> Response {
+    match body {
+        Ok(body) => {
+            forward(
+                p,
+                "/v1/chat/completions",
+                PromptSource::Chat,
+                &headers,
+                body,
+            )
+            .await
+        }
+        Err(e) => unreadable(&p, e),
+    }
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: Bytes) -> Response {
-    forward(
-        p,
-        "/v1/completions",
-        PromptSource::Completion,
-        &headers,
-        body,
-    )
-    .await
+async fn completions(
+    State(p): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: BodyResult,
+) -> Response {
+    match body {
+        Ok(body) => {
+            forward(
+                p,
+                "/v1/completions",
+                PromptSource::Completion,
+                &headers,
+                body,
+            )
+            .await
+        }
+        Err(e) => unreadable(&p, e),
+    }
+}
+
+/// A body that could not be read (over the limit: 413), as an OpenAI error.
+fn unreadable(p: &Proxy, e: BytesRejection) -> Response {
+    let status = e.status();
+    let message = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => format!(
+            "request body exceeds the limit of {} bytes",
+            p.cfg.max_body_bytes
+        ),
+        _ => e.body_text(),
+    };
+    let reason = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => crate::DropReason::Oversized,
+        _ => crate::DropReason::Other,
+    };
+    p.hub.metrics().drop_input(reason, 1, &message);
+    openai_error(status, "invalid_request_error", &message)
 }
 
 /// The models of the first healthy worker that answers (they serve the same model).

@@ -1,0 +1,110 @@
+//! Every error of the process comes in OpenAI's shape (`{"error": {"message", "type",
+//! "param", "code"}}`), on the OpenAI paths and the edge's own: unknown paths (404), wrong
+//! methods (405), bodies over the limit (413), bad JSON (400).
+
+mod common;
+
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use transport::http::{HttpConfig, router, serve_http};
+use transport::openai::proxy::{ProxyConfig, openai_router};
+
+const LIMIT: usize = 1024;
+
+async fn front_door() -> (String, tokio::sync::oneshot::Sender<()>) {
+    let (hub, runtime) = common::hub(1);
+    std::mem::forget(runtime);
+    let http = HttpConfig {
+        max_body_bytes: LIMIT,
+        ..HttpConfig::default()
+    };
+    let proxy = ProxyConfig {
+        max_body_bytes: LIMIT,
+        ..ProxyConfig::default()
+    };
+    let app = router(hub.clone(), http).merge(openai_router(hub, proxy));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let _ = serve_http(listener, app, async {
+            let _ = rx.await;
+        })
+        .await;
+    });
+    (addr, tx)
+}
+
+/// A raw request; returns (status, parsed body).
+async fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, Value) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
+    let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    (status, v)
+}
+
+fn assert_openai_shape(v: &Value, kind: &str) {
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert_eq!(e["type"], kind, "{v}");
+    assert!(e.get("param").is_some(), "no param in {v}");
+    assert!(e.get("code").is_some(), "no code in {v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_openai_shaped_everywhere() {
+    let (addr, _stop) = front_door().await;
+    let (s, v) = request(&addr, "GET", "/v1/no-such-path", "").await;
+    assert_eq!(s, 404);
+    assert_openai_shape(&v, "not_found_error");
+    assert_eq!(v["error"]["code"], "not_found");
+
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let (s, v) = request(&addr, "GET", path, "").await;
+        assert_eq!(s, 405, "{path}: {v}");
+        assert_openai_shape(&v, "invalid_request_error");
+
+        let big = format!(r#"{{"model": "m", "prompt": "{}"}}"#, "x".repeat(2 * LIMIT));
+        let (s, v) = request(&addr, "POST", path, &big).await;
+        assert_eq!(s, 413, "{path}: {v}");
+        assert_openai_shape(&v, "invalid_request_error");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&LIMIT.to_string()),
+            "{v}"
+        );
+    }
+    let (s, v) = request(&addr, "GET", "/v1/models", "").await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = request(&addr, "DELETE", "/v1/models", "").await;
+    assert_eq!(s, 405, "{v}");
+    assert_openai_shape(&v, "invalid_request_error");
+
+    // The edge's own endpoints: the same shape, with their stable codes.
+    let (s, v) = request(&addr, "POST", "/v1/route", "{not json").await;
+    assert_eq!(s, 400);
+    assert_openai_shape(&v, "invalid_request_error");
+    assert_eq!(v["error"]["code"], "malformed_json");
+    let (s, v) = request(&addr, "GET", "/v1/route", "").await;
+    assert_eq!(s, 405);
+    assert_openai_shape(&v, "invalid_request_error");
+    let (s, v) = request(&addr, "POST", "/v1/route", r#"{"token_ids": [1]}"#).await;
+    assert_eq!(s, 503, "no workers: {v}");
+    assert_openai_shape(&v, "service_unavailable");
+    let big = format!(r#"{{"token_ids": [{}]}}"#, "1,".repeat(LIMIT) + "1");
+    let (s, v) = request(&addr, "POST", "/v1/route", &big).await;
+    assert_eq!(s, 413, "{v}");
+    assert_openai_shape(&v, "invalid_request_error");
+}
