@@ -93,6 +93,10 @@ pub struct Metrics {
     pub resyncs: AtomicU64,
     /// Publisher restarts detected (live seq went backwards).
     pub restarts: AtomicU64,
+    /// Worker metrics pages read (load scraped from `{url}/metrics`).
+    pub load_scrapes: AtomicU64,
+    /// Worker metrics pages that could not be read (no page, bad status, timeout).
+    pub load_scrape_failures: AtomicU64,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -120,6 +124,8 @@ impl Default for Metrics {
             replayed_batches: AtomicU64::new(0),
             resyncs: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
+            load_scrapes: AtomicU64::new(0),
+            load_scrape_failures: AtomicU64::new(0),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),

@@ -12,8 +12,10 @@
 //! once per interval. `failures_to_down` consecutive failures (a non-2xx status, a refused
 //! connection or no answer within the timeout) take the worker out of routing
 //! ([`Hub::set_healthy`]`(false)`: its active requests are freed, its blocks stay indexed);
-//! the first success after that puts it back. Each round also refreshes the cached-block
-//! totals the scheduler breaks ties with.
+//! the first success after that puts it back. A healthy worker's `{url}/metrics` page is
+//! read in the same round and its ranks' load recorded ([`super::scrape`]), as if the
+//! worker had called `POST /v1/load`. Each round also refreshes the cached-block totals the
+//! scheduler breaks ties with.
 
 use super::AppState;
 use super::errors::json;
@@ -22,7 +24,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use bytes::Bytes;
-use engine::WorkerId;
+use engine::sched::WorkerLoad;
+use engine::{DpRank, WorkerId};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -30,6 +33,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 use tokio::task::JoinSet;
 
@@ -162,6 +166,54 @@ async fn check(client: HttpClient, url: String, timeout: Duration) -> Result<(),
     }
 }
 
+/// The largest metrics page read (vLLM's are tens of KiB).
+const MAX_METRICS_PAGE: usize = 4 << 20;
+
+/// Each rank's load from `{url}/metrics` (see [`super::scrape`]).
+async fn scrape(
+    client: HttpClient,
+    url: String,
+    timeout: Duration,
+) -> Result<Vec<(DpRank, WorkerLoad)>, String> {
+    let target = format!("{}/metrics", url.trim_end_matches('/'));
+    let uri: hyper::Uri = target
+        .parse()
+        .map_err(|e| format!("bad metrics URL {target:?}: {e}"))?;
+    let attempt = async {
+        let resp = client.get(uri).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_METRICS_PAGE)
+            .collect()
+            .await
+            .map_err(|e| format!("reading the page: {e}"))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!("status {status}"));
+        }
+        Ok(super::scrape::parse_loads(&String::from_utf8_lossy(&body)))
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}
+
+/// Records the loads a worker's page showed, for the ranks it is known to have (a page
+/// naming other ranks adds none: ranks come from registration and events).
+fn record_loads(hub: &Hub, worker: WorkerId, known: &[DpRank], loads: Vec<(DpRank, WorkerLoad)>) {
+    for (rank, load) in loads {
+        if known.contains(&rank) || (known.is_empty() && rank == DpRank(0)) {
+            let key = engine::WorkerKey {
+                worker,
+                dp_rank: rank,
+            };
+            if let Err(e) = hub.update_load(key, load) {
+                tracing::debug!(worker = worker.0, "scraped load refused: {e}");
+            }
+        }
+    }
+}
+
 /// Health-checks every worker with a `url` each `interval` (see the module docs). Runs
 /// until the task is aborted or dropped.
 pub async fn health_loop(
@@ -184,7 +236,15 @@ pub async fn health_loop(
         for w in &workers {
             if let Some(url) = &w.registration.url {
                 let (client, url, id) = (client.clone(), url.clone(), w.registration.worker);
-                checks.spawn(async move { (id, check(client, url, timeout).await) });
+                checks.spawn(async move {
+                    let health = check(client.clone(), url.clone(), timeout).await;
+                    // A healthy worker's own metrics page says how loaded it is.
+                    let loads = match health {
+                        Ok(()) => Some(scrape(client, url, timeout).await),
+                        Err(_) => None,
+                    };
+                    (id, health, loads)
+                });
             }
         }
         let healthy: HashMap<WorkerId, bool> = workers
@@ -192,8 +252,26 @@ pub async fn health_loop(
             .map(|w| (w.registration.worker, w.healthy))
             .collect();
         failures.retain(|id, _| healthy.contains_key(id));
+        let ranks: HashMap<WorkerId, Vec<DpRank>> = workers
+            .iter()
+            .map(|w| (w.registration.worker, w.registration.dp_ranks.clone()))
+            .collect();
         while let Some(done) = checks.join_next().await {
-            let Ok((id, result)) = done else { continue };
+            let Ok((id, result, loads)) = done else {
+                continue;
+            };
+            match loads {
+                Some(Ok(loads)) => {
+                    hub.metrics().load_scrapes.fetch_add(1, Relaxed);
+                    let known = ranks.get(&id).map(Vec::as_slice).unwrap_or_default();
+                    record_loads(&hub, id, known, loads);
+                }
+                Some(Err(why)) => {
+                    hub.metrics().load_scrape_failures.fetch_add(1, Relaxed);
+                    tracing::debug!(worker = id.0, "metrics scrape failed: {why}");
+                }
+                None => {}
+            }
             let was_healthy = healthy.get(&id).copied().unwrap_or(true);
             match result {
                 Ok(()) => {

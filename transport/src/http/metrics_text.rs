@@ -192,6 +192,16 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
         counter(m.resyncs.load(Relaxed)),
     );
     reg.register(
+        "kvengine_worker_load_scrapes",
+        "Worker /metrics pages read for their load",
+        counter(m.load_scrapes.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_worker_load_scrape_failures",
+        "Worker /metrics pages that could not be read",
+        counter(m.load_scrape_failures.load(Relaxed)),
+    );
+    reg.register(
         "kvengine_publisher_restarts",
         "Event publisher restarts detected",
         counter(m.restarts.load(Relaxed)),

@@ -19,6 +19,7 @@ pub mod health;
 pub mod metrics_text;
 pub mod prompt;
 mod routing;
+pub mod scrape;
 mod workers;
 
 use crate::error::{DropReason, TransportError};
