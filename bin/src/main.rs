@@ -15,6 +15,7 @@
 mod bench;
 mod demo;
 mod disagg_args;
+mod logging;
 mod publish;
 mod serve;
 mod sim;

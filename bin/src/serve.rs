@@ -124,6 +124,10 @@ pub struct ServeArgs {
     /// Accept native (QUIC + rkyv) publishers on this address; needs --ingest-token.
     #[arg(long, env = "KVENGINE_QUIC")]
     pub quic: Option<SocketAddr>,
+    /// Log lines as `text` or `json` (one object per line). The level filter is
+    /// `KVENGINE_LOG`, else `RUST_LOG` (e.g. `info,transport=debug`), else `info`.
+    #[arg(long, env = "KVENGINE_LOG_FORMAT", value_enum, default_value_t = crate::logging::LogFormat::Text)]
+    pub log_format: crate::logging::LogFormat,
     /// The token QUIC publishers must present.
     #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
     pub ingest_token: Option<String>,
@@ -203,18 +207,8 @@ impl ServeArgs {
     }
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVENGINE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
-}
-
 pub fn run(args: &ServeArgs) -> Result<()> {
-    init_logging();
+    crate::logging::init("info", args.log_format);
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores = args.cores.map_or(available, usize::from);
     let scheduler = args.scheduler()?;

@@ -205,18 +205,8 @@ impl SimArgs {
     }
 }
 
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVENGINE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
-}
-
 pub fn run(args: &SimArgs) -> Result<()> {
-    init_logging();
+    crate::logging::init("warn", crate::logging::LogFormat::Text);
     let base = args.worker_config()?;
     let tokenizer = match &args.tokenizer {
         Some(path) => Some(Arc::new(

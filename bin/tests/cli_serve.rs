@@ -127,3 +127,72 @@ fn bad_cores_exit_non_zero() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--cores"));
 }
+
+/// `--log-format json` writes one JSON object per stderr line, and `RUST_LOG` sets the
+/// filter when `KVENGINE_LOG` is absent: here only `sim::server`'s lines pass, so the
+/// subscription line the router logs at the same level (`transport::zmq`) must not appear.
+#[test]
+fn json_logs_and_rust_log_are_honoured() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args([
+            "--log-format",
+            "json",
+            "--sim-workers",
+            "1",
+            "--cores",
+            "1",
+            "--no-pin",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+        ])
+        .env_remove("KVENGINE_LOG")
+        .env("RUST_LOG", "off,sim::server=info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let err = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
+        s
+    });
+    let mut text = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "exited early: {text}"
+        );
+        text.push_str(&line);
+        if line.contains("Ctrl-C stops") {
+            break;
+        }
+    }
+    // Give the subscription time to log, were it allowed to.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    std::io::Read::read_to_string(&mut out, &mut text).unwrap();
+    assert!(child.wait().unwrap().success(), "{text}");
+    let logs = stderr.join().unwrap();
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines.iter().any(|v| v["target"] == "sim::server"
+            && v["level"] == "INFO"
+            && v["fields"]["message"] == "simulated worker up"),
+        "{logs}"
+    );
+    assert!(
+        lines.iter().all(|v| v["target"] == "sim::server"),
+        "RUST_LOG let other targets through: {logs}"
+    );
+}
