@@ -115,6 +115,11 @@ pub struct ServeArgs {
     /// Active requests not finished after this many seconds are dropped from the load.
     #[arg(long, env = "KVENGINE_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
     pub request_timeout_secs: u64,
+    /// The most active (routed, not freed) requests one worker rank may carry; with every
+    /// rank at it, routing answers 429 with Retry-After. 0: no limit.
+    #[arg(long, env = "KVENGINE_MAX_ACTIVE_REQUESTS_PER_WORKER",
+          default_value_t = engine::sched::config::DEFAULT_MAX_ACTIVE_PER_KEY)]
+    pub max_active_requests_per_worker: u64,
 
     /// Subscribe to a worker's KV events: `ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`
     /// (repeatable; the env var takes a `;`-separated list).
@@ -198,6 +203,8 @@ impl ServeArgs {
             },
             request_timeout: Duration::from_secs(self.request_timeout_secs),
             seed: 0,
+            max_active_per_key: (self.max_active_requests_per_worker > 0)
+                .then_some(self.max_active_requests_per_worker),
         };
         config.validate().context(
             "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight or \

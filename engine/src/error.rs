@@ -61,6 +61,13 @@ pub enum EngineError {
     /// A request id that is already active.
     #[error("request {0} is already active")]
     DuplicateRequest(crate::ids::RequestId),
+    /// Every candidate worker key already carries the most active requests allowed
+    /// ([`crate::sched::SchedulerConfig::max_active_per_key`]): try again shortly.
+    #[error("every worker is at its limit of {limit} active requests")]
+    AtCapacity {
+        /// The limit.
+        limit: u64,
+    },
     /// The worker key space of one index is exhausted.
     #[error("too many worker keys")]
     TooManyWorkers,

@@ -473,3 +473,59 @@ fn no_workers_duplicates_and_unregistered_matches() {
         Err(EngineError::UnknownWorker { .. })
     ));
 }
+
+#[test]
+fn keys_at_their_active_limit_are_no_candidates_and_all_full_is_at_capacity() {
+    let now = Instant::now();
+    let (a, b) = (key(1, 0), key(2, 0));
+    let mut s = scheduler(
+        SchedulerConfig {
+            max_active_per_key: Some(2),
+            ..Default::default()
+        },
+        &[a, b],
+    );
+    let blocks = hs(&[1, 2, 3]);
+    // A holds the prompt, so kv mode prefers it until it is full.
+    let m = matches(&[(a, 3)]);
+    let chosen: Vec<WorkerKey> = (0..4)
+        .map(|i| {
+            s.route(now, &req(i, &blocks, 48), &m, |_| 0)
+                .unwrap()
+                .worker
+        })
+        .collect();
+    assert_eq!(chosen, vec![a, a, b, b]);
+    // Full everywhere: refused, nothing recorded.
+    assert_eq!(
+        s.route(now, &req(9, &blocks, 48), &m, |_| 0),
+        Err(EngineError::AtCapacity { limit: 2 })
+    );
+    assert_eq!(s.active_requests(), 4);
+    // Direct mode names a worker, but its limit holds too.
+    let direct = RouteOverrides {
+        worker: Some(WorkerId(1)),
+        ..Default::default()
+    };
+    assert_eq!(
+        s.route(now, &with(req(10, &blocks, 48), direct), &m, |_| 0),
+        Err(EngineError::AtCapacity { limit: 2 })
+    );
+    // A freed request makes room on its key.
+    s.free(RequestId(0)).unwrap();
+    let d = s.route(now, &req(11, &blocks, 48), &m, |_| 0).unwrap();
+    assert_eq!(d.worker, a);
+    // No limit: no refusal.
+    let mut unlimited = scheduler(
+        SchedulerConfig {
+            max_active_per_key: None,
+            ..Default::default()
+        },
+        &[a],
+    );
+    for i in 0..10 {
+        unlimited
+            .route(now, &req(i, &blocks, 48), &m, |_| 0)
+            .unwrap();
+    }
+}

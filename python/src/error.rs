@@ -15,7 +15,7 @@ pyo3::create_exception!(
     KvEngineError,
     PyRuntimeError,
     "The engine could not serve the call: it stopped, did not answer before its deadline, \
-     or no registered worker can take the request."
+     no registered worker can take the request, or every one is at its active-request limit."
 );
 
 /// The Python exception for a transport (or hub) error.
@@ -47,7 +47,8 @@ pub(crate) fn from_engine(e: EngineError) -> PyErr {
         EngineError::RuntimeStopped
         | EngineError::Timeout { .. }
         | EngineError::NoWorkers
-        | EngineError::NoWorkersInPool { .. } => KvEngineError::new_err(msg),
+        | EngineError::NoWorkersInPool { .. }
+        | EngineError::AtCapacity { .. } => KvEngineError::new_err(msg),
         EngineError::UnknownWorker { .. } => PyKeyError::new_err(msg),
         _ => PyValueError::new_err(msg),
     }

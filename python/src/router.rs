@@ -204,7 +204,7 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 12] = [
+const SETTINGS: [&str; 13] = [
     "router_mode",
     "kv_cache_block_size",
     "router_temperature",
@@ -213,6 +213,7 @@ const SETTINGS: [&str; 12] = [
     "busy_threshold",
     "busy_max_waiting",
     "request_timeout_secs",
+    "max_active_requests_per_worker",
     "cores",
     "ring_capacity",
     "engine_timeout_ms",
@@ -257,6 +258,10 @@ fn settings_from(
                 "busy_max_waiting" => busy.max_waiting = v.extract().map_err(bad)?,
                 "request_timeout_secs" => {
                     s.scheduler.request_timeout = Duration::from_secs(v.extract().map_err(bad)?)
+                }
+                "max_active_requests_per_worker" => {
+                    let n: u64 = v.extract().map_err(bad)?;
+                    s.scheduler.max_active_per_key = (n > 0).then_some(n);
                 }
                 "cores" => s.cores = v.extract().map_err(bad)?,
                 "ring_capacity" => s.ring_capacity = v.extract().map_err(bad)?,

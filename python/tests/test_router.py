@@ -192,3 +192,15 @@ def test_decision_to_dict_has_the_http_shape():
     assert d["request_id"] == "q" and d["worker_id"] == 1 and d["mode"] == "kv"
     assert set(d["candidates"][0]) == {
         "worker_id", "dp_rank", "overlap_blocks", "prefill_blocks", "decode_blocks", "logit"}
+
+
+def test_workers_at_their_active_limit_refuse_until_freed():
+    r = kvengine.KvRouter(kv_cache_block_size=BS, max_active_requests_per_worker=2)
+    r.add_worker(1)
+    r.route(tokens(1, 16), "a")
+    r.route(tokens(1, 16), "b")
+    with pytest.raises(kvengine.EngineError, match="limit of 2 active requests"):
+        r.route(tokens(1, 16), "c")
+    assert r.active_requests == 2
+    r.free("a")
+    assert r.route(tokens(1, 16), "c").worker_id == 1

@@ -108,3 +108,83 @@ async fn errors_are_openai_shaped_everywhere() {
     assert_eq!(s, 413, "{v}");
     assert_openai_shape(&v, "invalid_request_error");
 }
+
+/// With every worker at its active-request limit, routing answers 429 with Retry-After, on
+/// the edge's `/v1/route` and on the OpenAI paths alike; freeing a request makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_workers_answer_429_with_retry_after() {
+    use engine::runtime::RuntimeConfig;
+    use engine::sched::SchedulerConfig;
+    use engine::sharding::choice::Sharding;
+    use std::sync::Arc;
+    use transport::hub::{HubConfig, Registration, start_engine};
+
+    let config = HubConfig {
+        scheduler: SchedulerConfig {
+            max_active_per_key: Some(1),
+            ..SchedulerConfig::default()
+        },
+    };
+    let engine = RuntimeConfig {
+        pin_cores: false,
+        ..RuntimeConfig::default()
+    };
+    let (hub, runtime) = start_engine(config, Sharding::adaptive(1).unwrap(), engine).unwrap();
+    std::mem::forget(runtime);
+    let hub = Arc::new(hub);
+    hub.register(Registration::new(engine::WorkerId(1)))
+        .unwrap();
+    let app = router(hub.clone(), HttpConfig::default())
+        .merge(openai_router(hub.clone(), ProxyConfig::default()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let _ = serve_http(listener, app, std::future::pending()).await;
+    });
+
+    let (s, v) = request(
+        &addr,
+        "POST",
+        "/v1/route",
+        r#"{"token_ids": [1], "request_id": "a"}"#,
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let head = raw_head(&addr, "POST", "/v1/route", r#"{"token_ids": [1]}"#).await;
+    assert!(head.starts_with("http/1.1 429"), "{head}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    let (s, v) = request(&addr, "POST", "/v1/route", r#"{"token_ids": [1]}"#).await;
+    assert_eq!(s, 429);
+    assert_openai_shape(&v, "rate_limit_error");
+    assert_eq!(v["error"]["code"], "at_capacity");
+    let (s, v) = request(
+        &addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model": "m", "prompt": [1, 2], "max_tokens": 1}"#,
+    )
+    .await;
+    assert_eq!(s, 429, "{v}");
+    assert_openai_shape(&v, "rate_limit_error");
+    assert_eq!(hub.active_requests(), 1, "refusals record nothing");
+    let (s, _) = request(&addr, "DELETE", "/v1/requests/a", "").await;
+    assert_eq!(s, 200);
+    let (s, v) = request(&addr, "POST", "/v1/route", r#"{"token_ids": [1]}"#).await;
+    assert_eq!(s, 200, "{v}");
+}
+
+/// A raw request; returns the lowercased response head.
+async fn raw_head(addr: &str, method: &str, path: &str, body: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp).to_ascii_lowercase();
+    text.split_once("\r\n\r\n")
+        .map(|x| x.0.to_owned())
+        .unwrap_or(text)
+}

@@ -33,6 +33,8 @@ pub(crate) struct Gathered {
     pub candidates: Vec<CandidateScore>,
     /// Keys of the scope skipped as busy.
     pub busy_skipped: usize,
+    /// Keys of the scope left out at their active-request limit.
+    pub full: usize,
 }
 
 /// What one call is scored against.
@@ -41,6 +43,8 @@ pub(crate) struct Context<'a> {
     pub workers: &'a WorkerTable,
     pub active: &'a ActiveRequests,
     pub busy: &'a BusyThresholds,
+    /// Keys with this many active requests are no candidates.
+    pub max_active: Option<u64>,
     pub matches: &'a Matches,
     pub blocks: &'a [SeqHash],
     pub cost: CostInputs,
@@ -80,8 +84,16 @@ impl CandidateScratch {
             .count_held(cx.blocks, &mut self.held, &mut self.touched);
 
         let mut candidates = Vec::with_capacity(if skip_busy { free } else { scope.len() });
+        let mut full = 0;
         for &(key, slot) in scope {
             if skip_busy && is_busy(slot) {
+                continue;
+            }
+            // A hard limit, unlike busy: a full key is never chosen.
+            if let Some(max) = cx.max_active
+                && cx.active.load(slot).active_requests >= max
+            {
+                full += 1;
                 continue;
             }
             let overlap = self.overlap.get(slot.idx()).copied().unwrap_or(0);
@@ -100,6 +112,7 @@ impl CandidateScratch {
         Gathered {
             candidates,
             busy_skipped: if skip_busy { scope.len() - free } else { 0 },
+            full,
         }
     }
 

@@ -146,7 +146,15 @@ pub struct SchedulerConfig {
     pub request_timeout: Duration,
     /// Seed of the scheduler's RNG (tie-breaking, sampling, random mode).
     pub seed: u64,
+    /// The most active requests one worker key may carry; a key at the limit is no
+    /// candidate, and a call finding every key there fails with `AtCapacity`. `None`: no
+    /// limit. The default keeps a runaway client (or requests never freed) from piling
+    /// work on a worker without bound.
+    pub max_active_per_key: Option<u64>,
 }
+
+/// The default [`SchedulerConfig::max_active_per_key`].
+pub const DEFAULT_MAX_ACTIVE_PER_KEY: u64 = 4096;
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
@@ -159,6 +167,7 @@ impl Default for SchedulerConfig {
             busy: BusyThresholds::default(),
             request_timeout: Duration::from_secs(300),
             seed: 0,
+            max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
         }
     }
 }

@@ -235,6 +235,7 @@ impl Scheduler {
                 workers,
                 active,
                 busy: &config.busy,
+                max_active: config.max_active_per_key,
                 matches,
                 blocks: request.blocks,
                 cost: CostInputs {
@@ -246,6 +247,12 @@ impl Scheduler {
             },
         );
         let candidates = gathered.candidates;
+        if candidates.is_empty()
+            && gathered.full > 0
+            && let Some(limit) = config.max_active_per_key
+        {
+            return Err(EngineError::AtCapacity { limit });
+        }
         let load = |key: WorkerKey| match workers.slot(key) {
             Some(slot) => KeyLoad {
                 active: active.load(slot),

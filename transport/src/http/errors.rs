@@ -113,6 +113,9 @@ impl From<EngineError> for ApiError {
             EngineError::DuplicateRequest(_) => {
                 Self::new(StatusCode::CONFLICT, "duplicate_request", message)
             }
+            EngineError::AtCapacity { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, "at_capacity", message)
+            }
             EngineError::TooManyWorkers => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_workers", message)
             }
@@ -195,9 +198,19 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // Active requests free within seconds; a client should not hammer meanwhile.
+            r.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
         r
     }
 }
+
+/// `Retry-After` of a 429 (every worker at its active-request limit).
+pub const RETRY_AFTER_SECS: &str = "1";
 
 /// OpenAI's error `type` for `status`.
 pub fn kind_of(status: StatusCode) -> &'static str {

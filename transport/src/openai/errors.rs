@@ -67,6 +67,9 @@ impl OpenAiError {
             | TransportError::UnknownWorker(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
             }
+            TransportError::Engine(EngineError::AtCapacity { .. }) => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error")
+            }
             TransportError::Engine(EngineError::InvalidArgument { .. })
             | TransportError::Invalid { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
@@ -83,7 +86,14 @@ impl OpenAiError {
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(crate::http::errors::RETRY_AFTER_SECS),
+            );
+        }
+        r
     }
 }
 
