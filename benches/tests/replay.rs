@@ -495,3 +495,27 @@ fn a_replay_with_a_dead_worker_completes_and_leaks_no_active_request() {
         cluster.shutdown().await.unwrap();
     });
 }
+
+#[test]
+fn the_description_warns_when_a_workers_cache_holds_the_whole_workload() {
+    let (workload, cfg) = small_chat(4, 12);
+    let distinct = workload.bound.distinct_blocks;
+    let roomy = ReplayConfig {
+        engine: EngineConfig {
+            kv_blocks: u32::try_from(distinct).unwrap(),
+            ..cfg.engine
+        },
+        ..cfg.clone()
+    };
+    let text = kvengine_benches::replay::describe(&workload, &roomy);
+    assert!(text.contains("holds the whole workload"), "{text}");
+    let tight = ReplayConfig {
+        engine: EngineConfig {
+            kv_blocks: u32::try_from(distinct / 2).unwrap(),
+            ..cfg.engine
+        },
+        ..cfg
+    };
+    let text = kvengine_benches::replay::describe(&workload, &tight);
+    assert!(!text.contains("holds the whole workload"), "{text}");
+}

@@ -436,6 +436,16 @@ pub fn describe(workload: &Workload, cfg: &ReplayConfig) -> String {
             d.workers(),
         ));
     }
+    if u64::from(cfg.engine.kv_blocks) >= b.distinct_blocks {
+        // Each worker can keep everything it is ever sent: after one miss per prompt every
+        // mode hits, and the comparison shows only warm-up, not routing.
+        s.push_str(&format!(
+            "\n  warning: each worker's cache ({} blocks) holds the whole workload ({} distinct \
+             blocks): nothing is ever evicted, so routing barely matters here (lower \
+             --kv-blocks, or raise --requests)",
+            cfg.engine.kv_blocks, b.distinct_blocks
+        ));
+    }
     let largest = workload.max_blocks(bs);
     if largest > u64::from(cfg.engine.kv_blocks) {
         s.push_str(&format!(
