@@ -155,7 +155,10 @@ pub struct ServeArgs {
     pub health_failures: u32,
     /// The model's tokenizer (a directory with `tokenizer.json` and `tokenizer_config.json`,
     /// or the `tokenizer.json` file): the OpenAI front door tokenizes prompts with it exactly
-    /// as the workers do. Without it, a built-in stand-in shared with `kvengine sim` is used.
+    /// as the workers do. `stand-in` names the built-in one-token-per-word stand-in shared
+    /// with `kvengine sim` (the default with simulated workers only); with real workers
+    /// (`--zmq-worker`) in kv mode it must be asked for by that name: a real model's blocks
+    /// would never match its ids, and kv routing would silently become load balancing.
     #[arg(long, env = "KVENGINE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
     /// Start this many simulated vLLM workers in this process, registered and subscribed,
@@ -214,6 +217,9 @@ impl ServeArgs {
     }
 }
 
+/// `--tokenizer stand-in`: the built-in stand-in, asked for by name.
+const STAND_IN: &str = "stand-in";
+
 pub fn run(args: &ServeArgs) -> Result<()> {
     crate::logging::init("info", args.log_format);
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -235,6 +241,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     if args.no_kv_events && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
+    }
+    if args.tokenizer.is_none()
+        && !args.zmq_workers.is_empty()
+        && scheduler.mode == engine::sched::RouteMode::Kv
+    {
+        bail!(
+            "real workers (--zmq-worker) and no --tokenizer: the OpenAI front door would \
+             tokenize prompts with the one-token-per-word stand-in, no block would ever match \
+             what the workers cache, and kv routing would become load balancing. Pass \
+             --tokenizer <the model's tokenizer directory or tokenizer.json>, or \
+             --tokenizer {STAND_IN} to use the stand-in anyway (when clients send token ids \
+             to /v1/route only)"
+        );
     }
     let (tx, rx) = tokio::sync::watch::channel(false);
     ctrlc::set_handler(move || {
@@ -557,6 +576,7 @@ async fn serve(
     }
 
     let tokenizer = match &args.tokenizer {
+        Some(path) if path.as_os_str() == STAND_IN => None,
         Some(path) => Some(Arc::new(
             PromptTokenizer::from_path(path).context("--tokenizer")?,
         )),

@@ -256,6 +256,11 @@ fn bad_flag_combinations_are_refused() {
         (vec!["--router-mode", "fastest"], "kv, round-robin"),
         (vec!["--router-temperature=-1"], "temperature"),
         (vec!["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer"),
+        // Real workers and no tokenizer: refused unless the stand-in is named.
+        (
+            vec!["--zmq-worker", "1=tcp://127.0.0.1:5557"],
+            "--tokenizer stand-in",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
             .args(["--http-port", "0"])
@@ -292,7 +297,14 @@ fn zmq_worker_flags_subscribe_to_every_rank_publisher() {
         .iter()
         .map(|p| format!("5={},replay={}", p.endpoint(), p.replay_endpoint().unwrap()))
         .collect();
-    let r = Router::start(&["--zmq-worker", &flags[0], "--zmq-worker", &flags[1]]);
+    let r = Router::start(&[
+        "--zmq-worker",
+        &flags[0],
+        "--zmq-worker",
+        &flags[1],
+        "--tokenizer",
+        "stand-in",
+    ]);
     assert_eq!(
         r.out.matches("subscribing to worker 5=").count(),
         2,
