@@ -15,6 +15,7 @@
 mod bench;
 mod demo;
 mod disagg_args;
+mod dyn_env;
 mod logging;
 mod publish;
 mod serve;
@@ -62,6 +63,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    dyn_env::apply();
     let cli = Cli::parse();
     let result = match cli.command {
         None => serve::run(&cli.serve),

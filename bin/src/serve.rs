@@ -96,14 +96,25 @@ pub struct ServeArgs {
     /// Softmax temperature over worker costs (0: always the cheapest).
     #[arg(long, env = "KVENGINE_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     pub router_temperature: f64,
-    /// Weight of prefill work against decode load in a worker's cost.
-    #[arg(long, env = "KVENGINE_KV_OVERLAP_SCORE_WEIGHT", default_value_t = 1.0)]
+    /// Weight of prefill work against decode load in a worker's cost (Dynamo's current
+    /// name, `--router-kv-overlap-score-weight`, is accepted too).
+    #[arg(
+        long,
+        alias = "router-kv-overlap-score-weight",
+        env = "KVENGINE_KV_OVERLAP_SCORE_WEIGHT",
+        default_value_t = 1.0
+    )]
     pub kv_overlap_score_weight: f64,
-    /// Route on the workers' KV events (the default).
-    #[arg(long, env = "KVENGINE_KV_EVENTS", overrides_with = "no_kv_events")]
-    pub kv_events: bool,
-    /// Workers publish no KV events: predict their caches from routing decisions.
-    #[arg(long, overrides_with = "kv_events")]
+    /// Route on the workers' KV events (the default; `--router-kv-events` too).
+    /// `KVENGINE_KV_EVENTS=false` (or `--kv-events=false`) is `--no-kv-events`.
+    #[arg(long, alias = "router-kv-events", env = "KVENGINE_KV_EVENTS",
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new(),
+          overrides_with = "no_kv_events")]
+    pub kv_events: Option<bool>,
+    /// Workers publish no KV events: predict their caches from routing decisions
+    /// (`--no-router-kv-events` too).
+    #[arg(long, alias = "no-router-kv-events", overrides_with = "kv_events")]
     pub no_kv_events: bool,
     /// A worker whose reported KV usage exceeds this fraction is skipped while others are
     /// not busy.
@@ -217,6 +228,14 @@ impl ServeArgs {
     }
 }
 
+impl ServeArgs {
+    /// Whether the router runs without KV events (`--no-kv-events`, or `--kv-events=false`
+    /// / `KVENGINE_KV_EVENTS=false`).
+    pub fn approximate(&self) -> bool {
+        self.no_kv_events || self.kv_events == Some(false)
+    }
+}
+
 /// `--tokenizer stand-in`: the built-in stand-in, asked for by name.
 const STAND_IN: &str = "stand-in";
 
@@ -239,7 +258,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.sim_workers > 0 && !(args.sim_speedup.is_finite() && args.sim_speedup > 0.0) {
         bail!("--sim-speedup must be a finite number above 0");
     }
-    if args.no_kv_events && !args.zmq_workers.is_empty() {
+    if args.approximate() && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
     }
     if args.tokenizer.is_none()
@@ -311,7 +330,7 @@ fn print_pinning(no_pin: bool, pinned: &[Option<usize>]) {
 }
 
 fn hub_for(args: &ServeArgs, hub: Hub) -> Result<Arc<Hub>> {
-    Ok(Arc::new(if args.no_kv_events {
+    Ok(Arc::new(if args.approximate() {
         hub.without_kv_events(ApproxConfig::default())?
     } else {
         hub
@@ -677,7 +696,14 @@ async fn serve(
         interval.min(Duration::from_secs(2)),
         args.health_failures,
     ));
-    println!("kvengine: routing mode {}; Ctrl-C stops", args.router_mode);
+    let events = match args.approximate() {
+        true => " without KV events (approximate)",
+        false => "",
+    };
+    println!(
+        "kvengine: routing mode {}{events}; Ctrl-C stops",
+        args.router_mode
+    );
 
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
@@ -739,11 +765,11 @@ async fn start_sim_workers(
         let (zmq, replay) = (w.zmq_endpoint().to_owned(), w.replay_endpoint().to_owned());
         let role = w.role();
         let mut reg = w.registration(id);
-        if args.no_kv_events {
+        if args.approximate() {
             (reg.zmq, reg.replay) = (None, None);
         }
         hub.register(reg)?;
-        if !args.no_kv_events {
+        if !args.approximate() {
             subscribe(hub, subs, spawner, ZmqSource::new(id, &zmq, Some(&replay))?);
         }
         println!("kvengine: simulated worker {id} ({role}) at {}", w.url());

@@ -196,3 +196,47 @@ fn json_logs_and_rust_log_are_honoured() {
         "RUST_LOG let other targets through: {logs}"
     );
 }
+
+/// Dynamo's environment names (`DYN_*`) configure the router when kvengine's own are
+/// absent, and `KVENGINE_KV_EVENTS=false` turns KV events off.
+#[test]
+fn dynamo_env_names_and_kv_events_false_are_honoured() {
+    let env = [
+        ("DYN_ROUTER_MODE", "round-robin"),
+        ("DYN_HTTP_PORT", "0"),
+        ("DYN_HTTP_HOST", "127.0.0.1"),
+        ("KVENGINE_KV_EVENTS", "false"),
+        ("KVENGINE_CORES", "1"),
+    ];
+    let (out, ok) = serve_until("-INT", &["--no-pin"], &env);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("routing mode round-robin without KV events (approximate)"),
+        "{out}"
+    );
+    assert!(out.contains("http://127.0.0.1:"), "{out}");
+    // kvengine's own name wins over Dynamo's.
+    let env = [
+        ("DYN_ROUTER_MODE", "round-robin"),
+        ("KVENGINE_ROUTER_MODE", "random"),
+        ("KVENGINE_HTTP_PORT", "0"),
+        ("KVENGINE_CORES", "1"),
+    ];
+    let (out, ok) = serve_until("-INT", &["--no-pin"], &env);
+    assert!(ok, "{out}");
+    assert!(out.contains("routing mode random; Ctrl-C stops"), "{out}");
+    // Dynamo's current flag names beside the older ones.
+    let args = [
+        "--no-pin",
+        "--cores",
+        "1",
+        "--http-port",
+        "0",
+        "--router-kv-overlap-score-weight",
+        "2.5",
+        "--no-router-kv-events",
+    ];
+    let (out, ok) = serve_until("-INT", &args, &[]);
+    assert!(ok, "{out}");
+    assert!(out.contains("without KV events (approximate)"), "{out}");
+}
