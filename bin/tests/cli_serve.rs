@@ -4,13 +4,37 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bool) {
+    let served = serve(signal, args, env, &[]);
+    (served.stdout, served.ok)
+}
+
+/// What a `kvengine` run printed, and whether it exited cleanly.
+struct Served {
+    stdout: String,
+    stderr: String,
+    ok: bool,
+}
+
+/// Runs `kvengine args` with `env` set and `unset` removed until it says it is up, checks it
+/// stays up, stops it with `signal` and collects its output.
+fn serve(signal: &str, args: &[&str], env: &[(&str, &str)], unset: &[&str]) -> Served {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
+    for k in unset {
+        cmd.env_remove(k);
+    }
     let mut child = cmd.spawn().unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
+    let err = child.stderr.take().unwrap();
+    // Drained on its own thread, so a chatty log never blocks the process.
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
+        s
+    });
     let mut text = String::new();
     // Wait until it says it is up and waiting.
     loop {
@@ -24,8 +48,8 @@ fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bo
             break;
         }
     }
-    // Still running: it stays up.
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // Still running: it stays up (and has time to log what it logs at start).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     assert!(
         child.try_wait().unwrap().is_none(),
         "kvengine did not stay up"
@@ -39,7 +63,11 @@ fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bo
     std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
     text.push_str(&rest);
     let ok = child.wait().unwrap().success();
-    (text, ok)
+    Served {
+        stdout: text,
+        stderr: stderr.join().unwrap(),
+        ok,
+    }
 }
 
 #[test]
@@ -133,54 +161,23 @@ fn bad_cores_exit_non_zero() {
 /// subscription line the router logs at the same level (`transport::zmq`) must not appear.
 #[test]
 fn json_logs_and_rust_log_are_honoured() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
-        .args([
-            "--log-format",
-            "json",
-            "--sim-workers",
-            "1",
-            "--cores",
-            "1",
-            "--no-pin",
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-        ])
-        .env_remove("KVENGINE_LOG")
-        .env("RUST_LOG", "off,sim::server=info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let err = child.stderr.take().unwrap();
-    let stderr = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut BufReader::new(err), &mut s).unwrap();
-        s
-    });
-    let mut text = String::new();
-    loop {
-        let mut line = String::new();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "exited early: {text}"
-        );
-        text.push_str(&line);
-        if line.contains("Ctrl-C stops") {
-            break;
-        }
-    }
-    // Give the subscription time to log, were it allowed to.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    std::io::Read::read_to_string(&mut out, &mut text).unwrap();
-    assert!(child.wait().unwrap().success(), "{text}");
-    let logs = stderr.join().unwrap();
+    let args = [
+        "--log-format",
+        "json",
+        "--sim-workers",
+        "1",
+        "--cores",
+        "1",
+        "--no-pin",
+        "--http-host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+    ];
+    let env = [("RUST_LOG", "off,sim::server=info")];
+    let served = serve("-INT", &args, &env, &["KVENGINE_LOG"]);
+    assert!(served.ok, "{}", served.stdout);
+    let logs = served.stderr;
     let lines: Vec<serde_json::Value> = logs
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))

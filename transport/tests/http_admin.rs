@@ -11,27 +11,15 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
-use std::net::{IpAddr, SocketAddr};
-use transport::http::{HttpConfig, router, serve_http};
+use std::net::IpAddr;
+use transport::http::{HttpConfig, router};
 
 /// Serves the edge on `bind` (port 0); returns its port and the stop sender.
 async fn serve(cfg: HttpConfig, bind: IpAddr) -> (u16, tokio::sync::oneshot::Sender<()>) {
     let (hub, runtime) = common::hub(1);
     std::mem::forget(runtime);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, 0))
-        .await
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = router(hub, cfg);
-    tokio::spawn(async move {
-        serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await
-        .unwrap();
-    });
-    (port, tx)
+    let (addr, stop) = common::serve_app(router(hub, cfg), bind).await;
+    (addr.port(), stop)
 }
 
 async fn call(

@@ -6,7 +6,7 @@ mod common;
 
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use transport::http::{HttpConfig, router, serve_http};
+use transport::http::{HttpConfig, router};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 
 const LIMIT: usize = 1024;
@@ -23,16 +23,8 @@ async fn front_door() -> (String, tokio::sync::oneshot::Sender<()>) {
         ..ProxyConfig::default()
     };
     let app = router(hub.clone(), http).merge(openai_router(hub, proxy));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
-    (addr, tx)
+    let (addr, stop) = common::serve_app(app, [127, 0, 0, 1].into()).await;
+    (addr.to_string(), stop)
 }
 
 /// A raw request; returns (status, parsed body).
@@ -136,11 +128,8 @@ async fn full_workers_answer_429_with_retry_after() {
         .unwrap();
     let app = router(hub.clone(), HttpConfig::default())
         .merge(openai_router(hub.clone(), ProxyConfig::default()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(async move {
-        let _ = serve_http(listener, app, std::future::pending()).await;
-    });
+    let (addr, _stop) = common::serve_app(app, [127, 0, 0, 1].into()).await;
+    let addr = addr.to_string();
 
     let (s, v) = request(
         &addr,

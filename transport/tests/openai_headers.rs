@@ -11,7 +11,7 @@ use engine::WorkerId;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use transport::http::{HttpConfig, router, serve_http};
+use transport::http::{HttpConfig, router};
 use transport::hub::Registration;
 use transport::openai::proxy::{ProxyConfig, openai_router};
 
@@ -52,16 +52,8 @@ async fn front_door(
     .unwrap();
     let app = router(hub.clone(), HttpConfig::default())
         .merge(openai_router(hub, ProxyConfig::default()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = listener.local_addr().unwrap().to_string();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
-    (base, tx)
+    let (addr, stop) = common::serve_app(app, [127, 0, 0, 1].into()).await;
+    (addr.to_string(), stop)
 }
 
 /// A raw completion request with `extra` header lines; returns (status, lowercased head).

@@ -149,19 +149,11 @@ async fn router_with_config(workers: &[(u64, &Stub)], cfg: ProxyConfig) -> Route
         .unwrap();
     }
     let app = router(hub.clone(), HttpConfig::default()).merge(openai_router(hub.clone(), cfg));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = transport::http::serve_http(listener, app, async {
-            let _ = rx.await;
-        })
-        .await;
-    });
+    let (addr, stop) = common::serve_app(app, [127, 0, 0, 1].into()).await;
     Router2 {
-        base,
+        base: format!("http://{addr}"),
         hub,
-        _stop: tx,
+        _stop: stop,
     }
 }
 

@@ -32,10 +32,19 @@ pub async fn http_server(
     hub: Arc<Hub>,
     cfg: HttpConfig,
 ) -> (String, tokio::sync::oneshot::Sender<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (addr, stop) = serve_app(router(hub, cfg), [127, 0, 0, 1].into()).await;
+    (format!("http://{addr}"), stop)
+}
+
+/// Serves `app` with `serve_http` on a free port of `bind`; returns the address and the
+/// sender that stops it (dropping the sender stops it too).
+pub async fn serve_app(
+    app: axum::Router,
+    bind: std::net::IpAddr,
+) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind((bind, 0)).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = router(hub, cfg);
     tokio::spawn(async move {
         serve_http(listener, app, async {
             let _ = rx.await;
@@ -43,7 +52,7 @@ pub async fn http_server(
         .await
         .unwrap();
     });
-    (format!("http://{addr}"), tx)
+    (addr, tx)
 }
 
 /// A tiny msgpack value tree for hand-built KV-event batches, encoded with rmp's encode
