@@ -5,7 +5,6 @@
 mod common;
 
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport::http::{HttpConfig, router};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 
@@ -29,19 +28,9 @@ async fn front_door() -> (String, tokio::sync::oneshot::Sender<()>) {
 
 /// A raw request; returns (status, parsed body).
 async fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, Value) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).await.unwrap();
-    let text = String::from_utf8_lossy(&resp).into_owned();
-    let status = text[9..12].parse().unwrap();
-    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
-    let v = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
+    let ct = "Content-Type: application/json\r\n";
+    let (status, _, body) = common::raw_request(addr, method, path, ct, body).await;
+    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body:?}"));
     (status, v)
 }
 
@@ -164,16 +153,5 @@ async fn full_workers_answer_429_with_retry_after() {
 
 /// A raw request; returns the lowercased response head.
 async fn raw_head(addr: &str, method: &str, path: &str, body: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).await.unwrap();
-    let text = String::from_utf8_lossy(&resp).to_ascii_lowercase();
-    text.split_once("\r\n\r\n")
-        .map(|x| x.0.to_owned())
-        .unwrap_or(text)
+    common::raw_request(addr, method, path, "", body).await.1
 }

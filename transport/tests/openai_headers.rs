@@ -10,7 +10,6 @@ use axum::routing::post;
 use engine::WorkerId;
 use serde_json::json;
 use std::sync::{Arc, Mutex};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use transport::http::{HttpConfig, router};
 use transport::hub::Registration;
 use transport::openai::proxy::{ProxyConfig, openai_router};
@@ -59,18 +58,10 @@ async fn front_door(
 /// A raw completion request with `extra` header lines; returns (status, lowercased head).
 async fn complete(addr: &str, extra: &str) -> (u16, String) {
     let body = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).to_string();
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).await.unwrap();
-    let text = String::from_utf8_lossy(&resp).into_owned();
-    let head = text.split_once("\r\n\r\n").map(|x| x.0).unwrap_or_default();
-    (text[9..12].parse().unwrap(), head.to_ascii_lowercase())
+    let extra = format!("Content-Type: application/json\r\n{extra}");
+    let (status, head, _) =
+        common::raw_request(addr, "POST", "/v1/completions", &extra, &body).await;
+    (status, head)
 }
 
 fn header_line<'a>(head: &'a str, name: &str) -> Option<&'a str> {

@@ -159,36 +159,15 @@ async fn router_with_config(workers: &[(u64, &Stub)], cfg: ProxyConfig) -> Route
 
 /// A raw HTTP/1.1 POST; returns (status, body text).
 async fn post_raw(base: &str, path: &str, body: &str) -> (u16, String) {
-    let addr = base.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).await.unwrap();
-    let text = String::from_utf8_lossy(&resp).into_owned();
-    let status = text[9..12].parse().unwrap();
-    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
-    (status, body.to_owned())
+    let ct = "Content-Type: application/json\r\n";
+    let (status, _, body) = common::raw_request(base, "POST", path, ct, body).await;
+    (status, body)
 }
 
 /// A raw POST; returns (status, response head).
 async fn post_head(base: &str, path: &str, body: &str) -> (u16, String) {
-    let addr = base.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = Vec::new();
-    s.read_to_end(&mut resp).await.unwrap();
-    let text = String::from_utf8_lossy(&resp).into_owned();
-    let head = text.split_once("\r\n\r\n").map(|x| x.0).unwrap_or_default();
-    (text[9..12].parse().unwrap(), head.to_ascii_lowercase())
+    let (status, head, _) = common::raw_request(base, "POST", path, "", body).await;
+    (status, head)
 }
 
 /// Stores `tokens`' full blocks on `worker` (rank 0).

@@ -55,6 +55,33 @@ pub async fn serve_app(
     (addr, tx)
 }
 
+/// One HTTP/1.1 request over a fresh connection (`Connection: close`), written by hand so a
+/// test controls every header; `extra` holds whole header lines (`"Name: value\r\n"`).
+/// Returns the status, the response head lowercased, and the body.
+pub async fn raw_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    extra: &str,
+    body: &str,
+) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = addr.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n{extra}\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text[9..12].parse().unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
 /// A tiny msgpack value tree for hand-built KV-event batches, encoded with rmp's encode
 /// functions.
 #[derive(Clone, Debug)]
