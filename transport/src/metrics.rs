@@ -12,6 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 pub const LAG_BUCKETS: [f64; 12] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 ];
+/// Upper bounds (seconds) of the front door's latency histograms (TTFT, inter-chunk, end
+/// to end): 1 ms to 2 min.
+pub const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+];
 /// Upper bounds (blocks) of the overlap histogram buckets.
 pub const OVERLAP_BUCKETS: [f64; 12] = [
     0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
@@ -97,6 +102,18 @@ pub struct Metrics {
     pub load_scrapes: AtomicU64,
     /// Worker metrics pages that could not be read (no page, bad status, timeout).
     pub load_scrape_failures: AtomicU64,
+    /// Front door: seconds from a request's arrival to the first bytes of its answer.
+    pub ttft: Histogram,
+    /// Front door: seconds between consecutive chunks of an answer (tokens, when streamed).
+    pub inter_chunk: Histogram,
+    /// Front door: seconds from a request's arrival to the end of its answer.
+    pub end_to_end: Histogram,
+    /// Front door: requests forwarded to a worker that failed before answering.
+    pub upstream_errors: AtomicU64,
+    /// Front door: requests sent again to another worker after a failure.
+    pub retries: AtomicU64,
+    /// Front door: answers per HTTP status.
+    statuses: Mutex<std::collections::BTreeMap<u16, u64>>,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -126,6 +143,12 @@ impl Default for Metrics {
             restarts: AtomicU64::new(0),
             load_scrapes: AtomicU64::new(0),
             load_scrape_failures: AtomicU64::new(0),
+            ttft: Histogram::new(&LATENCY_BUCKETS),
+            inter_chunk: Histogram::new(&LATENCY_BUCKETS),
+            end_to_end: Histogram::new(&LATENCY_BUCKETS),
+            upstream_errors: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            statuses: Mutex::new(std::collections::BTreeMap::new()),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),
@@ -193,6 +216,24 @@ impl Metrics {
             .iter()
             .zip(self.drops.iter())
             .map(|(&r, c)| (r, c.load(Relaxed)))
+    }
+
+    /// Counts one front-door answer with HTTP `status`.
+    pub fn answered(&self, status: u16) {
+        let mut m = self
+            .statuses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *m.entry(status).or_default() += 1;
+    }
+
+    /// `(status, answers)` of the front door, by status.
+    pub fn answers(&self) -> Vec<(u16, u64)> {
+        let m = self
+            .statuses
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        m.iter().map(|(&s, &n)| (s, n)).collect()
     }
 
     /// Counts one routing decision made in `mode`.

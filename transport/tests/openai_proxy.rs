@@ -401,3 +401,52 @@ async fn with_the_models_tokenizer_chats_route_on_the_templated_token_ids() {
     assert_eq!(status, 400, "{text}");
     idle(&r.hub).await;
 }
+
+/// The front door's own metrics: answers by status, time to first chunk, gaps between
+/// chunks and end to end, measured at the proxy; upstream failures and retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_door_measures_what_it_forwards() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let broken = stub(Behaviour::Fails).await;
+    let good = stub(Behaviour::Good {
+        n: 4,
+        gap: Duration::from_millis(20),
+    })
+    .await;
+    let r = router_with(&[(1, &broken), (2, &good)]).await;
+    let prompt: Vec<u32> = (0..64).collect();
+    cache(&r.hub, 1, &prompt);
+    // Streamed: the broken worker holds the prompt, fails, and the good one answers.
+    let body = json!({"prompt": prompt, "stream": true}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let (status, _) = post_raw(&r.base, "/v1/completions", "{not json").await;
+    assert_eq!(status, 400);
+    let m = r.hub.metrics();
+    assert_eq!(m.answers(), vec![(200, 1), (400, 1)]);
+    assert_eq!(
+        (m.upstream_errors.load(Relaxed), m.retries.load(Relaxed)),
+        (1, 1)
+    );
+    let (_, ttft_n, ttft_s) = m.ttft.snapshot();
+    let (_, e2e_n, e2e_s) = m.end_to_end.snapshot();
+    let (_, gaps, _) = m.inter_chunk.snapshot();
+    assert_eq!((ttft_n, e2e_n), (1, 1));
+    // Four events and [DONE], 20 ms apart: at least three gaps, and the answer took 60 ms+.
+    assert!(gaps >= 3, "{gaps}");
+    assert!(e2e_s >= 0.06 && e2e_s >= ttft_s, "{e2e_s} {ttft_s}");
+    let text = metrics_page(&r.base).await;
+    for series in [
+        "kvengine_frontdoor_requests_total{status=\"200\"} 1",
+        "kvengine_frontdoor_requests_total{status=\"400\"} 1",
+        "kvengine_frontdoor_ttft_seconds_count 1",
+        "kvengine_frontdoor_retries_total 1",
+        "kvengine_frontdoor_upstream_errors_total 1",
+    ] {
+        assert!(text.contains(series), "no {series} in\n{text}");
+    }
+}
+
+async fn metrics_page(base: &str) -> String {
+    common::raw_request(base, "GET", "/metrics", "", "").await.2
+}

@@ -166,6 +166,43 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
         decisions,
     );
 
+    let answers = Family::<Labels1, Counter>::default();
+    for (status, n) in m.answers() {
+        answers
+            .get_or_create(&[("status", status.to_string())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_frontdoor_requests",
+        "OpenAI front-door requests answered, by HTTP status",
+        answers,
+    );
+    reg.register(
+        "kvengine_frontdoor_ttft_seconds",
+        "Front door: request arrival to the first bytes of the worker's answer",
+        Snapshot::of(&m.ttft),
+    );
+    reg.register(
+        "kvengine_frontdoor_inter_chunk_seconds",
+        "Front door: gaps between an answer's chunks (tokens, when streamed)",
+        Snapshot::of(&m.inter_chunk),
+    );
+    reg.register(
+        "kvengine_frontdoor_e2e_seconds",
+        "Front door: request arrival to the end of the worker's answer",
+        Snapshot::of(&m.end_to_end),
+    );
+    reg.register(
+        "kvengine_frontdoor_upstream_errors",
+        "Front door: workers that failed before or while answering",
+        counter(m.upstream_errors.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_frontdoor_retries",
+        "Front door: requests sent again to another worker after a failure",
+        counter(m.retries.load(Relaxed)),
+    );
+
     reg.register(
         "kvengine_route_overlap_blocks",
         "Overlap, in blocks, of each routed request with the worker chosen",

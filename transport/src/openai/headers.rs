@@ -46,6 +46,8 @@ const REPLACED: [HeaderName; 4] = [
 pub struct Forwarded {
     headers: HeaderMap,
     request_id: HeaderValue,
+    /// When the front door received the request (latencies are measured from it).
+    received: std::time::Instant,
 }
 
 impl Forwarded {
@@ -75,6 +77,7 @@ impl Forwarded {
         Self {
             headers,
             request_id,
+            received: std::time::Instant::now(),
         }
     }
 
@@ -91,6 +94,11 @@ impl Forwarded {
             HeaderValue::from_static("application/json"),
         );
         h
+    }
+
+    /// When the front door received the request.
+    pub fn received(&self) -> std::time::Instant {
+        self.received
     }
 
     /// The request id (the client's, or generated).

@@ -41,6 +41,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -251,10 +252,11 @@ async fn forward(
     body: Bytes,
 ) -> Response {
     let fwd = Forwarded::from_client(client);
-    let mut resp = forward_with(p, path, source, &fwd, body).await;
+    let mut resp = forward_with(p.clone(), path, source, &fwd, body).await;
     // Every answer names the request, errors included.
     resp.headers_mut()
         .insert(X_REQUEST_ID.clone(), fwd.request_id().clone());
+    p.hub.metrics().answered(resp.status().as_u16());
     resp
 }
 
@@ -302,9 +304,10 @@ pub(crate) async fn send_or_retry(
 ) -> Response {
     let first = routed.decision.worker;
     match send(p, first, out.path, out.body, out.fwd).await {
-        Ok(resp) => respond(resp, active, first, None, None),
+        Ok(resp) => respond(resp, active, first, None, None, out.fwd),
         Err(e) => {
             tracing::warn!(worker = %first.worker, "forwarding failed, retrying once: {e}");
+            p.hub.metrics().upstream_errors.fetch_add(1, Relaxed);
             active.finish();
             retry_elsewhere(p, out, tokens, routed, pool, &e).await
         }
@@ -346,8 +349,9 @@ pub(crate) async fn retry_elsewhere(
         Err(e) => return e.into_response(),
     };
     let active = Active::new(p.hub.clone(), retry.request_id.clone());
+    p.hub.metrics().retries.fetch_add(1, Relaxed);
     match send(p, next, out.path, out.body, out.fwd).await {
-        Ok(resp) => respond(resp, active, next, None, None),
+        Ok(resp) => respond(resp, active, next, None, None, out.fwd),
         Err(e) => gateway(format!(
             "workers {} and {} failed: {first_error}; {e}",
             failed.worker, next.worker
@@ -363,6 +367,7 @@ pub(crate) fn respond(
     served_by: WorkerKey,
     prefilled_by: Option<WorkerKey>,
     cached_tokens: Option<u64>,
+    fwd: &Forwarded,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
     let sse = parts
@@ -391,7 +396,8 @@ pub(crate) fn respond(
         );
     }
     let patch = cached_tokens.map(|c| UsagePatch::new(c, sse));
-    let mut out = Response::new(Body::new(Relay::new(incoming, active, sse, patch)));
+    let relay = Relay::new(incoming, active, sse, patch, fwd.received());
+    let mut out = Response::new(Body::new(relay));
     *out.status_mut() = parts.status;
     *out.headers_mut() = headers;
     out

@@ -16,7 +16,9 @@ use bytes::Bytes;
 use hyper::body::{Frame, Incoming};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 /// Frees a routed request when dropped, unless already freed.
 #[derive(Debug)]
@@ -74,6 +76,9 @@ pub(crate) struct Relay {
     sse: bool,
     done: bool,
     patch: Option<UsagePatch>,
+    /// When the client's request arrived, and when the last chunk went out (latencies).
+    received: Instant,
+    last_chunk: Option<Instant>,
 }
 
 impl Relay {
@@ -83,6 +88,7 @@ impl Relay {
         active: Active,
         sse: bool,
         patch: Option<UsagePatch>,
+        received: Instant,
     ) -> Self {
         Self {
             inner,
@@ -90,7 +96,27 @@ impl Relay {
             sse,
             done: false,
             patch,
+            received,
+            last_chunk: None,
         }
+    }
+
+    /// Records a chunk going out: the first is the time to first token, later ones the
+    /// gaps between tokens.
+    fn chunk_out(&mut self) {
+        let now = Instant::now();
+        let m = self.active.hub.metrics();
+        match self.last_chunk {
+            None => m.ttft.observe((now - self.received).as_secs_f64()),
+            Some(last) => m.inter_chunk.observe((now - last).as_secs_f64()),
+        }
+        self.last_chunk = Some(now);
+    }
+
+    /// Records the end of the answer.
+    fn ended(&mut self) {
+        let secs = self.received.elapsed().as_secs_f64();
+        self.active.hub.metrics().end_to_end.observe(secs);
     }
 }
 
@@ -122,11 +148,13 @@ impl hyper::body::Body for Relay {
                         (Err(other), _) => return Poll::Ready(Some(Ok(other))),
                     };
                     self.active.prefilled();
+                    self.chunk_out();
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(None) => {
                     self.done = true;
                     self.active.finish();
+                    self.ended();
                     let tail = self.patch.as_mut().map(UsagePatch::finish);
                     return match tail {
                         Some(t) if !t.is_empty() => Poll::Ready(Some(Ok(Frame::data(t)))),
@@ -136,6 +164,11 @@ impl hyper::body::Body for Relay {
                 Poll::Ready(Some(Err(e))) => {
                     self.done = true;
                     self.active.finish();
+                    self.active
+                        .hub
+                        .metrics()
+                        .upstream_errors
+                        .fetch_add(1, Relaxed);
                     tracing::warn!("worker failed mid-answer: {e}");
                     if !self.sse {
                         return Poll::Ready(Some(Err(std::io::Error::other(e))));

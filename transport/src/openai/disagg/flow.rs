@@ -141,7 +141,7 @@ pub(crate) async fn forward(
                 // The prompt was computed on the prefill worker: from now on the decode
                 // worker carries this request's blocks, not its prefill.
                 d_active.prefilled();
-                return respond(resp, d_active, d_key, Some(p_key), cached);
+                return respond(resp, d_active, d_key, Some(p_key), cached, fwd);
             }
             Err(Failure::Client(resp)) => return resp,
             Err(Failure::Done(answer, stream)) => {
