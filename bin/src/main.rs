@@ -13,6 +13,7 @@
 //! 2. A bad flag exits non-zero with a message naming it.
 
 mod bench;
+mod config_file;
 mod demo;
 mod disagg_args;
 mod dyn_env;
@@ -48,7 +49,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the router: engine, ingest transports and HTTP edge (the default).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Route a workload over simulated GPU workers with each routing mode and compare the
     /// prefix-cache hit rates (no cluster, GPU or data file needed).
     Demo(demo::DemoArgs),
@@ -64,6 +65,16 @@ enum Command {
 
 fn main() -> ExitCode {
     dyn_env::apply();
+    // After Dynamo's names: the environment beats the file.
+    if let Some(path) = config_file::path_from_args() {
+        match config_file::load(&path) {
+            Ok(file) => config_file::apply(&file),
+            Err(e) => {
+                eprintln!("kvengine: error: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         None => serve::run(&cli.serve),

@@ -144,6 +144,10 @@ pub struct ServeArgs {
     /// `KVENGINE_LOG`, else `RUST_LOG` (e.g. `info,transport=debug`), else `info`.
     #[arg(long, env = "KVENGINE_LOG_FORMAT", value_enum, default_value_t = crate::logging::LogFormat::Text)]
     pub log_format: crate::logging::LogFormat,
+    /// A TOML file of settings (any long flag, by name) and `[[workers]]` (docs/api.md
+    /// "Configuration file"). Flags beat environment variables, which beat the file.
+    #[arg(long, env = "KVENGINE_CONFIG")]
+    pub config: Option<PathBuf>,
     /// The token QUIC publishers must present.
     #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
     pub ingest_token: Option<String>,
@@ -236,6 +240,14 @@ impl ServeArgs {
     }
 }
 
+/// The workers of `--config`'s file (none without one).
+fn config_workers(args: &ServeArgs) -> Result<Vec<crate::config_file::WorkerEntry>> {
+    match &args.config {
+        Some(path) => Ok(crate::config_file::load(path)?.workers),
+        None => Ok(Vec::new()),
+    }
+}
+
 /// `--tokenizer stand-in`: the built-in stand-in, asked for by name.
 const STAND_IN: &str = "stand-in";
 
@@ -261,8 +273,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.approximate() && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
     }
+    let file_publishers = config_workers(args)?
+        .iter()
+        .any(|w| w.zmq.is_some() || w.kv_events_config.is_some());
     if args.tokenizer.is_none()
-        && !args.zmq_workers.is_empty()
+        && (!args.zmq_workers.is_empty() || file_publishers)
         && scheduler.mode == engine::sched::RouteMode::Kv
     {
         bail!(
@@ -592,6 +607,40 @@ async fn serve(
         })?;
         println!("kvengine: subscribing to worker {source}");
         subscribe(&hub, &subs, &spawner, source.clone());
+    }
+    for w in config_workers(args)? {
+        let id = WorkerId(w.id);
+        let endpoints = w.endpoints()?;
+        let role = w
+            .role
+            .as_deref()
+            .map(str::parse::<engine::sched::WorkerRole>)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("worker {}: role: {e}", w.id))?;
+        hub.register(Registration {
+            url: w.url.clone(),
+            zmq: endpoints.as_ref().map(|(z, _)| z.clone()),
+            replay: endpoints.as_ref().and_then(|(_, r)| r.clone()),
+            dp_ranks: w.dp_ranks.iter().copied().map(engine::DpRank).collect(),
+            role,
+            api_key: w.api_key.clone(),
+            ..Registration::new(id)
+        })?;
+        match &endpoints {
+            Some((zmq, _)) => println!(
+                "kvengine: worker {} from the config file, KV events from {zmq}",
+                w.id
+            ),
+            None => println!("kvengine: worker {} from the config file", w.id),
+        }
+        if let Some((zmq, replay)) = endpoints {
+            subscribe(
+                &hub,
+                &subs,
+                &spawner,
+                ZmqSource::new(id, &zmq, replay.as_deref())?,
+            );
+        }
     }
 
     let tokenizer = match &args.tokenizer {

@@ -237,3 +237,65 @@ fn dynamo_env_names_and_kv_events_false_are_honoured() {
     assert!(ok, "{out}");
     assert!(out.contains("without KV events (approximate)"), "{out}");
 }
+
+/// `--config FILE`: settings by flag name (a flag on the command line still wins) and
+/// `[[workers]]`, vLLM's `--kv-events-config` taken as is; unknown names refuse to start.
+#[test]
+fn a_config_file_sets_flags_and_workers() {
+    let dir = std::env::temp_dir().join(format!("kvengine-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvengine.toml");
+    std::fs::write(
+        &path,
+        r#"
+router-mode = "round-robin"
+http-host = "127.0.0.1"
+http_port = 0
+cores = 1
+no-pin = true
+tokenizer = "stand-in"
+
+[[workers]]
+id = 7
+url = "http://127.0.0.1:9"
+api_key = "sk-7"
+
+[[workers]]
+id = 8
+url = "http://127.0.0.1:9/"
+kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5999", "replay_endpoint": "tcp://*:5998", "topic": "kv-events"}'
+"#,
+    )
+    .unwrap();
+    let path_s = path.to_str().unwrap();
+    let (out, ok) = serve_until("-INT", &["--config", path_s], &[]);
+    assert!(ok, "{out}");
+    assert!(out.contains("routing mode round-robin"), "{out}");
+    assert!(out.contains("1 core thread(s) up"), "{out}");
+    assert!(out.contains("worker 7 from the config file\n"), "{out}");
+    assert!(
+        out.contains("worker 8 from the config file, KV events from tcp://127.0.0.1:5999"),
+        "{out}"
+    );
+    // The command line beats the file.
+    let (out, ok) = serve_until(
+        "-INT",
+        &["--config", path_s, "--router-mode", "random"],
+        &[],
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("routing mode random"), "{out}");
+
+    std::fs::write(&path, "router-mod = \"kv\"\n").unwrap();
+    let done = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args(["--config", path_s])
+        .output()
+        .unwrap();
+    assert!(!done.status.success());
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(
+        err.contains("unknown settings") && err.contains("router-mod"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
