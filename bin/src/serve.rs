@@ -572,6 +572,114 @@ fn run_threaded(
 /// publisher per rank, all under the same worker id.
 type Subscriptions = Arc<Mutex<HashMap<(WorkerId, String), JoinHandle<()>>>>;
 
+/// Ends `worker`'s subscriptions (all, or all but the one to `keep`).
+fn unsubscribe(subs: &Subscriptions, worker: WorkerId, keep: Option<&str>) {
+    let mut subs = subs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    subs.retain(|(w, publisher), task| {
+        let gone = *w == worker && keep != Some(publisher.as_str());
+        if gone {
+            task.abort();
+        }
+        !gone
+    });
+}
+
+/// Registers (or updates) the config file's workers and subscribes to their events. An
+/// update keeps the worker's indexed blocks; a changed publisher replaces its subscription.
+fn register_file_workers(
+    hub: &Arc<Hub>,
+    subs: &Subscriptions,
+    spawner: &Homes,
+    workers: &[crate::config_file::WorkerEntry],
+) -> Result<()> {
+    for w in workers {
+        let id = WorkerId(w.id);
+        let endpoints = w.endpoints()?;
+        let role = w
+            .role
+            .as_deref()
+            .map(str::parse::<engine::sched::WorkerRole>)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("worker {}: role: {e}", w.id))?;
+        hub.register(Registration {
+            url: w.url.clone(),
+            zmq: endpoints.as_ref().map(|(z, _)| z.clone()),
+            replay: endpoints.as_ref().and_then(|(_, r)| r.clone()),
+            dp_ranks: w.dp_ranks.iter().copied().map(engine::DpRank).collect(),
+            role,
+            api_key: w.api_key.clone(),
+            ..Registration::new(id)
+        })?;
+        match &endpoints {
+            Some((zmq, _)) => println!(
+                "kvengine: worker {} from the config file, KV events from {zmq}",
+                w.id
+            ),
+            None => println!("kvengine: worker {} from the config file", w.id),
+        }
+        unsubscribe(subs, id, endpoints.as_ref().map(|(z, _)| z.as_str()));
+        if let Some((zmq, replay)) = endpoints {
+            subscribe(
+                hub,
+                subs,
+                spawner,
+                ZmqSource::new(id, &zmq, replay.as_deref())?,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// On SIGHUP, reads the config file's workers again: new and changed ones are registered,
+/// those gone from the file are removed; everyone else keeps its index and subscription.
+/// A file that does not load changes nothing (logged).
+#[cfg(unix)]
+async fn reload_on_sighup(
+    path: PathBuf,
+    mut known: std::collections::BTreeSet<u64>,
+    hub: Arc<Hub>,
+    subs: Subscriptions,
+    spawner: Homes,
+) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("cannot watch SIGHUP, so no config reloads: {e}");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        let workers = match crate::config_file::load(&path) {
+            Ok(f) => f.workers,
+            Err(e) => {
+                tracing::error!("reloading {}: {e:#}; workers unchanged", path.display());
+                continue;
+            }
+        };
+        if let Err(e) = register_file_workers(&hub, &subs, &spawner, &workers) {
+            tracing::error!("reloading {}: {e:#}", path.display());
+            continue;
+        }
+        let now: std::collections::BTreeSet<u64> = workers.iter().map(|w| w.id).collect();
+        for &gone in known.difference(&now) {
+            unsubscribe(&subs, WorkerId(gone), None);
+            match cores::engine_call(|| hub.remove_worker(WorkerId(gone))) {
+                Ok(_) => println!("kvengine: worker {gone} left the config file; removed"),
+                Err(e) => tracing::error!("removing worker {gone}: {e}"),
+            }
+        }
+        println!(
+            "kvengine: reloaded {} worker(s) from {}",
+            now.len(),
+            path.display()
+        );
+        known = now;
+    }
+}
+
 fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqSource) {
     let mut subs = subs
         .lock()
@@ -608,39 +716,18 @@ async fn serve(
         println!("kvengine: subscribing to worker {source}");
         subscribe(&hub, &subs, &spawner, source.clone());
     }
-    for w in config_workers(args)? {
-        let id = WorkerId(w.id);
-        let endpoints = w.endpoints()?;
-        let role = w
-            .role
-            .as_deref()
-            .map(str::parse::<engine::sched::WorkerRole>)
-            .transpose()
-            .map_err(|e| anyhow::anyhow!("worker {}: role: {e}", w.id))?;
-        hub.register(Registration {
-            url: w.url.clone(),
-            zmq: endpoints.as_ref().map(|(z, _)| z.clone()),
-            replay: endpoints.as_ref().and_then(|(_, r)| r.clone()),
-            dp_ranks: w.dp_ranks.iter().copied().map(engine::DpRank).collect(),
-            role,
-            api_key: w.api_key.clone(),
-            ..Registration::new(id)
-        })?;
-        match &endpoints {
-            Some((zmq, _)) => println!(
-                "kvengine: worker {} from the config file, KV events from {zmq}",
-                w.id
-            ),
-            None => println!("kvengine: worker {} from the config file", w.id),
-        }
-        if let Some((zmq, replay)) = endpoints {
-            subscribe(
-                &hub,
-                &subs,
-                &spawner,
-                ZmqSource::new(id, &zmq, replay.as_deref())?,
-            );
-        }
+    let file_workers = config_workers(args)?;
+    register_file_workers(&hub, &subs, &spawner, &file_workers)?;
+    #[cfg(unix)]
+    if let Some(path) = args.config.clone() {
+        let known = file_workers.iter().map(|w| w.id).collect();
+        tokio::spawn(reload_on_sighup(
+            path,
+            known,
+            hub.clone(),
+            subs.clone(),
+            spawner.clone(),
+        ));
     }
 
     let tokenizer = match &args.tokenizer {
@@ -700,17 +787,7 @@ async fn serve(
     };
     let on_remove = {
         let subs = subs.clone();
-        Arc::new(move |worker: WorkerId| {
-            let mut subs = subs
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            subs.retain(|(w, _), task| {
-                if *w == worker {
-                    task.abort();
-                }
-                *w != worker
-            });
-        })
+        Arc::new(move |worker: WorkerId| unsubscribe(&subs, worker, None))
     };
     let app = router(
         hub.clone(),

@@ -18,6 +18,17 @@ struct Served {
 /// Runs `kvengine args` with `env` set and `unset` removed until it says it is up, checks it
 /// stays up, stops it with `signal` and collects its output.
 fn serve(signal: &str, args: &[&str], env: &[(&str, &str)], unset: &[&str]) -> Served {
+    serve_with(signal, args, env, unset, &|_| {})
+}
+
+/// [`serve`], calling `meanwhile(pid)` once it is up, before stopping it.
+fn serve_with(
+    signal: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    unset: &[&str],
+    meanwhile: &dyn Fn(u32),
+) -> Served {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     for (k, v) in env {
@@ -54,6 +65,7 @@ fn serve(signal: &str, args: &[&str], env: &[(&str, &str)], unset: &[&str]) -> S
         child.try_wait().unwrap().is_none(),
         "kvengine did not stay up"
     );
+    meanwhile(child.id());
     let status = Command::new("kill")
         .args([signal, &child.id().to_string()])
         .status()
@@ -275,6 +287,34 @@ kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoi
     assert!(out.contains("worker 7 from the config file\n"), "{out}");
     assert!(
         out.contains("worker 8 from the config file, KV events from tcp://127.0.0.1:5999"),
+        "{out}"
+    );
+    // SIGHUP reloads the workers: 8 left the file, 9 joined; 7 stays as it was.
+    let reloaded = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("id = 8", "id = 9");
+    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|pid| {
+        std::fs::write(&path, &reloaded).unwrap();
+        Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    });
+    let out = served.stdout;
+    assert!(served.ok, "{out}");
+    assert!(
+        out.contains("worker 8 left the config file; removed"),
+        "{out}"
+    );
+    assert!(
+        out.contains("worker 9 from the config file, KV events from tcp://127.0.0.1:5999"),
+        "{out}"
+    );
+    assert!(out.contains("reloaded 2 worker(s)"), "{out}");
+    assert_eq!(
+        out.matches("worker 7 from the config file").count(),
+        2,
         "{out}"
     );
     // The command line beats the file.
