@@ -169,7 +169,8 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_HEALTH_FAILURES", default_value_t = 3)]
     pub health_failures: u32,
     /// The model's tokenizer (a directory with `tokenizer.json` and `tokenizer_config.json`,
-    /// or the `tokenizer.json` file): the OpenAI front door tokenizes prompts with it exactly
+    /// the `tokenizer.json` file, or a Hugging Face repo id such as `Qwen/Qwen2.5-7B-Instruct`
+    /// found in the local cache under `HF_HOME`): the OpenAI front door tokenizes prompts with it exactly
     /// as the workers do. `stand-in` names the built-in one-token-per-word stand-in shared
     /// with `kvengine sim` (the default with simulated workers only); with real workers
     /// (`--zmq-worker`) in kv mode it must be asked for by that name: a real model's blocks
@@ -732,9 +733,19 @@ async fn serve(
 
     let tokenizer = match &args.tokenizer {
         Some(path) if path.as_os_str() == STAND_IN => None,
-        Some(path) => Some(Arc::new(
-            PromptTokenizer::from_path(path).context("--tokenizer")?,
-        )),
+        Some(spec) => {
+            let hf_home = std::env::var_os("HF_HOME")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface"))
+                })
+                .unwrap_or_else(|| PathBuf::from(".cache/huggingface"));
+            let path = PromptTokenizer::resolve(&spec.to_string_lossy(), &hf_home)
+                .context("--tokenizer")?;
+            Some(Arc::new(
+                PromptTokenizer::from_path(&path).context("--tokenizer")?,
+            ))
+        }
         None => None,
     };
     let sims = start_sim_workers(&hub, &subs, &spawner, args, tokenizer.clone()).await?;

@@ -534,3 +534,53 @@ fn tokenizer_is_shared_across_threads() {
         }
     });
 }
+
+/// `--tokenizer org/name` finds the repo in the local Hugging Face cache (the snapshot
+/// `refs/main` names, or the only one); a path is taken as is; anything else is an error
+/// that says how to fetch it.
+#[test]
+fn repo_ids_resolve_from_the_hugging_face_cache() {
+    let home = std::env::temp_dir().join(format!("kvengine-hf-{}", std::process::id()));
+    let repo = home.join("hub/models--acme--chat-model");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(data("chatml").join(f), snap.join(f)).unwrap();
+    }
+    // The only snapshot, then the one refs/main names.
+    assert_eq!(
+        PromptTokenizer::resolve("acme/chat-model", &home).unwrap(),
+        snap
+    );
+    let newer = repo.join("snapshots/4567ef01");
+    std::fs::create_dir_all(&newer).unwrap();
+    std::fs::copy(snap.join("tokenizer.json"), newer.join("tokenizer.json")).unwrap();
+    assert!(
+        PromptTokenizer::resolve("acme/chat-model", &home).is_err(),
+        "two, no ref"
+    );
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd\n").unwrap();
+    let dir = PromptTokenizer::resolve("acme/chat-model", &home).unwrap();
+    assert_eq!(dir, snap);
+    let from_cache = PromptTokenizer::from_path(&dir).unwrap();
+    let direct = PromptTokenizer::from_path(&data("chatml")).unwrap();
+    assert_eq!(format!("{from_cache:?}"), format!("{direct:?}"));
+    // A path is a path.
+    let p = data("chatml");
+    assert_eq!(
+        PromptTokenizer::resolve(p.to_str().unwrap(), &home).unwrap(),
+        p
+    );
+    for bad in ["acme/missing", "/no/such/dir", "not-a-repo-id"] {
+        let e = PromptTokenizer::resolve(bad, &home)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(bad), "{e}");
+    }
+    let e = PromptTokenizer::resolve("acme/missing", &home)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("huggingface-cli download acme/missing"), "{e}");
+    let _ = std::fs::remove_dir_all(&home);
+}

@@ -158,6 +158,52 @@ fn read_optional(path: &Path) -> Result<Option<Vec<u8>>> {
 }
 
 impl PromptTokenizer {
+    /// Where `spec` names a tokenizer: an existing path as is, else a Hugging Face repo id
+    /// (`org/name`) looked up in the local Hugging Face cache under `hf_home` (`HF_HOME`):
+    /// `hub/models--org--name/snapshots/<refs/main>` (or its only snapshot). Nothing is
+    /// downloaded here: a repo missing from the cache is an error saying how to fetch it.
+    pub fn resolve(spec: &str, hf_home: &Path) -> Result<PathBuf> {
+        let path = Path::new(spec);
+        if path.exists() {
+            return Ok(path.to_path_buf());
+        }
+        let repo_id = |p: &str| {
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        };
+        let (org, name) = match spec.split_once('/') {
+            Some((o, n)) if repo_id(o) && repo_id(n) && !o.starts_with('.') => (o, n),
+            _ => return Err(tokenizer_err(format!("{spec}: no such file or directory"))),
+        };
+        let repo = hf_home.join("hub").join(format!("models--{org}--{name}"));
+        let snapshots = repo.join("snapshots");
+        let by_ref = std::fs::read_to_string(repo.join("refs").join("main"))
+            .ok()
+            .map(|h| snapshots.join(h.trim()));
+        let only = || {
+            let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snapshots)
+                .ok()?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.join("tokenizer.json").is_file())
+                .collect();
+            dirs.sort();
+            (dirs.len() == 1).then(|| dirs.remove(0))
+        };
+        match by_ref
+            .filter(|d| d.join("tokenizer.json").is_file())
+            .or_else(only)
+        {
+            Some(dir) => Ok(dir),
+            None => Err(tokenizer_err(format!(
+                "{spec} is neither a path nor in the Hugging Face cache at {} (fetch it with \
+                 `huggingface-cli download {spec} tokenizer.json tokenizer_config.json`, or \
+                 pass the tokenizer's directory)",
+                repo.display()
+            ))),
+        }
+    }
+
     /// Loads a model's tokenizer. `path` is a directory holding `tokenizer.json` and
     /// (optionally) `tokenizer_config.json`, or a `tokenizer.json` file (then
     /// `tokenizer_config.json` is looked for beside it). Beside them, as transformers does, a
