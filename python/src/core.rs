@@ -107,9 +107,19 @@ impl Shared {
         }
     }
 
-    /// Whether `worker`'s matches are keyed with their rank.
-    pub(crate) fn is_ranked(&self, worker: WorkerId) -> bool {
-        lock(&self.ranked).contains(&worker)
+    /// Notes the ranks of a query's matched keys and says, per key, whether its worker's
+    /// matches are keyed with their rank (one lock for the whole answer).
+    pub(crate) fn note_and_check_ranks(&self, overlaps: &[(WorkerKey, u32)]) -> Vec<bool> {
+        let mut ranked = lock(&self.ranked);
+        for &(key, _) in overlaps {
+            if key.dp_rank.0 != 0 {
+                ranked.insert(key.worker);
+            }
+        }
+        overlaps
+            .iter()
+            .map(|(key, _)| ranked.contains(&key.worker))
+            .collect()
     }
 
     /// Forgets a removed worker's rank note and subscription.

@@ -49,11 +49,9 @@ pub(crate) fn matches_dict<'py>(
     matches: &Matches,
 ) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
-    for &(key, _) in &matches.overlaps {
-        shared.note_rank(key);
-    }
-    for &(key, blocks) in &matches.overlaps {
-        if shared.is_ranked(key.worker) {
+    let ranked = shared.note_and_check_ranks(&matches.overlaps);
+    for (&(key, blocks), ranked) in matches.overlaps.iter().zip(ranked) {
+        if ranked {
             out.set_item((key.worker.0, key.dp_rank.0), blocks)?;
         } else {
             out.set_item(key.worker.0, blocks)?;
@@ -120,7 +118,7 @@ impl KvIndexer {
         let block_size = self.block_size;
         let worker = WorkerId(worker_id);
         let (decoded, blocks) = py.detach(move || -> PyResult<_> {
-            let decoded = batch
+            let mut decoded = batch
                 .decode(worker_id, block_size)
                 .map_err(from_transport)?;
             shared.ensure_worker(worker)?;
@@ -129,21 +127,15 @@ impl KvIndexer {
                 dp_rank: decoded.dp_rank,
             };
             shared.note_rank(key);
-            let blocks: usize = decoded.events.iter().map(|e| e.blocks()).sum();
+            let events = std::mem::take(&mut decoded.events);
+            let blocks: usize = events.iter().map(|e| e.blocks()).sum();
+            let n = events.len();
             let hub = shared.hub();
-            let n = decoded.events.len();
-            hub.ingest(key, decoded.events.clone())
-                .map_err(from_transport)?;
+            hub.ingest(key, events).map_err(from_transport)?;
             if wait {
                 hub.sync().map_err(from_transport)?;
             }
-            Ok((
-                crate::events::Decoded {
-                    events: Vec::with_capacity(n),
-                    ..decoded
-                },
-                (n, blocks),
-            ))
+            Ok((decoded, (n, blocks)))
         })?;
         let out = PyDict::new(py);
         out.set_item("events", blocks.0)?;
