@@ -11,7 +11,17 @@
 //! api_key = "..."                 # vLLM --api-key (sent on forwarded requests)
 //! # vLLM's --kv-events-config, as is: a `*` host means the worker's own (from `url`)
 //! kv_events_config = '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+//! model = "qwen"                  # a [[models]] name (none: the router's only pool)
+//!
+//! [[models]]                      # one pool, block size and tokenizer per served model
+//! name = "qwen"                   # what clients send as `model`
+//! block_size = 16                 # its workers' --block-size (default kv-cache-block-size)
+//! tokenizer = "Qwen/Qwen2.5-7B-Instruct"  # default: the `tokenizer` setting
 //! ```
+//!
+//! The command line has the same two forms: `--worker id=1,url=...,model=qwen` and
+//! `--model qwen,block_size=16,tokenizer=...` (see [`WorkerEntry::from_spec`] and
+//! [`ModelEntry::from_spec`]).
 //!
 //! Settings become the flags' `KVENGINE_*` variables before the command line is parsed, so
 //! a flag beats the variable, which beats the file. Unknown names are an error that names
@@ -49,6 +59,108 @@ pub struct WorkerEntry {
     /// Its API key.
     #[serde(default)]
     pub api_key: Option<String>,
+    /// The model it serves (a `[[models]]` name).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The topic its publisher sends under (else `kv_events_config`'s; else every message).
+    #[serde(default)]
+    pub topic: Option<String>,
+}
+
+/// The file's model entries.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    /// What clients send as `model`.
+    pub name: String,
+    /// Its workers' KV block size (default: the router's `kv-cache-block-size`).
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Its tokenizer, as `--tokenizer` takes it (default: `--tokenizer`'s).
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+}
+
+/// `key=value,key=value` pairs of a CLI spec.
+fn spec_pairs(spec: &str) -> Result<Vec<(&str, &str)>, String> {
+    spec.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.trim(), v.trim()))
+                .ok_or_else(|| format!("{p:?} is not key=value"))
+        })
+        .collect()
+}
+
+impl ModelEntry {
+    /// `--model NAME[,block_size=N][,tokenizer=SPEC]`.
+    pub fn from_spec(spec: &str) -> Result<Self, String> {
+        let (name, rest) = spec.split_once(',').unwrap_or((spec, ""));
+        let mut m = ModelEntry {
+            name: name.trim().to_owned(),
+            ..ModelEntry::default()
+        };
+        for (k, v) in spec_pairs(rest)? {
+            match k {
+                "block_size" => {
+                    m.block_size = Some(v.parse().map_err(|e| format!("block_size: {e}"))?);
+                }
+                "tokenizer" => m.tokenizer = Some(v.to_owned()),
+                _ => return Err(format!("unknown model key {k:?} (block_size, tokenizer)")),
+            }
+        }
+        m.check().map_err(|e| e.to_string())?;
+        Ok(m)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.name.is_empty() {
+            bail!("a model needs a name");
+        }
+        if self.block_size == Some(0) {
+            bail!("model {:?}: block_size must be above 0", self.name);
+        }
+        Ok(())
+    }
+}
+
+impl WorkerEntry {
+    /// `--worker id=1,url=http://gpu-1:8000,model=NAME,role=prefill,zmq=tcp://gpu-1:5557,
+    /// replay=tcp://gpu-1:5558,topic=T,dp_ranks=0:1,api_key=KEY` (`id` required; `dp_ranks`
+    /// separated by `:`). vLLM's `kv_events_config` JSON is for the config file.
+    pub fn from_spec(spec: &str) -> Result<Self, String> {
+        let mut w = WorkerEntry::default();
+        let mut id = None;
+        for (k, v) in spec_pairs(spec)? {
+            let some = || Some(v.to_owned());
+            match k {
+                "id" => id = Some(v.parse::<u64>().map_err(|e| format!("id: {e}"))?),
+                "url" => w.url = some(),
+                "model" => w.model = some(),
+                "role" => w.role = some(),
+                "zmq" => w.zmq = some(),
+                "replay" => w.replay = some(),
+                "api_key" => w.api_key = some(),
+                "topic" => w.topic = some(),
+                "dp_ranks" => {
+                    w.dp_ranks = v
+                        .split(':')
+                        .map(|r| r.parse::<u32>().map_err(|e| format!("dp_ranks: {e}")))
+                        .collect::<Result<_, _>>()?;
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown worker key {k:?} (id, url, model, role, zmq, replay, \
+                         topic, dp_ranks, api_key)"
+                    ));
+                }
+            }
+        }
+        w.id = id.ok_or("a worker needs id=N")?;
+        w.check().map_err(|e| e.to_string())?;
+        Ok(w)
+    }
 }
 
 /// A parsed file.
@@ -58,6 +170,8 @@ pub struct ConfigFile {
     pub settings: BTreeMap<String, String>,
     /// The workers, in file order.
     pub workers: Vec<WorkerEntry>,
+    /// The served models, in file order.
+    pub models: Vec<ModelEntry>,
 }
 
 /// vLLM's `--kv-events-config` (the fields kvengine uses; the rest are the worker's).
@@ -69,9 +183,34 @@ struct KvEventsConfig {
     endpoint: Option<String>,
     #[serde(default)]
     replay_endpoint: Option<String>,
+    #[serde(default)]
+    topic: Option<String>,
 }
 
 impl WorkerEntry {
+    /// Checks the endpoints' shape (`tcp://HOST:PORT`).
+    fn check(&self) -> Result<()> {
+        if let Some((zmq, replay)) = self.endpoints()? {
+            transport::zmq::ZmqSource::new(engine::WorkerId(self.id), &zmq, replay.as_deref())
+                .with_context(|| format!("worker {}", self.id))?;
+        }
+        Ok(())
+    }
+
+    /// The topic to subscribe to: `topic`, else `kv_events_config`'s, else `""` (every
+    /// message).
+    pub fn topic(&self) -> Result<String> {
+        if let Some(t) = &self.topic {
+            return Ok(t.clone());
+        }
+        let Some(json) = &self.kv_events_config else {
+            return Ok(String::new());
+        };
+        let cfg: KvEventsConfig = serde_json::from_str(json)
+            .with_context(|| format!("worker {}: kv_events_config is not JSON", self.id))?;
+        Ok(cfg.topic.unwrap_or_default())
+    }
+
     /// The worker's (publisher, replay) endpoints: `zmq` / `replay`, else from
     /// `kv_events_config` with `*` (or an empty host) replaced by `url`'s host.
     pub fn endpoints(&self) -> Result<Option<(String, Option<String>)>> {
@@ -165,6 +304,12 @@ pub fn load(path: &Path) -> Result<ConfigFile> {
                 .with_context(|| format!("{}: [[workers]]", path.display()))?;
             continue;
         }
+        if key == "models" {
+            out.models = value
+                .try_into()
+                .with_context(|| format!("{}: [[models]]", path.display()))?;
+            continue;
+        }
         let flag = key.replace('_', "-");
         let Some(env) = envs.get(&flag) else {
             unknown.push(key);
@@ -184,18 +329,41 @@ pub fn load(path: &Path) -> Result<ConfigFile> {
     if !unknown.is_empty() {
         bail!(
             "{}: unknown settings {unknown:?} (names are `kvengine serve`'s long flags, \
-             e.g. router-mode, or [[workers]])",
+             e.g. router-mode, or [[workers]] and [[models]])",
             path.display()
         );
     }
-    let mut ids = std::collections::BTreeSet::new();
-    for w in &out.workers {
-        if !ids.insert(w.id) {
-            bail!("{}: worker {} is listed twice", path.display(), w.id);
-        }
-        w.endpoints()?;
-    }
+    check(&out.workers, &out.models).with_context(|| path.display().to_string())?;
     Ok(out)
+}
+
+/// Workers and models that agree: ids and names listed once, every named model listed
+/// (when any is: a typo would otherwise make a pool of its own).
+pub fn check(workers: &[WorkerEntry], models: &[ModelEntry]) -> Result<()> {
+    let mut names = std::collections::BTreeSet::new();
+    for m in models {
+        m.check()?;
+        if !names.insert(m.name.as_str()) {
+            bail!("model {:?} is listed twice", m.name);
+        }
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for w in workers {
+        if !ids.insert(w.id) {
+            bail!("worker {} is listed twice", w.id);
+        }
+        w.check()?;
+        if let Some(m) = &w.model
+            && !models.is_empty()
+            && !names.contains(m.as_str())
+        {
+            bail!(
+                "worker {}: model {m:?} is not one of the models {names:?}",
+                w.id
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The config file named by `--config PATH` / `--config=PATH` on the command line, else
@@ -259,6 +427,88 @@ mod tests {
             ..w
         };
         assert!(nats.endpoints().is_err());
+    }
+
+    #[test]
+    fn cli_specs_give_whole_workers_and_models() {
+        let w = WorkerEntry::from_spec(
+            "id=4,url=http://gpu-4:8000,model=qwen,role=prefill,zmq=tcp://gpu-4:5557,\
+             replay=tcp://gpu-4:5558,topic=kv,dp_ranks=0:1,api_key=k",
+        )
+        .unwrap();
+        assert_eq!(
+            w,
+            WorkerEntry {
+                id: 4,
+                url: Some("http://gpu-4:8000".into()),
+                zmq: Some("tcp://gpu-4:5557".into()),
+                replay: Some("tcp://gpu-4:5558".into()),
+                kv_events_config: None,
+                dp_ranks: vec![0, 1],
+                role: Some("prefill".into()),
+                api_key: Some("k".into()),
+                model: Some("qwen".into()),
+                topic: Some("kv".into()),
+            }
+        );
+        assert_eq!(w.topic().unwrap(), "kv");
+        for bad in [
+            "url=http://a:1",
+            "id=x",
+            "id=1,colour=red",
+            "id=1,zmq=udp://a:1",
+            "id",
+        ] {
+            assert!(WorkerEntry::from_spec(bad).is_err(), "{bad:?} accepted");
+        }
+        let m = ModelEntry::from_spec("qwen,block_size=32,tokenizer=stand-in").unwrap();
+        assert_eq!(
+            (m.name.as_str(), m.block_size, m.tokenizer.as_deref()),
+            ("qwen", Some(32), Some("stand-in"))
+        );
+        assert_eq!(ModelEntry::from_spec("plain").unwrap().block_size, None);
+        for bad in [
+            "",
+            ",block_size=16",
+            "m,block_size=0",
+            "m,block_size=x",
+            "m,size=1",
+        ] {
+            assert!(ModelEntry::from_spec(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn workers_must_name_listed_models() {
+        let model = |n: &str| ModelEntry {
+            name: n.into(),
+            ..ModelEntry::default()
+        };
+        let worker = |id, m: Option<&str>| WorkerEntry {
+            id,
+            model: m.map(str::to_owned),
+            ..WorkerEntry::default()
+        };
+        check(&[worker(1, Some("a")), worker(2, None)], &[model("a")]).unwrap();
+        // No [[models]]: a worker's model names its own pool.
+        check(&[worker(1, Some("b"))], &[]).unwrap();
+        assert!(check(&[worker(1, Some("typo"))], &[model("a")]).is_err());
+        assert!(check(&[], &[model("a"), model("a")]).is_err());
+        assert!(check(&[worker(1, None), worker(1, None)], &[]).is_err());
+    }
+
+    #[test]
+    fn the_topic_comes_from_kv_events_config() {
+        let w = WorkerEntry {
+            id: 1,
+            url: Some("http://h:1".into()),
+            kv_events_config: Some(
+                r#"{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}"#.into(),
+            ),
+            ..WorkerEntry::default()
+        };
+        assert_eq!(w.topic().unwrap(), "kv-events");
+        assert_eq!(WorkerEntry::default().topic().unwrap(), "");
     }
 
     #[test]

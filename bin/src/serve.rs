@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 use transport::cores::{self, Homes};
 use transport::http::{HttpConfig, health::health_loop, router, serve_http};
 use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::models::ModelSpec;
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
@@ -137,6 +138,19 @@ pub struct ServeArgs {
     #[arg(long = "zmq-worker", env = "KVENGINE_ZMQ_WORKERS", value_delimiter = ';',
           value_parser = parse_zmq)]
     pub zmq_workers: Vec<ZmqSource>,
+    /// A worker, whole: `id=1,url=http://gpu-1:8000,model=NAME,role=prefill,
+    /// zmq=tcp://gpu-1:5557,replay=tcp://gpu-1:5558,dp_ranks=0:1,api_key=KEY` (repeatable;
+    /// the env var takes a `;`-separated list). The config file's `[[workers]]` take the
+    /// same keys.
+    #[arg(long = "worker", env = "KVENGINE_WORKER", value_delimiter = ';',
+          value_parser = crate::config_file::WorkerEntry::from_spec)]
+    pub workers: Vec<crate::config_file::WorkerEntry>,
+    /// A served model: `NAME[,block_size=N][,tokenizer=SPEC]` (repeatable; `;`-separated in
+    /// the env var). Requests are routed by their `model` among that model's workers, at its
+    /// block size, tokenized with its tokenizer; an unknown model gets 404 `model_not_found`.
+    #[arg(long = "model", env = "KVENGINE_MODEL", value_delimiter = ';',
+          value_parser = crate::config_file::ModelEntry::from_spec)]
+    pub models: Vec<crate::config_file::ModelEntry>,
     /// Accept native (QUIC + rkyv) publishers on this address; needs --ingest-token.
     #[arg(long, env = "KVENGINE_QUIC")]
     pub quic: Option<SocketAddr>,
@@ -241,12 +255,35 @@ impl ServeArgs {
     }
 }
 
-/// The workers of `--config`'s file (none without one).
-fn config_workers(args: &ServeArgs) -> Result<Vec<crate::config_file::WorkerEntry>> {
-    match &args.config {
-        Some(path) => Ok(crate::config_file::load(path)?.workers),
-        None => Ok(Vec::new()),
+/// The workers and models of `--worker` / `--model` and `--config`'s file, checked
+/// together (an id or name given twice is an error).
+fn config_workers(
+    args: &ServeArgs,
+) -> Result<(
+    Vec<crate::config_file::WorkerEntry>,
+    Vec<crate::config_file::ModelEntry>,
+)> {
+    let (mut workers, mut models) = (args.workers.clone(), args.models.clone());
+    if let Some(path) = &args.config {
+        let file = crate::config_file::load(path)?;
+        workers.extend(file.workers);
+        models.extend(file.models);
     }
+    crate::config_file::check(&workers, &models).context("--worker / --model / --config")?;
+    Ok((workers, models))
+}
+
+/// Loads a tokenizer as `--tokenizer` names it: `None` for the stand-in.
+fn load_tokenizer(spec: &str) -> Result<Option<Arc<PromptTokenizer>>> {
+    if spec == STAND_IN {
+        return Ok(None);
+    }
+    let hf_home = std::env::var_os("HF_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface")))
+        .unwrap_or_else(|| PathBuf::from(".cache/huggingface"));
+    let path = PromptTokenizer::resolve(spec, &hf_home)?;
+    Ok(Some(Arc::new(PromptTokenizer::from_path(&path)?)))
 }
 
 /// `--tokenizer stand-in`: the built-in stand-in, asked for by name.
@@ -274,11 +311,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.approximate() && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
     }
-    let file_publishers = config_workers(args)?
+    let (workers, models) = config_workers(args)?;
+    // A publishing worker whose model has no tokenizer of its own falls back to
+    // --tokenizer: that must then be given.
+    let own_tokenizer = |m: &Option<String>| {
+        models
+            .iter()
+            .any(|e| Some(&e.name) == m.as_ref() && e.tokenizer.is_some())
+    };
+    let untokenized_publishers = workers
         .iter()
-        .any(|w| w.zmq.is_some() || w.kv_events_config.is_some());
+        .any(|w| (w.zmq.is_some() || w.kv_events_config.is_some()) && !own_tokenizer(&w.model));
     if args.tokenizer.is_none()
-        && (!args.zmq_workers.is_empty() || file_publishers)
+        && (!args.zmq_workers.is_empty() || untokenized_publishers)
         && scheduler.mode == engine::sched::RouteMode::Kv
     {
         bail!(
@@ -611,6 +656,7 @@ fn register_file_workers(
             dp_ranks: w.dp_ranks.iter().copied().map(engine::DpRank).collect(),
             role,
             api_key: w.api_key.clone(),
+            model: w.model.clone(),
             ..Registration::new(id)
         })?;
         match &endpoints {
@@ -626,7 +672,7 @@ fn register_file_workers(
                 hub,
                 subs,
                 spawner,
-                ZmqSource::new(id, &zmq, replay.as_deref())?,
+                ZmqSource::new(id, &zmq, replay.as_deref())?.with_topic(w.topic()?),
             );
         }
     }
@@ -654,7 +700,20 @@ async fn reload_on_sighup(
     };
     while hup.recv().await.is_some() {
         let workers = match crate::config_file::load(&path) {
-            Ok(f) => f.workers,
+            Ok(f) => {
+                // New models get their pools now; a model's tokenizer is read at start only.
+                let declared = f.models.iter().try_for_each(|m| {
+                    hub.declare_model(&ModelSpec {
+                        name: m.name.clone(),
+                        block_size: m.block_size,
+                    })
+                });
+                if let Err(e) = declared {
+                    tracing::error!("reloading {}: {e}; workers unchanged", path.display());
+                    continue;
+                }
+                f.workers
+            }
             Err(e) => {
                 tracing::error!("reloading {}: {e:#}; workers unchanged", path.display());
                 continue;
@@ -717,11 +776,34 @@ async fn serve(
         println!("kvengine: subscribing to worker {source}");
         subscribe(&hub, &subs, &spawner, source.clone());
     }
-    let file_workers = config_workers(args)?;
+    let (file_workers, models) = config_workers(args)?;
+    let mut model_tokenizers = std::collections::HashMap::new();
+    for m in &models {
+        hub.declare_model(&ModelSpec {
+            name: m.name.clone(),
+            block_size: m.block_size,
+        })?;
+        if let Some(spec) = &m.tokenizer
+            && let Some(t) =
+                load_tokenizer(spec).with_context(|| format!("model {:?}: tokenizer", m.name))?
+        {
+            model_tokenizers.insert(m.name.clone(), t);
+        }
+        println!(
+            "kvengine: serving model {:?} (block size {})",
+            m.name,
+            hub.block_size_in(&m.name)
+        );
+    }
     register_file_workers(&hub, &subs, &spawner, &file_workers)?;
     #[cfg(unix)]
     if let Some(path) = args.config.clone() {
-        let known = file_workers.iter().map(|w| w.id).collect();
+        // The file's own workers: those given with --worker are not the file's to remove.
+        let known = file_workers
+            .iter()
+            .filter(|w| !args.workers.iter().any(|c| c.id == w.id))
+            .map(|w| w.id)
+            .collect();
         tokio::spawn(reload_on_sighup(
             path,
             known,
@@ -732,20 +814,7 @@ async fn serve(
     }
 
     let tokenizer = match &args.tokenizer {
-        Some(path) if path.as_os_str() == STAND_IN => None,
-        Some(spec) => {
-            let hf_home = std::env::var_os("HF_HOME")
-                .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface"))
-                })
-                .unwrap_or_else(|| PathBuf::from(".cache/huggingface"));
-            let path = PromptTokenizer::resolve(&spec.to_string_lossy(), &hf_home)
-                .context("--tokenizer")?;
-            Some(Arc::new(
-                PromptTokenizer::from_path(&path).context("--tokenizer")?,
-            ))
-        }
+        Some(spec) => load_tokenizer(&spec.to_string_lossy()).context("--tokenizer")?,
         None => None,
     };
     let sims = start_sim_workers(&hub, &subs, &spawner, args, tokenizer.clone()).await?;
@@ -813,6 +882,7 @@ async fn serve(
         hub.clone(),
         ProxyConfig {
             tokenizer,
+            model_tokenizers,
             max_body_bytes: args.max_body_bytes,
             disagg: args.disagg.config()?,
             ..ProxyConfig::default()

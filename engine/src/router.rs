@@ -258,6 +258,16 @@ impl Router {
         self.scheduler.free(id).map_err(RouteError::Engine)
     }
 
+    /// Worker keys in routing (healthy ones: unhealthy workers are taken out).
+    pub fn routable_workers(&self) -> usize {
+        self.scheduler.worker_count()
+    }
+
+    /// Whether request `name` is active.
+    pub fn is_active(&self, name: &str) -> bool {
+        self.ids.contains_key(name)
+    }
+
     /// Requests active over all workers.
     pub fn active_requests(&self) -> usize {
         self.scheduler.active_requests()

@@ -22,9 +22,9 @@ pyo3::create_exception!(
 pub(crate) fn from_transport(e: TransportError) -> PyErr {
     let msg = e.to_string();
     match e {
-        TransportError::UnknownWorker(_) | TransportError::UnknownRequest(_) => {
-            PyKeyError::new_err(msg)
-        }
+        TransportError::UnknownWorker(_)
+        | TransportError::UnknownRequest(_)
+        | TransportError::UnknownModel(_) => PyKeyError::new_err(msg),
         TransportError::Engine(e) => from_engine(e),
         TransportError::Io { .. } => PyOSError::new_err(msg),
         TransportError::MalformedMsgpack(_)

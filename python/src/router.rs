@@ -512,10 +512,10 @@ impl KvRouter {
             let hub = shared.hub();
             match policy {
                 Some(mut p) => {
-                    let r = hub.route_with(&call, Instant::now(), &mut p);
+                    let r = hub.route_with(None, &call, Instant::now(), &mut p);
                     (r, p.error.take())
                 }
-                None => (hub.route(&call, Instant::now()), None),
+                None => (hub.route(None, &call, Instant::now()), None),
             }
         });
         if let Some(e) = policy_error {

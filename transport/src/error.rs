@@ -46,6 +46,9 @@ pub enum TransportError {
     /// The worker is not registered.
     #[error("unknown worker {0}")]
     UnknownWorker(u64),
+    /// No worker serves the requested model.
+    #[error("the model `{0}` does not exist")]
+    UnknownModel(String),
     /// A connection presented no or the wrong ingest token.
     #[error("unauthorized: {0}")]
     Unauthorized(&'static str),
@@ -157,6 +160,7 @@ impl TransportError {
             TransportError::Engine(e) => DropReason::Engine(e.reason()),
             TransportError::Invalid { .. }
             | TransportError::UnknownRequest(_)
+            | TransportError::UnknownModel(_)
             | TransportError::DuplicateRequest(_)
             | TransportError::Io { .. } => DropReason::Other,
         }

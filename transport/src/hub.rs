@@ -9,6 +9,9 @@
 //! 3. A request id is active in the scheduler iff it is in the id map (kept by the sans-IO
 //!    [`Router`], which holds the scheduler, request ids, cached totals and approximate
 //!    mode; the hub drives it under one mutex and feeds it the index's overlaps).
+//! 4. Each served model has its own router and block size ([`crate::models`]); a worker's
+//!    events are converted at its model's block size and its keys are routed only by its
+//!    model's router.
 //!
 //! # Concurrency
 //! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
@@ -26,11 +29,12 @@
 use crate::cores;
 use crate::error::{Result, TransportError};
 use crate::metrics::Metrics;
+use crate::models::{DEFAULT_MODEL, ModelError, ModelSpec, Namespaces};
 use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
-use engine::router::{NameError, RouteError, Router};
+use engine::router::{NameError, RouteError};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
 use engine::sharding::choice::Sharding;
@@ -69,6 +73,9 @@ pub struct Registration {
     /// Its API key (vLLM `--api-key`): sent as `Authorization: Bearer` on the requests the
     /// front door forwards to it, instead of the client's. Never shown.
     pub api_key: Option<String>,
+    /// The model it serves (`None`: keep the registered one; the default namespace for a
+    /// new worker). See [`crate::models`].
+    pub model: Option<String>,
 }
 
 impl Registration {
@@ -83,6 +90,7 @@ impl Registration {
             role: None,
             bootstrap_port: None,
             api_key: None,
+            model: None,
         }
     }
 
@@ -121,6 +129,8 @@ struct WorkerEntry {
     resyncing: BTreeSet<DpRank>,
     config_error: Option<String>,
     events: u64,
+    /// Its model's block size (what its events are converted at).
+    block_size: u32,
 }
 
 pub use engine::router::{RouteCall, Routed};
@@ -130,15 +140,16 @@ pub use engine::router::{RouteCall, Routed};
 pub struct Hub {
     config: HubConfig,
     engine: Engine,
-    /// Scheduler, request ids, cached totals, approximate mode: one lock, held for one
-    /// decision.
-    routing: Mutex<Router>,
+    /// Per model: scheduler, request ids, cached totals, approximate mode. One lock, held
+    /// for one decision.
+    routing: Mutex<Namespaces>,
     registry: RwLock<BTreeMap<WorkerId, WorkerEntry>>,
     metrics: Metrics,
     /// Approximate mode (`--no-kv-events`): routing decisions predict the caches.
     approximate: bool,
-    /// Whether healthy prefill and decode workers are both registered (the front door then
-    /// disaggregates): kept with the scheduler's pools, read without a lock per request.
+    /// Whether some model has healthy prefill and decode workers both registered (the front
+    /// door then disaggregates its requests): kept with the schedulers' pools, read without
+    /// a lock per request.
     disaggregating: AtomicBool,
 }
 
@@ -187,7 +198,7 @@ impl Hub {
         Ok(Self {
             config,
             engine,
-            routing: Mutex::new(Router::new(config.scheduler, None)?),
+            routing: Mutex::new(Namespaces::new(config.scheduler, None)?),
             registry: RwLock::new(BTreeMap::new()),
             metrics: Metrics::default(),
             approximate: false,
@@ -199,7 +210,7 @@ impl Hub {
     /// each routing decision is taken as a prediction that the chosen worker now caches the
     /// request's blocks (see [`engine::approx`]). Events are then refused.
     pub fn without_kv_events(mut self, config: ApproxConfig) -> Result<Self> {
-        self.routing = Mutex::new(Router::new(self.config.scheduler, Some(config))?);
+        self.routing = Mutex::new(Namespaces::new(self.config.scheduler, Some(config))?);
         self.approximate = true;
         Ok(self)
     }
@@ -219,19 +230,78 @@ impl Hub {
         }
     }
 
-    /// The request's overlaps from the index, or from the predictions in approximate mode.
-    fn find_matches(&self, seqs: &[SeqHash], now: Instant) -> Result<Matches> {
+    /// The request's overlaps from the index, or from `model`'s predictions in approximate
+    /// mode.
+    fn find_matches(&self, model: &str, seqs: &[SeqHash], now: Instant) -> Result<Matches> {
         if self.approximate
-            && let Some(m) = lock(&self.routing).predicted_matches(now, seqs)
+            && let Some(m) = lock(&self.routing)
+                .get_mut(model)
+                .and_then(|ns| ns.router.predicted_matches(now, seqs))
         {
             return Ok(m);
         }
         Ok(self.on_query(&mut |q| q.find_matches(seqs))?)
     }
 
-    /// The router's block size, in tokens.
+    /// The router's block size, in tokens (the default namespace's: `--kv-cache-block-size`).
     pub fn block_size(&self) -> u32 {
         self.config.scheduler.block_size
+    }
+
+    /// The block size `worker`'s events are converted at: its model's (the router's for an
+    /// unregistered worker).
+    pub fn block_size_of(&self, worker: WorkerId) -> u32 {
+        self.registry_read()
+            .get(&worker)
+            .map_or(self.block_size(), |e| e.block_size)
+    }
+
+    /// The block size of `model`'s namespace (the router's for an unknown one).
+    pub fn block_size_in(&self, model: &str) -> u32 {
+        lock(&self.routing).block_size(model)
+    }
+
+    // ----- models -----
+
+    /// Declares a served model (before its workers register): it gets its own pool, block
+    /// size and router, and is listed by `/v1/models` even while it has no worker.
+    pub fn declare_model(&self, spec: &ModelSpec) -> Result<()> {
+        lock(&self.routing).declare(spec)
+    }
+
+    /// The namespace a request naming `requested` routes in, with its block size (see
+    /// [`crate::models`] for the rules).
+    pub fn resolve_model(&self, requested: Option<&str>) -> Result<(String, u32)> {
+        let routing = lock(&self.routing);
+        match routing.resolve(requested) {
+            Ok(m) => Ok((m.to_owned(), routing.block_size(m))),
+            Err(ModelError::NotFound(m)) => Err(TransportError::UnknownModel(m)),
+            Err(ModelError::Required(all)) => Err(TransportError::Invalid {
+                name: "model",
+                reason: format!("this router serves several models ({all:?}); name one"),
+            }),
+        }
+    }
+
+    /// The served models by name (the default namespace excluded), each with whether it
+    /// has a healthy worker.
+    pub fn models(&self) -> Vec<(String, bool)> {
+        let routing = lock(&self.routing);
+        routing
+            .named()
+            .map(|m| {
+                let ready = routing
+                    .iter()
+                    .find(|(n, _)| *n == m)
+                    .is_some_and(|(_, ns)| ns.router.routable_workers() > 0);
+                (m.to_owned(), ready)
+            })
+            .collect()
+    }
+
+    /// The model `worker` serves ([`DEFAULT_MODEL`] if it named none or is unknown).
+    pub fn model_of(&self, worker: WorkerId) -> String {
+        lock(&self.routing).model_of(worker).to_owned()
     }
 
     /// The configuration.
@@ -305,6 +375,7 @@ impl Hub {
         }
         let mut registry = self.registry_write();
         let new = !registry.contains_key(&reg.worker);
+        let default_block_size = self.block_size();
         let entry = registry.entry(reg.worker).or_insert_with(|| WorkerEntry {
             registration: Registration::new(reg.worker),
             ranks: BTreeSet::new(),
@@ -312,20 +383,44 @@ impl Hub {
             resyncing: BTreeSet::new(),
             config_error: None,
             events: 0,
+            block_size: default_block_size,
         });
         let role = reg.role.unwrap_or(entry.registration.role());
+        let model = reg
+            .model
+            .clone()
+            .or_else(|| entry.registration.model.clone())
+            .unwrap_or_default();
         let mut routing = lock(&self.routing);
-        // A changed role applies to every known rank, not only the ones named now.
+        let moved = routing.model_of(reg.worker) != model;
+        let router = routing.place(reg.worker, &model)?;
+        // A changed role applies to every known rank, not only the ones named now; a worker
+        // that changed model joins its new pool with every rank.
         let all: BTreeSet<DpRank> = ranks.union(&entry.ranks).copied().collect();
         let mut added = Ok(());
         for &r in &all {
             if entry.healthy && added.is_ok() {
-                added = routing.add_worker(key(reg.worker, r), role);
+                added = router.add_worker(key(reg.worker, r), role);
             }
             entry.ranks.insert(r);
         }
+        entry.block_size = routing.block_size(&model);
         self.note_pools(&routing);
+        drop(routing);
         added?;
+        if moved && !new {
+            // Blocks it cached for its old model are not its new model's.
+            entry.registration.model = Some(model.clone());
+            drop(registry);
+            for &r in &all {
+                self.clear(key(reg.worker, r))?;
+            }
+            registry = self.registry_write();
+        }
+        let Some(entry) = registry.get_mut(&reg.worker) else {
+            return Err(TransportError::UnknownWorker(reg.worker.0));
+        };
+        entry.registration.model = (!model.is_empty()).then_some(model);
         let e = &mut entry.registration;
         e.role = Some(role);
         e.bootstrap_port = reg.bootstrap_port.or(e.bootstrap_port);
@@ -369,7 +464,7 @@ impl Hub {
         drop(registry);
         {
             let mut routing = lock(&self.routing);
-            routing.remove_worker(worker, true);
+            routing.unplace(worker);
             self.note_pools(&routing);
         }
         let dropped = self.on_ingest(worker, &mut |e| e.remove_worker(worker))?;
@@ -389,15 +484,17 @@ impl Hub {
         entry.healthy = healthy;
         let mut routing = lock(&self.routing);
         let mut added = Ok(());
-        if healthy {
-            let role = entry.registration.role();
-            for &r in &entry.ranks {
-                if added.is_ok() {
-                    added = routing.add_worker(key(worker, r), role);
+        if let Some(router) = routing.router_of(worker) {
+            if healthy {
+                let role = entry.registration.role();
+                for &r in &entry.ranks {
+                    if added.is_ok() {
+                        added = router.add_worker(key(worker, r), role);
+                    }
                 }
+            } else {
+                router.remove_worker(worker, false);
             }
-        } else {
-            routing.remove_worker(worker, false);
         }
         self.note_pools(&routing);
         added?;
@@ -438,22 +535,27 @@ impl Hub {
             .map(|e| e.registration.clone())
     }
 
-    /// Whether healthy prefill and decode workers are both registered: requests are then
-    /// disaggregated. One atomic load.
-    pub fn disaggregating(&self) -> bool {
+    /// Whether `model`'s healthy workers include both prefill and decode ones: its
+    /// requests are then disaggregated. One atomic load while no model disaggregates.
+    pub fn disaggregating(&self, model: &str) -> bool {
         self.disaggregating.load(Relaxed)
+            && lock(&self.routing)
+                .get_mut(model)
+                .is_some_and(|ns| disaggregates(&ns.router))
     }
 
-    /// Refreshes [`Hub::disaggregating`] after the scheduler's workers changed (called with
+    /// Refreshes [`Hub::disaggregating`] after the schedulers' workers changed (called with
     /// the routing lock held, so updates are ordered).
-    fn note_pools(&self, routing: &Router) {
-        let both = routing.has_role(WorkerRole::Prefill) && routing.has_role(WorkerRole::Decode);
-        self.disaggregating.store(both, Relaxed);
+    fn note_pools(&self, routing: &Namespaces) {
+        let any = routing.iter().any(|(_, ns)| disaggregates(&ns.router));
+        self.disaggregating.store(any, Relaxed);
     }
 
     /// The load routed requests put on `key` now.
     pub fn active_load(&self, key: WorkerKey) -> Option<ActiveLoad> {
-        lock(&self.routing).active_load(key)
+        lock(&self.routing)
+            .router_of_ref(key.worker)
+            .and_then(|r| r.active_load(key))
     }
 
     /// Every registered worker, by id.
@@ -473,7 +575,12 @@ impl Hub {
                     .iter()
                     .map(|&r| {
                         let k = key(e.registration.worker, r);
-                        (r, routing.active_load(k), routing.reported_load(k))
+                        let router = routing.router_of_ref(k.worker);
+                        (
+                            r,
+                            router.and_then(|x| x.active_load(k)),
+                            router.and_then(|x| x.reported_load(k)),
+                        )
                     })
                     .collect(),
             })
@@ -605,18 +712,32 @@ impl Hub {
             let n = self.on_ingest(key.worker, &mut |e| e.cached_blocks(key))?;
             fresh.push((key, n));
         }
-        lock(&self.routing).set_cached_blocks(fresh);
+        let mut routing = lock(&self.routing);
+        let mut by_model: BTreeMap<String, Vec<(WorkerKey, u64)>> = BTreeMap::new();
+        for (k, n) in fresh {
+            by_model
+                .entry(routing.model_of(k.worker).to_owned())
+                .or_default()
+                .push((k, n));
+        }
+        for (model, ns) in routing.iter_mut() {
+            ns.router
+                .set_cached_blocks(by_model.remove(model).unwrap_or_default());
+        }
         Ok(())
     }
 
     /// The cached-block total of `key` as of the last refresh.
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
-        lock(&self.routing).cached_blocks(key)
+        lock(&self.routing)
+            .router_of_ref(key.worker)
+            .map_or(0, |r| r.cached_blocks(key))
     }
 
     // ----- routing -----
 
-    /// The seq hashes of `tokens`' full blocks.
+    /// The seq hashes of `tokens`' full blocks at the router's block size (the default
+    /// namespace's; [`Hub::resolve_model`] gives a model's).
     pub fn hash_prompt(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<SeqHash> {
         seq_hashes(tokens, self.block_size() as usize, lora_seed(lora_name))
     }
@@ -624,73 +745,113 @@ impl Hub {
     /// Which workers hold how much of the prompt whose full blocks are `seqs`. No state
     /// changes.
     pub fn find_matches_for(&self, seqs: &[SeqHash]) -> Result<Matches> {
-        self.find_matches(seqs, Instant::now())
+        self.find_matches(DEFAULT_MODEL, seqs, Instant::now())
     }
 
-    /// Which workers hold how much of the prompt. No state changes.
-    pub fn overlap(&self, tokens: &[u32], lora_name: Option<&str>) -> Result<(usize, Matches)> {
-        let seqs = self.hash_prompt(tokens, lora_name);
-        let matches = self.find_matches(&seqs, Instant::now())?;
-        Ok((seqs.len(), matches))
+    /// Which of `model`'s workers hold how much of the prompt: the model's block size, the
+    /// prompt's full blocks and the overlaps. No state changes.
+    pub fn overlap(
+        &self,
+        model: Option<&str>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+    ) -> Result<(u32, usize, Matches)> {
+        let (model, block_size) = self.resolve_model(model)?;
+        let seqs = seq_hashes(tokens, block_size as usize, lora_seed(lora_name));
+        let mut matches = self.find_matches(&model, &seqs, Instant::now())?;
+        {
+            let routing = lock(&self.routing);
+            matches
+                .overlaps
+                .retain(|(k, _)| routing.model_of(k.worker) == model);
+        }
+        Ok((block_size, seqs.len(), matches))
     }
 
-    /// Routes a request and records it as active on the chosen worker.
-    pub fn route(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
-        let seqs = self.hash_prompt(call.tokens, call.lora_name);
-        let matches = self.find_matches(&seqs, now)?;
-        self.decide(call, &seqs, &matches, now)
+    /// Routes a request for `model` (see [`Hub::resolve_model`]) and records it as active
+    /// on the chosen worker.
+    pub fn route(&self, model: Option<&str>, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
+        let (model, seqs) = self.prepare(model, call)?;
+        let matches = self.find_matches(&model, &seqs, now)?;
+        self.decide_with(&model, call, &seqs, &matches, now, None)
     }
 
     /// [`Hub::route`] with `custom` choosing the worker among the scored candidates (the
     /// Python package's custom policies). It runs under the routing lock, once per call.
     pub fn route_with(
         &self,
+        model: Option<&str>,
         call: &RouteCall<'_>,
         now: Instant,
         custom: &mut dyn Policy,
     ) -> Result<Routed> {
-        let seqs = self.hash_prompt(call.tokens, call.lora_name);
-        let matches = self.find_matches(&seqs, now)?;
-        self.decide_with(call, &seqs, &matches, now, Some(custom))
+        let (model, seqs) = self.prepare(model, call)?;
+        let matches = self.find_matches(&model, &seqs, now)?;
+        self.decide_with(&model, call, &seqs, &matches, now, Some(custom))
     }
 
     /// [`Hub::route`] for async callers: on a hosted core, a query for another core's shard
     /// waits without blocking the thread, which keeps serving meanwhile.
-    pub async fn route_async(&self, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
-        let seqs = self.hash_prompt(call.tokens, call.lora_name);
+    pub async fn route_async(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+    ) -> Result<Routed> {
+        let (model, seqs) = self.prepare(model, call)?;
         let hosted = matches!(self.engine, Engine::Hosted { .. }) && !self.approximate;
         let matches = match hosted {
             true => match cores::find_matches(&seqs).await {
                 Some(r) => r?,
-                None => self.find_matches(&seqs, now)?,
+                None => self.find_matches(&model, &seqs, now)?,
             },
-            false => self.find_matches(&seqs, now)?,
+            false => self.find_matches(&model, &seqs, now)?,
         };
-        self.decide(call, &seqs, &matches, now)
+        self.decide_with(&model, call, &seqs, &matches, now, None)
+    }
+
+    /// The namespace of the call and its prompt's seq hashes at that model's block size.
+    fn prepare(&self, model: Option<&str>, call: &RouteCall<'_>) -> Result<(String, Vec<SeqHash>)> {
+        let (model, block_size) = self.resolve_model(model)?;
+        let seqs = seq_hashes(call.tokens, block_size as usize, lora_seed(call.lora_name));
+        Ok((model, seqs))
     }
 
     /// The scheduler's decision for a request whose overlaps are known; records it.
-    fn decide(
-        &self,
-        call: &RouteCall<'_>,
-        seqs: &[SeqHash],
-        matches: &Matches,
-        now: Instant,
-    ) -> Result<Routed> {
-        self.decide_with(call, seqs, matches, now, None)
-    }
-
     fn decide_with(
         &self,
+        model: &str,
         call: &RouteCall<'_>,
         seqs: &[SeqHash],
         matches: &Matches,
         now: Instant,
         custom: Option<&mut dyn Policy>,
     ) -> Result<Routed> {
-        let routed = lock(&self.routing)
-            .route_with(now, call, seqs, matches, custom)
-            .map_err(refused)?;
+        let routed = {
+            let mut routing = lock(&self.routing);
+            // Ids are unique across models (the namespaces' invariant 2): named ones are
+            // checked here, generated ones never repeat.
+            let named;
+            let call = match &call.request_id {
+                Some(n) if routing.is_active(n) => {
+                    return Err(TransportError::DuplicateRequest(n.clone()));
+                }
+                Some(_) => call,
+                None => {
+                    named = RouteCall {
+                        request_id: Some(routing.generate_id()),
+                        ..*call
+                    };
+                    &named
+                }
+            };
+            let Some(ns) = routing.get_mut(model) else {
+                return Err(TransportError::UnknownModel(model.to_owned()));
+            };
+            ns.router
+                .route_with(now, call, seqs, matches, custom)
+                .map_err(refused)?
+        };
         let decision = &routed.decision;
         self.metrics.decided(decision.mode);
         self.metrics
@@ -704,12 +865,16 @@ impl Hub {
 
     /// Marks a routed request prefilled (its first token streamed).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
-        lock(&self.routing).prefilled(request_id).map_err(refused)
+        lock(&self.routing)
+            .with_request(request_id, |r| r.prefilled(request_id))
+            .map_err(refused)
     }
 
     /// Frees a routed request (finished or cancelled).
     pub fn finish(&self, request_id: &str) -> Result<()> {
-        lock(&self.routing).finish(request_id).map_err(refused)
+        lock(&self.routing)
+            .with_request(request_id, |r| r.finish(request_id))
+            .map_err(refused)
     }
 
     /// Records the load a worker rank reported.
@@ -720,13 +885,21 @@ impl Hub {
         }
         self.admit(key)?;
         // An unhealthy worker is out of routing; its report is not an error.
-        Ok(lock(&self.routing).update_load(key, load)?)
+        match lock(&self.routing).router_of(key.worker) {
+            Some(r) => Ok(r.update_load(key, load)?),
+            None => Ok(()),
+        }
     }
 
     /// Requests active over all workers.
     pub fn active_requests(&self) -> usize {
         lock(&self.routing).active_requests()
     }
+}
+
+/// Whether `router` has both prefill and decode workers (its requests disaggregate).
+fn disaggregates(router: &engine::router::Router) -> bool {
+    router.has_role(WorkerRole::Prefill) && router.has_role(WorkerRole::Decode)
 }
 
 /// A refusal of the router as the transports report it.

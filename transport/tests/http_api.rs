@@ -860,7 +860,7 @@ async fn roles_split_route_calls_into_pools() {
         assert_eq!(v["role"], role);
     }
     assert!(
-        s.hub.disaggregating(),
+        s.hub.disaggregating(""),
         "prefill and decode workers: the front door splits"
     );
     // Prefill worker 2 holds the prompt: a prefill call goes there, among prefill workers only.
@@ -909,7 +909,7 @@ async fn roles_split_route_calls_into_pools() {
         s.post("/v1/workers", json!({"worker_id": w, "role": "decode"}))
             .await;
     }
-    assert!(!s.hub.disaggregating(), "no prefill worker left");
+    assert!(!s.hub.disaggregating(""), "no prefill worker left");
     let (st, v) = s
         .post("/v1/route", json!({"token_ids": p, "pool": "prefill"}))
         .await;

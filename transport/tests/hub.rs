@@ -58,7 +58,7 @@ fn events_route_and_requests_flow_through_the_hub() {
         .unwrap();
     hub.sync().unwrap();
 
-    let (blocks, m) = hub.overlap(&prompt, None).unwrap();
+    let (_, blocks, m) = hub.overlap(None, &prompt, None).unwrap();
     assert_eq!(blocks, 10);
     assert_eq!(m.overlaps, vec![(key(7, 0), 10), (key(8, 3), 4)]);
     let ranks: Vec<_> = hub
@@ -73,11 +73,11 @@ fn events_route_and_requests_flow_through_the_hub() {
         tokens: &prompt,
         ..RouteCall::default()
     };
-    let routed = hub.route(&call, Instant::now()).unwrap();
+    let routed = hub.route(None, &call, Instant::now()).unwrap();
     assert_eq!(routed.decision.worker, key(7, 0));
     assert_eq!(routed.decision.overlap_blocks, 10);
     assert!(matches!(
-        hub.route(&call, Instant::now()),
+        hub.route(None, &call, Instant::now()),
         Err(TransportError::DuplicateRequest(_))
     ));
     assert_eq!(hub.active_requests(), 1);
@@ -94,15 +94,15 @@ fn events_route_and_requests_flow_through_the_hub() {
         tokens: &prompt,
         ..RouteCall::default()
     };
-    let a = hub.route(&call, Instant::now()).unwrap().request_id;
-    let b = hub.route(&call, Instant::now()).unwrap().request_id;
+    let a = hub.route(None, &call, Instant::now()).unwrap().request_id;
+    let b = hub.route(None, &call, Instant::now()).unwrap().request_id;
     assert_ne!(a, b);
 
     // Removing a worker drops its blocks and its requests.
     let dropped = hub.remove_worker(WorkerId(7)).unwrap();
     assert_eq!(dropped, Some(1), "one rank held blocks");
     assert_eq!(hub.remove_worker(WorkerId(7)).unwrap(), None);
-    let (_, m) = hub.overlap(&prompt, None).unwrap();
+    let (_, _, m) = hub.overlap(None, &prompt, None).unwrap();
     assert_eq!(m.overlaps, vec![(key(8, 3), 4)]);
     assert_eq!(hub.active_requests(), 0, "both requests were on worker 7");
 
@@ -110,7 +110,13 @@ fn events_route_and_requests_flow_through_the_hub() {
     hub.resync(key(8, 3)).unwrap();
     hub.sync().unwrap();
     assert_eq!(hub.workers()[0].resyncing, vec![DpRank(3)]);
-    assert!(hub.overlap(&prompt, None).unwrap().1.overlaps.is_empty());
+    assert!(
+        hub.overlap(None, &prompt, None)
+            .unwrap()
+            .2
+            .overlaps
+            .is_empty()
+    );
     hub.ingest(key(8, 3), vec![stored(&prompt[..32], 300)])
         .unwrap();
     assert!(hub.workers()[0].resyncing.is_empty());
@@ -141,15 +147,15 @@ fn without_kv_events_decisions_predict_the_caches_and_events_are_refused() {
         tokens: &prompt,
         ..RouteCall::default()
     };
-    let first = hub.route(&call, Instant::now()).unwrap();
+    let first = hub.route(None, &call, Instant::now()).unwrap();
     assert_eq!(first.decision.overlap_blocks, 0);
     let id = first.request_id.clone();
     hub.finish(&id).unwrap();
     // The first decision is now a prediction: the same prompt goes back with its overlap.
-    let second = hub.route(&call, Instant::now()).unwrap();
+    let second = hub.route(None, &call, Instant::now()).unwrap();
     assert_eq!(second.decision.worker, first.decision.worker);
     assert_eq!(second.decision.overlap_blocks, 6);
-    let (_, m) = hub.overlap(&prompt, None).unwrap();
+    let (_, _, m) = hub.overlap(None, &prompt, None).unwrap();
     assert_eq!(m.overlaps, vec![(first.decision.worker, 6)]);
     assert!(matches!(
         hub.ingest(key(1, 0), vec![stored(&prompt, 1)]),

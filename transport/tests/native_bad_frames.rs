@@ -132,7 +132,7 @@ fn batch(worker: u64, seq: u64, events: &[NativeEvent]) -> Vec<u8> {
 }
 
 fn overlap(hub: &Hub, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
-    hub.overlap(tokens, None).unwrap().1.overlaps
+    hub.overlap(None, tokens, None).unwrap().2.overlaps
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

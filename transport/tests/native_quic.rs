@@ -123,7 +123,7 @@ fn to_engine(e: &NativeEvent) -> KvEvent {
 }
 
 fn overlaps(hub: &Hub, tokens: &[u32]) -> Vec<(WorkerKey, u32)> {
-    let mut v = hub.overlap(tokens, None).unwrap().1.overlaps;
+    let mut v = hub.overlap(None, tokens, None).unwrap().2.overlaps;
     v.sort();
     v
 }
@@ -423,7 +423,7 @@ async fn stored_tokens_are_hashed_by_the_server_like_the_engine() {
     let done = p.finish().await.unwrap();
     assert_eq!(done.events, 2);
     env.hub.sync().unwrap();
-    let (_, m) = env.hub.overlap(&t, Some("adapter-a")).unwrap();
+    let (_, _, m) = env.hub.overlap(None, &t, Some("adapter-a")).unwrap();
     assert_eq!(m.overlaps, vec![(key(4, 0), 3)]);
     assert_eq!(
         overlaps(&env.hub, &t),

@@ -46,7 +46,10 @@ fn batch(dp_rank: u32, events: Vec<WireEvent>) -> WireBatch {
 
 fn overlap(hub: &Hub, p: u32, blocks: usize) -> Vec<(WorkerKey, u32)> {
     hub.sync().unwrap();
-    hub.overlap(&prompt(p, blocks), None).unwrap().1.overlaps
+    hub.overlap(None, &prompt(p, blocks), None)
+        .unwrap()
+        .2
+        .overlaps
 }
 
 fn key(w: u64, r: u32) -> WorkerKey {
@@ -349,11 +352,62 @@ async fn real_vllm_and_sglang_payloads_apply_through_the_live_path() {
     for p in &prompts {
         let seqs = hub.hash_prompt(p, None);
         assert_eq!(
-            hub.overlap(p, None).unwrap().1,
+            hub.overlap(None, p, None).unwrap().2,
             reference.find_matches(&seqs),
             "prompt {p:?}"
         );
     }
     drop(hub);
     rig.stop(publisher).await;
+}
+
+/// vLLM's `topic`: a subscriber takes only its topic's messages (the publisher sends under
+/// `kv-events`), and every message with the empty topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_subscribed_topic_is_taken() {
+    let (hub, runtime) = common::hub(2);
+    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", None, 64)
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for (worker, topic) in [(1, "kv-events"), (2, "other-model"), (3, "kv")] {
+        let source = ZmqSource::new(WorkerId(worker), publisher.endpoint(), None)
+            .unwrap()
+            .with_topic(topic);
+        hub.register(Registration::new(WorkerId(worker))).unwrap();
+        tasks.push(spawn_subscriber(
+            hub.clone(),
+            source,
+            SubscriberConfig::default(),
+        ));
+    }
+    // Until workers 1 (its exact topic) and 3 (a prefix of it) have the blocks; then a few
+    // more batches, which worker 2 would have had too were it not filtered out.
+    let start = Instant::now();
+    while overlap(&hub, 5, 2).len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "subscribers never got the store"
+        );
+        publisher
+            .publish(&batch(0, vec![store(5, 2)]))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..5 {
+        publisher
+            .publish(&batch(0, vec![store(5, 2)]))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(overlap(&hub, 5, 2), vec![(key(1, 0), 2), (key(3, 0), 2)]);
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    drop(publisher);
+    drop(hub);
+    runtime.join().unwrap();
 }

@@ -129,6 +129,11 @@ impl Scheduler {
         Ok(self.workers.add(key, role)?.is_some())
     }
 
+    /// Registered worker keys.
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
     /// Whether any key is registered with `role`.
     pub fn has_role(&self, role: WorkerRole) -> bool {
         self.workers.has_role(role)

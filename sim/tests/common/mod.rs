@@ -174,7 +174,7 @@ impl SubscribedHub {
         let start = Instant::now();
         loop {
             self.hub.sync().unwrap();
-            let overlaps = self.hub.overlap(prompt, None).unwrap().1.overlaps;
+            let overlaps = self.hub.overlap(None, prompt, None).unwrap().2.overlaps;
             if overlaps == expected {
                 return;
             }

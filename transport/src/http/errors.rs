@@ -151,6 +151,9 @@ impl From<TransportError> for ApiError {
             TransportError::UnknownRequest(_) => {
                 Self::new(StatusCode::NOT_FOUND, "unknown_request", message)
             }
+            TransportError::UnknownModel(_) => {
+                Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
+            }
             TransportError::DuplicateRequest(_) => {
                 Self::new(StatusCode::CONFLICT, "duplicate_request", message)
             }

@@ -129,7 +129,7 @@ fn apply_in_order(
         outcome = Some(FenceOutcome::of(action));
     }
 
-    let block_size = hub.block_size();
+    let block_size = hub.block_size_of(key.worker);
     let mut engine_events: Vec<KvEvent> = Vec::with_capacity(body.events.len());
     let mut positions = Vec::with_capacity(body.events.len());
     let mut rejected_reasons = Vec::new();

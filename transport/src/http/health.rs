@@ -3,8 +3,9 @@
 //!
 //! * `/live`: the process serves HTTP (nothing else is checked: restarting a live router
 //!   that has no workers would not give it any).
-//! * `/ready`: 200 when the router can route: its engine answers and at least one worker is
-//!   healthy; 503 otherwise, with the reasons. Readiness gates traffic, so a router whose
+//! * `/ready`: 200 when the router can route: its engine answers, at least one worker is
+//!   healthy, and so is one of every served model's ([`crate::models`]); 503 otherwise,
+//!   with the reasons. Readiness gates traffic, so a router whose
 //!   workers are all down is taken out of its Service instead of answering 503s.
 //! * `/health`: the same assessment with its details, always 200 (for people and dashboards).
 //!
@@ -66,6 +67,14 @@ pub(crate) struct Assessment {
     kv_events: bool,
     engine: EngineHealth,
     workers: WorkersHealth,
+    /// Per served model (none without named models): whether it has a healthy worker.
+    models: Vec<ModelHealth>,
+}
+
+#[derive(Debug, Serialize)]
+struct ModelHealth {
+    name: String,
+    ready: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,6 +124,14 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
             workers.registered
         ));
     }
+    let models: Vec<ModelHealth> = hub
+        .models()
+        .into_iter()
+        .map(|(name, ready)| ModelHealth { name, ready })
+        .collect();
+    for m in models.iter().filter(|m| !m.ready) {
+        reasons.push(format!("model {:?} has no healthy worker", m.name));
+    }
     let ready = reasons.is_empty();
     Assessment {
         status: if ready { "ready" } else { "not_ready" },
@@ -123,6 +140,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         kv_events: hub.kv_events(),
         engine,
         workers,
+        models,
     }
 }
 

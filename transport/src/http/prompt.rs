@@ -35,6 +35,8 @@ pub struct PromptFields {
     pub temperature: Option<f64>,
     /// `whole`, `prefill` or `decode`: the workers to choose among (route only).
     pub pool: Option<String>,
+    /// The served model whose workers to choose among (see [`crate::models`]).
+    pub model: Option<String>,
 }
 
 /// Decodes a prompt body: its token ids into `tokens` (cleared first), the rest returned.
@@ -62,6 +64,7 @@ pub fn parse_prompt_serde(
         overlap_weight: slow.overlap_weight,
         temperature: slow.temperature,
         pool: slow.pool,
+        model: slow.model,
     })
 }
 
@@ -82,6 +85,8 @@ struct SlowPrompt {
     temperature: Option<f64>,
     #[serde(default)]
     pool: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
 }
 
 /// A `Vec<u32>` filled straight from the JSON sequence, with the capacity hint used.
@@ -318,7 +323,7 @@ impl<'a> Cursor<'a> {
 fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
     let mut c = Cursor { b: bytes, i: 0 };
     let mut f = PromptFields::default();
-    let mut seen = 0u8;
+    let mut seen = 0u16;
     c.ws();
     c.eat(b'{')?;
     c.ws();
@@ -359,6 +364,10 @@ fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
             b"pool" => {
                 f.pool = c.serde_value()?;
                 128
+            }
+            b"model" => {
+                f.model = c.serde_value()?;
+                256
             }
             _ => {
                 let _: IgnoredAny = c.serde_value()?;

@@ -59,9 +59,10 @@ pub(super) async fn overlap(State(st): State<AppState>, body: RawBody) -> Respon
     let hub = &st.hub;
     let result = with_tokens(|tokens| {
         let fields = parse(hub, &body.0, tokens)?;
-        let (blocks, matches) = hub.overlap(tokens, fields.lora_name.as_deref())?;
+        let (block_size, blocks, matches) =
+            hub.overlap(fields.model.as_deref(), tokens, fields.lora_name.as_deref())?;
         Ok::<_, ApiError>(OverlapResponse {
-            block_size: hub.block_size(),
+            block_size,
             blocks,
             scores: matches
                 .overlaps
@@ -171,7 +172,7 @@ async fn route_tokens(
         lora_name: fields.lora_name.as_deref(),
         overrides,
     };
-    let routed = hub.route_async(&call, now).await?;
+    let routed = hub.route_async(fields.model.as_deref(), &call, now).await?;
     let d = routed.decision;
     Ok(RouteResponse {
         request_id: routed.request_id,

@@ -33,6 +33,8 @@ pub(super) struct WorkerJson {
     bootstrap_port: Option<u16>,
     /// Whether an API key is set (the key itself is never shown).
     api_key: bool,
+    /// The model it serves (`null`: none named).
+    model: Option<String>,
     healthy: bool,
     resyncing: Vec<u32>,
     config_error: Option<String>,
@@ -53,6 +55,7 @@ impl From<WorkerInfo> for WorkerJson {
             role,
             bootstrap_port: r.bootstrap_port,
             api_key: r.api_key.is_some(),
+            model: r.model,
             healthy: w.healthy,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
             config_error: w.config_error,
@@ -105,6 +108,9 @@ struct RegisterBody {
     /// The worker's API key (vLLM `--api-key`), sent on the requests forwarded to it.
     #[serde(default)]
     api_key: Option<String>,
+    /// The model it serves (see `crate::models`); `""` is the default namespace.
+    #[serde(default)]
+    model: Option<String>,
 }
 
 /// Accepts `http://host[:port][/path]` (what the health checker can reach).
@@ -178,6 +184,7 @@ pub(super) async fn register(
         role,
         bootstrap_port: b.bootstrap_port,
         api_key: b.api_key.filter(|k| !k.is_empty()),
+        model: b.model,
     })?;
     let Some(info) = hub
         .workers()

@@ -315,7 +315,7 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
         &mut out,
         &ServerFrame::HelloAck {
             version: PROTOCOL_VERSION,
-            block_size: hub.block_size(),
+            block_size: hub.block_size_of(hello.worker),
         },
     )
     .await?;
@@ -443,11 +443,11 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
         ..Registration::new(worker)
     };
     let block_size = block_size.to_native();
-    if block_size != hub.block_size() {
+    let expected = hub.block_size_of(worker);
+    if block_size != expected {
         let message = format!(
             "block size mismatch: the publisher hashes blocks of {block_size} tokens, this \
-             router uses {}",
-            hub.block_size()
+             router uses {expected} for its model"
         );
         // Registered (out of routing, when new) so `/v1/workers` shows the error.
         let registered = engine_call(|| -> Result<()> {
@@ -496,7 +496,7 @@ impl Stream {
             dp_rank: DpRank(dp_rank),
         };
         let mut events = Vec::new();
-        frame::batch_events(batch, hub.block_size(), &mut events, |e| {
+        frame::batch_events(batch, hub.block_size_of(self.worker), &mut events, |e| {
             metrics.drop_input(e.reason(), 1, &format_args!("worker {key}: {e}"))
         });
         let action = self

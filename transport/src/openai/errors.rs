@@ -31,6 +31,17 @@ impl OpenAiError {
         }
     }
 
+    /// OpenAI's 404 for a model nobody serves (`code: model_not_found`).
+    pub fn model_not_found(model: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            message: format!("The model `{model}` does not exist or you do not have access to it."),
+            param: Some("model"),
+            code: Some("model_not_found"),
+        }
+    }
+
     /// A 503 `service_unavailable`.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {
@@ -56,6 +67,9 @@ impl OpenAiError {
     /// request's fault (400) or the router's (500).
     pub fn from_routing(e: TransportError) -> Self {
         use engine::EngineError;
+        if let TransportError::UnknownModel(m) = &e {
+            return Self::model_not_found(m);
+        }
         let (status, kind) = match &e {
             TransportError::Engine(EngineError::NoWorkers) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")

@@ -24,11 +24,15 @@ pub enum PromptSource {
 
 #[derive(Deserialize)]
 struct CompletionBody {
+    #[serde(default)]
+    model: Option<String>,
     prompt: Option<Value>,
 }
 
 #[derive(Deserialize)]
 struct ChatBody {
+    #[serde(default)]
+    model: Option<String>,
     messages: Option<Vec<ChatMessage>>,
 }
 
@@ -47,12 +51,23 @@ fn text_ids(text: &str, tokenizer: Option<&PromptTokenizer>) -> Result<Vec<u32>,
     }
 }
 
-/// The prompt's token ids, or the OpenAI error to answer with.
-pub fn prompt_token_ids(
-    body: &[u8],
-    source: PromptSource,
-    tokenizer: Option<&PromptTokenizer>,
-) -> Result<Vec<u32>, OpenAiError> {
+/// A request's model and prompt, before tokenization (the model picks the tokenizer).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenAiPrompt {
+    /// The request's `model`.
+    pub model: Option<String>,
+    input: Input,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Input {
+    Text(String),
+    Ids(Vec<u32>),
+    Messages(Vec<ChatMessage>),
+}
+
+/// The request's model and prompt, or the OpenAI error to answer with.
+pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, OpenAiError> {
     let malformed =
         |e: serde_json::Error| OpenAiError::invalid(None, format!("malformed JSON: {e}"));
     match source {
@@ -64,26 +79,26 @@ pub fn prompt_token_ids(
                     "prompt must be a string, a list of token ids, or a one-element list of either",
                 )
             };
-            let ids = match b.prompt {
+            let input = match b.prompt {
                 None => return Err(OpenAiError::invalid(Some("prompt"), "prompt is required")),
-                Some(Value::String(s)) => text_ids(&s, tokenizer)?,
-                Some(Value::Array(items)) => match items.as_slice() {
-                    [Value::String(s)] => text_ids(s, tokenizer)?,
-                    [Value::Array(ids)] => token_list(ids).ok_or_else(bad)?,
+                Some(Value::String(s)) => Input::Text(s),
+                Some(Value::Array(mut items)) => match items.as_mut_slice() {
+                    [Value::String(s)] => Input::Text(std::mem::take(s)),
+                    [Value::Array(ids)] => Input::Ids(token_list(ids).ok_or_else(bad)?),
                     [Value::String(_) | Value::Array(_), _, ..] => {
                         return Err(OpenAiError::invalid(
                             Some("prompt"),
                             "kvengine routes one prompt per request: send a batch as separate requests",
                         ));
                     }
-                    ids => token_list(ids).ok_or_else(bad)?,
+                    ids => Input::Ids(token_list(ids).ok_or_else(bad)?),
                 },
                 Some(_) => return Err(bad()),
             };
-            if ids.is_empty() {
-                return Err(OpenAiError::invalid(Some("prompt"), "the prompt is empty"));
-            }
-            Ok(ids)
+            Ok(OpenAiPrompt {
+                model: b.model,
+                input,
+            })
         }
         PromptSource::Chat => {
             let b: ChatBody = serde_json::from_slice(body).map_err(malformed)?;
@@ -91,21 +106,45 @@ pub fn prompt_token_ids(
                 .messages
                 .filter(|m| !m.is_empty())
                 .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
-            let ids = match tokenizer {
-                Some(t) => t
-                    .chat_token_ids(&messages)
-                    .map_err(|e| OpenAiError::invalid(Some("messages"), e.to_string()))?,
-                None => fallback::chat_token_ids(&messages),
-            };
-            if ids.is_empty() {
-                return Err(OpenAiError::invalid(
-                    Some("messages"),
-                    "the rendered prompt is empty",
-                ));
-            }
-            Ok(ids)
+            Ok(OpenAiPrompt {
+                model: b.model,
+                input: Input::Messages(messages),
+            })
         }
     }
+}
+
+impl OpenAiPrompt {
+    /// The prompt's token ids with `tokenizer` (the built-in stand-in without one), or
+    /// the OpenAI error to answer with.
+    pub fn token_ids(&self, tokenizer: Option<&PromptTokenizer>) -> Result<Vec<u32>, OpenAiError> {
+        let (ids, param, empty) = match &self.input {
+            Input::Text(s) => (text_ids(s, tokenizer)?, "prompt", "the prompt is empty"),
+            Input::Ids(ids) => (ids.clone(), "prompt", "the prompt is empty"),
+            Input::Messages(messages) => {
+                let ids = match tokenizer {
+                    Some(t) => t
+                        .chat_token_ids(messages)
+                        .map_err(|e| OpenAiError::invalid(Some("messages"), e.to_string()))?,
+                    None => fallback::chat_token_ids(messages),
+                };
+                (ids, "messages", "the rendered prompt is empty")
+            }
+        };
+        match ids.is_empty() {
+            true => Err(OpenAiError::invalid(Some(param), empty)),
+            false => Ok(ids),
+        }
+    }
+}
+
+/// The prompt's token ids, or the OpenAI error to answer with.
+pub fn prompt_token_ids(
+    body: &[u8],
+    source: PromptSource,
+    tokenizer: Option<&PromptTokenizer>,
+) -> Result<Vec<u32>, OpenAiError> {
+    parse_request(body, source)?.token_ids(tokenizer)
 }
 
 #[cfg(test)]

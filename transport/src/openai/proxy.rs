@@ -20,7 +20,7 @@
 use super::disagg::{self, DisaggConfig};
 use super::errors::{OpenAiError, openai_error};
 use super::headers::{Forwarded, X_REQUEST_ID};
-use super::prompt::{PromptSource, prompt_token_ids};
+use super::prompt::{PromptSource, parse_request};
 use super::relay::{Active, Relay};
 use super::tokenize::PromptTokenizer;
 use super::usage::UsagePatch;
@@ -49,9 +49,11 @@ pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// How the proxy is set up.
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
-    /// The model's tokenizer (`--tokenizer`); without it the built-in stand-in
-    /// ([`super::fallback`]) is used.
+    /// The tokenizer of models without one of their own (`--tokenizer`); without it the
+    /// built-in stand-in ([`super::fallback`]) is used.
     pub tokenizer: Option<Arc<PromptTokenizer>>,
+    /// Per served model, its tokenizer (`[[models]] tokenizer`).
+    pub model_tokenizers: std::collections::HashMap<String, Arc<PromptTokenizer>>,
     /// Bodies over this many bytes are refused with 413.
     pub max_body_bytes: usize,
     /// Longest wait for a worker's response headers.
@@ -64,10 +66,21 @@ impl Default for ProxyConfig {
     fn default() -> Self {
         Self {
             tokenizer: None,
+            model_tokenizers: std::collections::HashMap::new(),
             max_body_bytes: 64 << 20,
             upstream_timeout: Duration::from_secs(600),
             disagg: DisaggConfig::default(),
         }
+    }
+}
+
+impl ProxyConfig {
+    /// The tokenizer of `model`'s prompts: its own, else the router's.
+    pub fn tokenizer_for(&self, model: &str) -> Option<&PromptTokenizer> {
+        self.model_tokenizers
+            .get(model)
+            .or(self.tokenizer.as_ref())
+            .map(|t| &**t)
     }
 }
 
@@ -76,13 +89,23 @@ pub(crate) struct Proxy {
     pub(crate) hub: Arc<Hub>,
     pub(crate) cfg: ProxyConfig,
     pub(crate) client: HttpClient,
+    /// When the proxy started (Unix seconds): the `created` of the models it lists.
+    pub(crate) started: u64,
 }
 
 /// The proxy's routes, to merge into the HTTP edge's router.
 pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
     let limit = cfg.max_body_bytes;
     let client = Client::builder(TokioExecutor::new()).build_http();
-    let state = Arc::new(Proxy { hub, cfg, client });
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let state = Arc::new(Proxy {
+        hub,
+        cfg,
+        client,
+        started,
+    });
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -154,8 +177,21 @@ fn unreadable(p: &Proxy, e: BytesRejection) -> Response {
     openai_error(status, "invalid_request_error", &message)
 }
 
-/// The models of the first healthy worker that answers (they serve the same model).
+/// The served models ([`crate::models`]); without named ones, those of the first healthy
+/// worker that answers (its workers all serve the one model).
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
+    let named = p.hub.models();
+    if !named.is_empty() {
+        let data: Vec<serde_json::Value> = named
+            .into_iter()
+            .map(|(id, _)| {
+                serde_json::json!({
+                    "id": id, "object": "model", "created": p.started, "owned_by": "kvengine",
+                })
+            })
+            .collect();
+        return axum::Json(serde_json::json!({"object": "list", "data": data})).into_response();
+    }
     for w in p.hub.workers() {
         let Some(url) = w.registration.url.as_deref().filter(|_| w.healthy) else {
             continue;
@@ -192,6 +228,7 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
 
 pub(crate) async fn route(
     hub: &Hub,
+    model: &str,
     tokens: &[u32],
     overrides: RouteOverrides,
 ) -> Result<Routed, OpenAiError> {
@@ -201,7 +238,7 @@ pub(crate) async fn route(
         lora_name: None,
         overrides,
     };
-    hub.route_async(&call, Instant::now())
+    hub.route_async(Some(model), &call, Instant::now())
         .await
         .map_err(OpenAiError::from_routing)
 }
@@ -267,19 +304,29 @@ async fn forward_with(
     fwd: &Forwarded,
     body: Bytes,
 ) -> Response {
-    let tokens = match prompt_token_ids(&body, source, p.cfg.tokenizer.as_deref()) {
-        Ok(t) => t,
-        Err(e) => {
-            p.hub
-                .metrics()
-                .drop_input(crate::DropReason::MalformedJson, 1, &e.message);
-            return e.into_response();
-        }
+    let bad = |e: OpenAiError| {
+        p.hub
+            .metrics()
+            .drop_input(crate::DropReason::MalformedJson, 1, &e.message);
+        e.into_response()
     };
-    if disagg::applies(&p.hub) {
-        return disagg::forward(&p, path, &body, &tokens, fwd).await;
+    let prompt = match parse_request(&body, source) {
+        Ok(r) => r,
+        Err(e) => return bad(e),
+    };
+    // The model picks the namespace: its pool, block size and tokenizer.
+    let model = match p.hub.resolve_model(prompt.model.as_deref()) {
+        Ok((m, _)) => m,
+        Err(e) => return OpenAiError::from_routing(e).into_response(),
+    };
+    let tokens = match prompt.token_ids(p.cfg.tokenizer_for(&model)) {
+        Ok(t) => t,
+        Err(e) => return bad(e),
+    };
+    if disagg::applies(&p.hub, &model) {
+        return disagg::forward(&p, path, &body, &tokens, fwd, &model).await;
     }
-    let routed = match route(&p.hub, &tokens, RouteOverrides::default()).await {
+    let routed = match route(&p.hub, &model, &tokens, RouteOverrides::default()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -288,6 +335,7 @@ async fn forward_with(
         path,
         body: &body,
         fwd,
+        model: &model,
     };
     send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
 }
@@ -320,6 +368,8 @@ pub(crate) struct Outgoing<'a> {
     pub path: &'a str,
     pub body: &'a Bytes,
     pub fwd: &'a Forwarded,
+    /// The namespace the request routes in ([`crate::models`]).
+    pub model: &'a str,
 }
 
 /// The whole request once more, on the next-best candidate (in `pool`) of `routed`'s
@@ -344,7 +394,7 @@ pub(crate) async fn retry_elsewhere(
         worker: Some(next.worker),
         ..RouteOverrides::default()
     };
-    let retry = match route(&p.hub, tokens, overrides).await {
+    let retry = match route(&p.hub, out.model, tokens, overrides).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

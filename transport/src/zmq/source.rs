@@ -14,6 +14,9 @@ pub struct ZmqSource {
     pub publisher: String,
     /// Its replay (ROUTER) endpoint, if it has one.
     pub replay: Option<String>,
+    /// The topic prefix subscribed to (vLLM's `--kv-events-config` `topic`; `""`: every
+    /// message the publisher sends).
+    pub topic: String,
 }
 
 fn check_endpoint(s: &str, what: &'static str) -> Result<String, TransportError> {
@@ -45,7 +48,16 @@ impl ZmqSource {
             replay: replay
                 .map(|r| check_endpoint(r, "replay endpoint"))
                 .transpose()?,
+            topic: String::new(),
         })
+    }
+
+    /// The source subscribed to `topic` only.
+    pub fn with_topic(self, topic: impl Into<String>) -> Self {
+        Self {
+            topic: topic.into(),
+            ..self
+        }
     }
 }
 
@@ -66,14 +78,19 @@ impl FromStr for ZmqSource {
             .map_err(|_| invalid(format!("{id:?} is not a worker id (u64)")))?;
         let mut parts = rest.split(',');
         let publisher = parts.next().unwrap_or_default();
-        let mut replay = None;
+        let (mut replay, mut topic) = (None, None);
         for p in parts {
             match p.split_once('=') {
                 Some(("replay", r)) if replay.is_none() => replay = Some(r),
-                _ => return Err(invalid(format!("unexpected {p:?} (only replay=...)"))),
+                Some(("topic", t)) if topic.is_none() => topic = Some(t),
+                _ => {
+                    return Err(invalid(format!(
+                        "unexpected {p:?} (only replay=... and topic=...)"
+                    )));
+                }
             }
         }
-        Self::new(WorkerId(worker), publisher, replay)
+        Ok(Self::new(WorkerId(worker), publisher, replay)?.with_topic(topic.unwrap_or_default()))
     }
 }
 
@@ -82,6 +99,9 @@ impl fmt::Display for ZmqSource {
         write!(f, "{}={}", self.worker, self.publisher)?;
         if let Some(r) = &self.replay {
             write!(f, ",replay={r}")?;
+        }
+        if !self.topic.is_empty() {
+            write!(f, ",topic={}", self.topic)?;
         }
         Ok(())
     }
@@ -102,6 +122,10 @@ mod tests {
             .unwrap();
         assert_eq!(s.replay.as_deref(), Some("tcp://gpu-3:5558"));
         assert_eq!(s.to_string(), "8=tcp://gpu-3:5557,replay=tcp://gpu-3:5558");
+        assert_eq!(s.topic, "");
+        let s: ZmqSource = "9=tcp://gpu-3:5557,topic=kv-events".parse().unwrap();
+        assert_eq!(s.topic, "kv-events");
+        assert_eq!(s.to_string(), "9=tcp://gpu-3:5557,topic=kv-events");
     }
 
     #[test]
@@ -117,6 +141,7 @@ mod tests {
             "7=tcp://a:1,replay=http://b:2",
             "7=tcp://a:1,foo=tcp://b:2",
             "7=tcp://a:1,replay=tcp://b:2,replay=tcp://b:3",
+            "7=tcp://a:1,topic=a,topic=b",
         ] {
             assert!(bad.parse::<ZmqSource>().is_err(), "{bad:?} accepted");
         }

@@ -66,7 +66,7 @@ pub fn spawn_subscriber_on(
     on.spawn(async move {
         let mut stream = Stream {
             convert: ConvertConfig {
-                block_size: hub.block_size(),
+                block_size: hub.block_size_of(source.worker),
             },
             hub,
             source,
@@ -112,7 +112,8 @@ fn split_replay(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
 impl Stream {
     async fn run(&mut self) {
         let mut socket = SubSocket::new();
-        if let Err(e) = socket.subscribe("").await {
+        // The publisher filters by this prefix (vLLM's `topic`; "" takes everything).
+        if let Err(e) = socket.subscribe(&self.source.topic).await {
             tracing::error!(worker = %self.source.worker, "cannot subscribe: {e}");
             return;
         }
@@ -277,6 +278,8 @@ impl Stream {
                 metrics.ingest_lag.observe(lag);
             }
         }
+        // The worker's model (so its block size) can change with a re-registration.
+        self.convert.block_size = self.hub.block_size_of(self.source.worker);
         let converted = convert(batch, &self.convert);
         for &(reason, n) in &converted.drops {
             metrics.drop_input(

@@ -72,20 +72,26 @@ pub(crate) async fn forward(
     body: &Bytes,
     tokens: &[u32],
     fwd: &Forwarded,
+    model: &str,
 ) -> Response {
     let hub = &p.hub;
-    let out = Outgoing { path, body, fwd };
+    let out = Outgoing {
+        path,
+        body,
+        fwd,
+        model,
+    };
     let client: Body = match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => m,
         _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
     };
-    let decode = match route(hub, tokens, pool(Pool::Decode)).await {
+    let decode = match route(hub, model, tokens, pool(Pool::Decode)).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     let d_key = decode.decision.worker;
     let mut d_active = Active::new(hub.clone(), decode.request_id.clone());
-    let mut prefill = route(hub, tokens, pool(Pool::Prefill)).await.ok();
+    let mut prefill = route(hub, model, tokens, pool(Pool::Prefill)).await.ok();
     let mut p_active = prefill
         .as_ref()
         .map(|r| Active::new(hub.clone(), r.request_id.clone()));
@@ -95,7 +101,7 @@ pub(crate) async fn forward(
     let split = match decode.decision.chosen() {
         Some(d) => p.cfg.disagg.split.decide(
             tokens.len() as u64,
-            hub.block_size(),
+            hub.block_size_in(model),
             d,
             running,
             prefill.as_ref().and_then(|r| r.decision.chosen()),
@@ -158,7 +164,7 @@ pub(crate) async fn forward(
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 if attempt + 1 < PREFILL_ATTEMPTS
                     && let Some(next) = runner_up(&routed, p_key)
-                    && let Ok(r) = route(hub, tokens, direct(Pool::Prefill, next)).await
+                    && let Ok(r) = route(hub, model, tokens, direct(Pool::Prefill, next)).await
                 {
                     p_active = Some(Active::new(hub.clone(), r.request_id.clone()));
                     prefill = Some(r);

@@ -95,7 +95,8 @@ pub struct DisaggConfig {
     pub split: SplitConfig,
 }
 
-/// Whether requests are disaggregated now: some healthy prefill and decode workers exist.
-pub fn applies(hub: &Hub) -> bool {
-    hub.disaggregating()
+/// Whether `model`'s requests are disaggregated now: it has healthy prefill and decode
+/// workers.
+pub fn applies(hub: &Hub, model: &str) -> bool {
+    hub.disaggregating(model)
 }
