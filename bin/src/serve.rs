@@ -169,6 +169,11 @@ pub struct ServeArgs {
     /// `/v1/load`) must carry. Without it, control calls are accepted from this host only.
     #[arg(long, env = "KVENGINE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// The only hosts `POST /v1/workers` may point the router at (in `url`, `zmq`,
+    /// `replay`): names or addresses, or `*.suffix` (comma-separated). Default: any host an
+    /// authenticated admin names. Workers from flags and the config file are not checked.
+    #[arg(long, env = "KVENGINE_WORKER_HOSTS", value_delimiter = ',')]
+    pub worker_hosts: Vec<String>,
     /// TLS certificate (PEM) for QUIC; without it a self-signed one is generated and its
     /// fingerprint logged.
     #[arg(long, env = "KVENGINE_TLS_CERT", requires = "tls_key")]
@@ -876,6 +881,7 @@ async fn serve(
             on_register: Some(on_register),
             on_remove: Some(on_remove),
             admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
+            worker_hosts: args.worker_hosts.clone(),
         },
     )
     .merge(openai_router(

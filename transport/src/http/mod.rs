@@ -57,6 +57,9 @@ pub struct HttpConfig {
     /// The bearer token control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
     /// `/v1/load`) must carry; `None`: control calls only from this host (see `admin`).
     pub admin_token: Option<String>,
+    /// The hosts `POST /v1/workers` may name in `url`, `zmq` and `replay`: exact names or
+    /// addresses, or `*.suffix`; empty: any host.
+    pub worker_hosts: Vec<String>,
 }
 
 impl Default for HttpConfig {
@@ -66,6 +69,7 @@ impl Default for HttpConfig {
             on_register: None,
             on_remove: None,
             admin_token: None,
+            worker_hosts: Vec::new(),
         }
     }
 }
@@ -77,6 +81,7 @@ impl fmt::Debug for HttpConfig {
             .field("on_register", &self.on_register.is_some())
             .field("on_remove", &self.on_remove.is_some())
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
+            .field("worker_hosts", &self.worker_hosts)
             .finish()
     }
 }

@@ -140,6 +140,43 @@ fn check_endpoint(name: &str, value: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The host of a `scheme://host[:port][/...]` address (`[v6]` without brackets).
+fn host_of(addr: &str) -> Option<&str> {
+    let rest = addr.split_once("://")?.1;
+    let authority = rest.split('/').next()?;
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split_once(']').map(|(h, _)| h);
+    }
+    Some(authority.rsplit_once(':').map_or(authority, |(h, _)| h))
+}
+
+/// Whether `host` matches one of `allowed` (exact, case-insensitive, or `*.suffix`); an
+/// empty list allows any host.
+pub(crate) fn host_allowed(allowed: &[String], host: &str) -> bool {
+    allowed.is_empty()
+        || allowed.iter().any(|p| match p.strip_prefix("*.") {
+            Some(suffix) => host
+                .to_ascii_lowercase()
+                .ends_with(&format!(".{}", suffix.to_ascii_lowercase())),
+            None => p.eq_ignore_ascii_case(host),
+        })
+}
+
+/// Refuses an address whose host is not in `--worker-hosts` (403): the router must not be
+/// pointed at hosts the operator did not name, even by an authenticated caller's mistake.
+fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
+    match host_of(addr) {
+        Some(h) if host_allowed(allowed, h) => Ok(()),
+        _ if allowed.is_empty() => Ok(()),
+        _ => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "host_not_allowed",
+            format!("{what} {addr:?}: its host is not in --worker-hosts"),
+        )),
+    }
+}
+
 pub(super) async fn register(
     State(st): State<AppState>,
     body: RawBody,
@@ -152,6 +189,12 @@ pub(super) async fn register(
         return Err(ApiError::invalid(
             "invalid api_key: printable ASCII without spaces only",
         ));
+    }
+    let allowed = &st.cfg.worker_hosts;
+    for (what, addr) in [("url", &b.url), ("zmq", &b.zmq), ("replay", &b.replay)] {
+        if let Some(a) = addr {
+            check_host(allowed, what, a)?;
+        }
     }
     if let Some(u) = &b.url {
         check_url(u)?;
@@ -267,4 +310,30 @@ pub(super) async fn load(State(st): State<AppState>, body: RawBody) -> Result<Re
         },
     )?;
     Ok(json(StatusCode::OK, &Empty {}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_matched_exactly_or_by_suffix() {
+        let allowed = vec!["gpu-1".to_owned(), "*.pool.internal".to_owned(), "10.0.0.7".into()];
+        for (addr, ok) in [
+            ("http://gpu-1:8000", true),
+            ("http://GPU-1:8000/v1", true),
+            ("tcp://a.pool.internal:5557", true),
+            ("tcp://pool.internal:5557", false),
+            ("tcp://a.pool.internal.evil.com:5557", false),
+            ("http://10.0.0.7", true),
+            ("http://user@evil:80", false),
+            ("http://gpu-2:8000", false),
+            ("tcp://[::1]:5557", false),
+            ("no-scheme", false),
+        ] {
+            assert_eq!(check_host(&allowed, "url", addr).is_ok(), ok, "{addr}");
+        }
+        assert!(check_host(&[], "url", "http://anything:1").is_ok());
+        assert_eq!(host_of("tcp://[::1]:5557"), Some("::1"));
+    }
 }
