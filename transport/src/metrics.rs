@@ -82,6 +82,10 @@ impl Histogram {
     }
 }
 
+/// The `model` label of front-door answers refused before their model was known (malformed
+/// bodies, unknown models).
+pub const NO_MODEL: &str = "(none)";
+
 /// Everything the transports count.
 #[derive(Debug)]
 pub struct Metrics {
@@ -112,8 +116,9 @@ pub struct Metrics {
     pub upstream_errors: AtomicU64,
     /// Front door: requests sent again to another worker after a failure.
     pub retries: AtomicU64,
-    /// Front door: answers per HTTP status.
-    statuses: Mutex<std::collections::BTreeMap<u16, u64>>,
+    /// Front door: answers per (model, HTTP status). Models are the configured or
+    /// registered ones (clients cannot add labels: an unknown name is [`NO_MODEL`]).
+    statuses: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -218,22 +223,37 @@ impl Metrics {
             .map(|(&r, c)| (r, c.load(Relaxed)))
     }
 
-    /// Counts one front-door answer with HTTP `status`.
-    pub fn answered(&self, status: u16) {
+    /// Counts one front-door answer for `model` (its namespace; [`NO_MODEL`] if the
+    /// request was refused before one was known) with HTTP `status`.
+    pub fn answered(&self, model: &str, status: u16) {
         let mut m = self
             .statuses
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *m.entry(status).or_default() += 1;
+        match m.get_mut(&(model.to_owned(), status)) {
+            Some(n) => *n += 1,
+            None => {
+                m.insert((model.to_owned(), status), 1);
+            }
+        }
     }
 
-    /// `(status, answers)` of the front door, by status.
+    /// `(status, answers)` of the front door, by status (over every model).
     pub fn answers(&self) -> Vec<(u16, u64)> {
+        let mut by_status = std::collections::BTreeMap::new();
+        for ((_, s), n) in self.answers_by_model() {
+            *by_status.entry(s).or_insert(0) += n;
+        }
+        by_status.into_iter().collect()
+    }
+
+    /// `((model, status), answers)` of the front door.
+    pub fn answers_by_model(&self) -> Vec<((String, u16), u64)> {
         let m = self
             .statuses
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        m.iter().map(|(&s, &n)| (s, n)).collect()
+        m.iter().map(|(k, &n)| (k.clone(), n)).collect()
     }
 
     /// Counts one routing decision made in `mode`.

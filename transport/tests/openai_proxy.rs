@@ -424,6 +424,11 @@ async fn the_front_door_measures_what_it_forwards() {
     assert_eq!(status, 400);
     let m = r.hub.metrics();
     assert_eq!(m.answers(), vec![(200, 1), (400, 1)]);
+    // The answer routed in the unnamed pool is labelled "", the malformed one "(none)".
+    assert_eq!(
+        m.answers_by_model(),
+        vec![(("".to_owned(), 200), 1), (("(none)".to_owned(), 400), 1)]
+    );
     assert_eq!(
         (m.upstream_errors.load(Relaxed), m.retries.load(Relaxed)),
         (1, 1)
@@ -437,8 +442,8 @@ async fn the_front_door_measures_what_it_forwards() {
     assert!(e2e_s >= 0.06 && e2e_s >= ttft_s, "{e2e_s} {ttft_s}");
     let text = metrics_page(&r.base).await;
     for series in [
-        "kvengine_frontdoor_requests_total{status=\"200\"} 1",
-        "kvengine_frontdoor_requests_total{status=\"400\"} 1",
+        "kvengine_frontdoor_requests_total{model=\"\",status=\"200\"} 1",
+        "kvengine_frontdoor_requests_total{model=\"(none)\",status=\"400\"} 1",
         "kvengine_frontdoor_ttft_seconds_count 1",
         "kvengine_frontdoor_retries_total 1",
         "kvengine_frontdoor_upstream_errors_total 1",

@@ -166,15 +166,15 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
         decisions,
     );
 
-    let answers = Family::<Labels1, Counter>::default();
-    for (status, n) in m.answers() {
+    let answers = Family::<Labels2, Counter>::default();
+    for ((model, status), n) in m.answers_by_model() {
         answers
-            .get_or_create(&[("status", status.to_string())])
+            .get_or_create(&[("model", model), ("status", status.to_string())])
             .inc_by(n);
     }
     reg.register(
         "kvengine_frontdoor_requests",
-        "OpenAI front-door requests answered, by HTTP status",
+        "OpenAI front-door requests answered, by model (\"\": the unnamed pool) and HTTP status",
         answers,
     );
     reg.register(

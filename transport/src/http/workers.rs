@@ -318,7 +318,11 @@ mod tests {
 
     #[test]
     fn hosts_are_matched_exactly_or_by_suffix() {
-        let allowed = vec!["gpu-1".to_owned(), "*.pool.internal".to_owned(), "10.0.0.7".into()];
+        let allowed = vec![
+            "gpu-1".to_owned(),
+            "*.pool.internal".to_owned(),
+            "10.0.0.7".into(),
+        ];
         for (addr, ok) in [
             ("http://gpu-1:8000", true),
             ("http://GPU-1:8000/v1", true),

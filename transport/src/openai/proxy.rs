@@ -289,11 +289,15 @@ async fn forward(
     body: Bytes,
 ) -> Response {
     let fwd = Forwarded::from_client(client);
-    let mut resp = forward_with(p.clone(), path, source, &fwd, body).await;
+    let mut model = None;
+    let mut resp = forward_with(p.clone(), path, source, &fwd, body, &mut model).await;
     // Every answer names the request, errors included.
     resp.headers_mut()
         .insert(X_REQUEST_ID.clone(), fwd.request_id().clone());
-    p.hub.metrics().answered(resp.status().as_u16());
+    p.hub.metrics().answered(
+        model.as_deref().unwrap_or(crate::metrics::NO_MODEL),
+        resp.status().as_u16(),
+    );
     resp
 }
 
@@ -303,6 +307,7 @@ async fn forward_with(
     source: PromptSource,
     fwd: &Forwarded,
     body: Bytes,
+    namespace: &mut Option<String>,
 ) -> Response {
     let bad = |e: OpenAiError| {
         p.hub
@@ -319,6 +324,7 @@ async fn forward_with(
         Ok((m, _)) => m,
         Err(e) => return OpenAiError::from_routing(e).into_response(),
     };
+    *namespace = Some(model.clone());
     let tokens = match prompt.token_ids(p.cfg.tokenizer_for(&model)) {
         Ok(t) => t,
         Err(e) => return bad(e),
