@@ -25,7 +25,7 @@ use engine::sharding::choice::Sharding;
 use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -684,9 +684,21 @@ fn register_file_workers(
     Ok(())
 }
 
-/// On SIGHUP, reads the config file's workers again: new and changed ones are registered,
-/// those gone from the file are removed; everyone else keeps its index and subscription.
-/// A file that does not load changes nothing (logged).
+/// How often the config file is checked for changes (a Kubernetes ConfigMap update swaps
+/// the mounted file; no signal comes with it).
+const CONFIG_POLL: Duration = Duration::from_secs(2);
+
+/// What tells a changed config file from the one last read: its size and modification time
+/// (`None` while it cannot be read).
+fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.len(), m.modified().ok()?))
+}
+
+/// On SIGHUP, or when the file changes, reads the config file's workers and models again:
+/// new models get their pools, new and changed workers are registered, those gone from the
+/// file are removed; everyone else keeps its index and subscription. A file that does not
+/// load changes nothing (logged).
 #[cfg(unix)]
 async fn reload_on_sighup(
     path: PathBuf,
@@ -697,13 +709,40 @@ async fn reload_on_sighup(
 ) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => s,
+        Ok(s) => Some(s),
         Err(e) => {
-            tracing::warn!("cannot watch SIGHUP, so no config reloads: {e}");
-            return;
+            tracing::warn!("cannot watch SIGHUP (reloads on file changes only): {e}");
+            None
         }
     };
-    while hup.recv().await.is_some() {
+    let mut stamp = file_stamp(&path);
+    let mut poll = tokio::time::interval(CONFIG_POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let signalled = async {
+            match hup.as_mut() {
+                Some(h) => h.recv().await.is_some(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            alive = signalled => {
+                if !alive {
+                    hup = None;
+                    continue;
+                }
+                // What is read now needs no second reload when the poll sees the change.
+                stamp = file_stamp(&path);
+            }
+            _ = poll.tick() => {
+                let now = file_stamp(&path);
+                if now == stamp {
+                    continue;
+                }
+                stamp = now;
+                println!("kvengine: {} changed", path.display());
+            }
+        }
         let workers = match crate::config_file::load(&path) {
             Ok(f) => {
                 // New models get their pools now; a model's tokenizer is read at start only.

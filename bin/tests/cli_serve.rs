@@ -317,6 +317,21 @@ kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoi
         2,
         "{out}"
     );
+    // A changed file is reloaded without a signal (a ConfigMap update sends none).
+    let changed = reloaded.replace("id = 9", "id = 10");
+    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|_| {
+        std::fs::write(&path, &changed).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(4500));
+    });
+    let out = served.stdout;
+    assert!(served.ok, "{out}");
+    assert!(out.contains("kvengine.toml changed"), "{out}");
+    assert!(
+        out.contains("worker 9 left the config file; removed")
+            && out.contains("worker 10 from the config file, KV events from"),
+        "{out}"
+    );
+    std::fs::write(&path, &reloaded).unwrap();
     // The command line beats the file.
     let (out, ok) = serve_until(
         "-INT",
