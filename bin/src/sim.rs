@@ -42,9 +42,16 @@ pub struct SimArgs {
     /// The worker id of the first worker in the printed `--zmq-worker` flags.
     #[arg(long, env = "KVENGINE_SIM_FIRST_WORKER_ID", default_value_t = 0)]
     pub first_worker_id: u64,
-    /// Model name reported by `/v1/models` and in answers.
+    /// Model name reported by `/v1/models` and in answers; a request naming another model
+    /// gets vLLM's 404 (naming none means this one).
     #[arg(long, env = "KVENGINE_SIM_MODEL", default_value = "kvengine-sim")]
     pub model: String,
+    /// vLLM's --api-key: requests under /v1 must send `Authorization: Bearer KEY` (else
+    /// 401); /health and /load stay open. Register the workers with kvengine under the
+    /// same key (`api_key` of their `[[workers]]` entry, or of `POST /v1/workers`) so that
+    /// the requests it forwards get in.
+    #[arg(long, env = "KVENGINE_SIM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// The model's tokenizer (`tokenizer.json` or its directory). Without it prompts are
     /// tokenized by the built-in stand-in (one token per word); give kvengine the same
     /// choice so its prefix hits line up with the workers' caches.
@@ -184,6 +191,7 @@ impl SimArgs {
             },
             speedup: self.speedup,
             model: self.model.clone(),
+            api_key: self.api_key.clone(),
             http: SocketAddr::new(self.host, self.port),
             zmq_pub: format!("tcp://{host}:{zmq_port}"),
             zmq_replay: format!("tcp://{host}:{replay_port}"),
@@ -199,7 +207,8 @@ impl SimArgs {
             ..SimWorkerConfig::default()
         };
         cfg.validate().context(
-            "--speedup, --model, an engine flag, a transfer flag or --bootstrap-timeout-secs",
+            "--speedup, --model, --api-key, an engine flag, a transfer flag or \
+             --bootstrap-timeout-secs",
         )?;
         Ok(cfg)
     }
@@ -252,6 +261,10 @@ pub fn run(args: &SimArgs) -> Result<()> {
             args.speedup,
             args.block_size
         );
+        if args.api_key.is_some() {
+            // Says that a key is needed, never the key itself.
+            println!("kvengine sim: /v1 requests need the --api-key (Authorization: Bearer)");
+        }
         println!("kvengine sim: Ctrl-C stops");
         // Ends on the signal (or if the handler is gone).
         let _ = rx.wait_for(|stop| *stop).await;
@@ -352,5 +365,15 @@ mod tests {
         assert!(config(&["--link-gbps", "0"]).is_err());
         assert!(config(&["--transfer-latency-ms", "-1"]).is_err());
         assert!(config(&["--bootstrap-timeout-secs", "-1"]).is_err());
+    }
+
+    #[test]
+    fn api_key_flag() {
+        assert_eq!(config(&[]).unwrap().api_key, None);
+        let cfg = config(&["--api-key", "s3cret"]).unwrap();
+        assert_eq!(cfg.api_key.as_deref(), Some("s3cret"));
+        for bad in ["", "has space", "tab\t"] {
+            assert!(config(&["--api-key", bad]).is_err(), "{bad:?}");
+        }
     }
 }

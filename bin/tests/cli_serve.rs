@@ -2,6 +2,26 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a running `kvengine` has printed so far.
+struct Printed(Arc<Mutex<String>>);
+
+impl Printed {
+    /// Waits until the output contains `needle` (true), or `timeout` passes (false): a
+    /// loaded machine may take a while, and a fixed sleep would make the test flaky.
+    fn wait_for(&self, needle: &str, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if self.0.lock().unwrap().contains(needle) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+}
 
 fn serve_until(signal: &str, args: &[&str], env: &[(&str, &str)]) -> (String, bool) {
     let served = serve(signal, args, env, &[]);
@@ -18,16 +38,16 @@ struct Served {
 /// Runs `kvengine args` with `env` set and `unset` removed until it says it is up, checks it
 /// stays up, stops it with `signal` and collects its output.
 fn serve(signal: &str, args: &[&str], env: &[(&str, &str)], unset: &[&str]) -> Served {
-    serve_with(signal, args, env, unset, &|_| {})
+    serve_with(signal, args, env, unset, &|_, _| {})
 }
 
-/// [`serve`], calling `meanwhile(pid)` once it is up, before stopping it.
+/// [`serve`], calling `meanwhile(pid, printed)` once it is up, before stopping it.
 fn serve_with(
     signal: &str,
     args: &[&str],
     env: &[(&str, &str)],
     unset: &[&str],
-    meanwhile: &dyn Fn(u32),
+    meanwhile: &dyn Fn(u32, &Printed),
 ) -> Served {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -65,15 +85,26 @@ fn serve_with(
         child.try_wait().unwrap().is_none(),
         "kvengine did not stay up"
     );
-    meanwhile(child.id());
+    // The rest of stdout is read on its own thread, so `meanwhile` can watch it.
+    let printed = Arc::new(Mutex::new(text));
+    let reader = {
+        let printed = printed.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            while out.read_line(&mut line).unwrap_or(0) > 0 {
+                printed.lock().unwrap().push_str(&line);
+                line.clear();
+            }
+        })
+    };
+    meanwhile(child.id(), &Printed(printed.clone()));
     let status = Command::new("kill")
         .args([signal, &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
-    text.push_str(&rest);
+    reader.join().unwrap();
+    let text = std::mem::take(&mut *printed.lock().unwrap());
     let ok = child.wait().unwrap().success();
     Served {
         stdout: text,
@@ -293,13 +324,13 @@ kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoi
     let reloaded = std::fs::read_to_string(&path)
         .unwrap()
         .replace("id = 8", "id = 9");
-    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|pid| {
+    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|pid, printed| {
         std::fs::write(&path, &reloaded).unwrap();
         Command::new("kill")
             .args(["-HUP", &pid.to_string()])
             .status()
             .unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert!(printed.wait_for("reloaded 2 worker(s)", Duration::from_secs(20)));
     });
     let out = served.stdout;
     assert!(served.ok, "{out}");
@@ -319,9 +350,9 @@ kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoi
     );
     // A changed file is reloaded without a signal (a ConfigMap update sends none).
     let changed = reloaded.replace("id = 9", "id = 10");
-    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|_| {
+    let served = serve_with("-INT", &["--config", path_s], &[], &[], &|_, printed| {
         std::fs::write(&path, &changed).unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(4500));
+        assert!(printed.wait_for("reloaded 2 worker(s)", Duration::from_secs(20)));
     });
     let out = served.stdout;
     assert!(served.ok, "{out}");

@@ -50,7 +50,8 @@ def test_the_python_indexer_sees_what_the_router_sees(cluster):
     prompts = [[7_000 + p * 1_000 + t for t in range(3 * BLOCK + 5)] for p in range(4)]
     for p in prompts:
         # Each completion makes its worker store the prompt's blocks and publish them.
-        call(cluster.url, "/v1/completions", {"model": "sim", "prompt": p, "max_tokens": 1})
+        call(cluster.url, "/v1/completions",
+             {"model": "kvengine-sim", "prompt": p, "max_tokens": 1})
     for p in prompts:
         def both_agree(p=p):
             server = {s["worker_id"]: s["overlap_blocks"]

@@ -1,12 +1,13 @@
 //! Simulated workers over real sockets ([`sim::server`]): OpenAI answers and their usage,
-//! prefix-cache hits, streaming order, the fallback tokenizer, malformed requests, clients
-//! that go away, and the KV events reaching kvengine's index over ZMQ.
+//! prefix-cache hits, streaming order, the fallback tokenizer, malformed requests, vLLM's
+//! API key (401) and unknown-model (404) answers, clients that go away, and the KV events
+//! reaching kvengine's index over ZMQ.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{SubscribedHub, call, get_json, ids, post_json, request_bytes};
+use common::{SubscribedHub, call, call_with, get_json, ids, post_json, request_bytes};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -338,6 +339,134 @@ async fn malformed_requests_get_openai_400s_and_never_5xx() {
     let load = get_json(&w, "/load").await;
     assert_eq!(load["num_requests_running"], 0, "{load}");
     assert_eq!(load["kv_usage"], 0.0, "{load}");
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_guards_every_v1_path_and_nothing_else() {
+    let cfg = SimWorkerConfig {
+        speedup: 1000.0,
+        api_key: Some("s3cret".into()),
+        ..SimWorkerConfig::default()
+    };
+    let w = spawn_worker(cfg, None).await.unwrap();
+    let addr = w.http_addr();
+    let completion = json!({"prompt": ids(1000, 20), "max_tokens": 2}).to_string();
+    let chat =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let guarded: [(&str, &str, &[u8]); 3] = [
+        ("GET", "/v1/models", b""),
+        ("POST", "/v1/completions", completion.as_bytes()),
+        ("POST", "/v1/chat/completions", chat.as_bytes()),
+    ];
+    let refused: [&[(&str, &str)]; 5] = [
+        &[],
+        &[("Authorization", "Bearer nope")],
+        &[("Authorization", "Bearer s3cret2")],
+        &[("Authorization", "Basic s3cret")],
+        &[("Authorization", "s3cret")],
+    ];
+    for (method, path, body) in guarded {
+        for headers in refused {
+            let (status, content_type, text) = call_with(addr, method, path, headers, body).await;
+            assert_eq!(status, 401, "{method} {path} {headers:?}: {text}");
+            assert!(
+                content_type.starts_with("application/json"),
+                "{content_type}"
+            );
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v, json!({"error": "Unauthorized"}));
+        }
+        // vLLM reads the scheme case-insensitively.
+        for auth in ["Bearer s3cret", "bearer s3cret"] {
+            let headers = [("Authorization", auth)];
+            let (status, _, text) = call_with(addr, method, path, &headers, body).await;
+            assert_eq!(status, 200, "{method} {path} {auth}: {text}");
+        }
+    }
+    // An unknown /v1 path is refused before it is found missing, as in vLLM.
+    let (status, _, _) = call(addr, "GET", "/v1/nope", b"").await;
+    assert_eq!(status, 401);
+    let key = [("Authorization", "Bearer s3cret")];
+    let (status, _, _) = call_with(addr, "GET", "/v1/nope", &key, b"").await;
+    assert_eq!(status, 404);
+    // The rest stays open.
+    let (status, _, _) = call(addr, "GET", "/health", b"").await;
+    assert_eq!(status, 200);
+    let load = get_json(&w, "/load").await;
+    assert_eq!(load["finished"], 4, "{load}");
+    let (status, _, _) = call(addr, "GET", "/sim/bootstrap/7", b"").await;
+    assert_ne!(status, 401);
+    // The key reaches the router's registration, so that forwarded requests get in.
+    let reg = w.registration(engine::WorkerId(1));
+    assert_eq!(reg.api_key.as_deref(), Some("s3cret"));
+    w.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_model_gets_vllms_404() {
+    let cfg = SimWorkerConfig {
+        speedup: 1000.0,
+        model: "served-model".into(),
+        ..SimWorkerConfig::default()
+    };
+    let w = spawn_worker(cfg, None).await.unwrap();
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    for name in ["kvengine-sim", "gpt-9"] {
+        for stream in [false, true] {
+            let asks = [
+                (
+                    "/v1/completions",
+                    json!({"model": name, "prompt": [1, 2, 3], "stream": stream}),
+                ),
+                (
+                    "/v1/chat/completions",
+                    json!({"model": name, "messages": messages, "stream": stream}),
+                ),
+            ];
+            for (path, body) in asks {
+                let (status, v) = post_json(&w, path, &body).await;
+                assert_eq!(status, 404, "{path} {body}: {v}");
+                let message = format!("The model `{name}` does not exist.");
+                assert_eq!(
+                    v,
+                    json!({"error": {"message": message, "type": "NotFoundError",
+                                     "param": "model", "code": 404}})
+                );
+            }
+        }
+    }
+    // Nothing was queued for them.
+    assert_eq!(get_json(&w, "/load").await["requests"], 0);
+    // The served name, no name, or a null or empty one: the served model.
+    for model in [json!("served-model"), Value::Null, json!("")] {
+        let mut completion = json!({"prompt": [1, 2, 3], "max_tokens": 2});
+        let mut chat = json!({"messages": messages, "max_tokens": 2});
+        if model != Value::Null {
+            completion["model"] = model.clone();
+            chat["model"] = model.clone();
+        }
+        for (path, body) in [
+            ("/v1/completions", completion),
+            ("/v1/chat/completions", chat),
+        ] {
+            let (status, v) = post_json(&w, path, &body).await;
+            assert_eq!(status, 200, "{path} {body}: {v}");
+            assert_eq!(v["model"], "served-model");
+        }
+    }
+    let mut null = json!({"prompt": [1, 2, 3], "max_tokens": 1});
+    null["model"] = Value::Null;
+    assert_eq!(post_json(&w, "/v1/completions", &null).await.0, 200);
+    // A name that is not a string is malformed.
+    let (status, v) = post_json(
+        &w,
+        "/v1/completions",
+        &json!({"model": 5, "prompt": [1, 2, 3]}),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "model");
     w.shutdown().await;
 }
 

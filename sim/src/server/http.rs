@@ -3,12 +3,18 @@
 //! events, one chunk per token as the driver produces it; and SGLang's simulated bootstrap,
 //! `GET /sim/bootstrap/{room}` ([`super::bootstrap`]).
 //!
+//! Like vLLM's server, a worker with an API key answers 401 `{"error": "Unauthorized"}` to
+//! any request under `/v1` (unknown paths included) without `Authorization: Bearer KEY`,
+//! and a completion whose `model` is not the served one gets vLLM's 404
+//! ([`super::openai::model_not_found`]).
+//!
 //! A disaggregated request ([`super::disagg`]) goes through [`super::handoff`]: a decode
 //! side first receives its prompt's KV, a prefill side generates one token and its answer
 //! carries what the decode side needs.
 //!
 //! # Invariants
-//! 1. Every malformed request gets a 4xx OpenAI error; only a worker that is shutting down
+//! 1. Every malformed request gets a 4xx OpenAI error (a 404 for an unknown model, in vLLM's
+//!    shape; a 401 for a missing key, vLLM's bare body); only a worker that is shutting down
 //!    answers 503, and only a decode side whose prefill cannot be reached answers 502
 //!    (before any token).
 //! 2. A request whose client goes away (its response future or stream dropped) is aborted in
@@ -21,8 +27,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::StatusCode;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
@@ -34,7 +41,7 @@ use super::bootstrap::{self, RoomGuard};
 use super::disagg::{Disagg, Side};
 use super::driver::{Command, Delivery, Snapshot};
 use super::handoff::{self, Handoff};
-use super::openai::{Api, Envelope, OpenAiError, Usage, parse};
+use super::openai::{Api, Envelope, OpenAiError, Usage, model_not_found, parse};
 use super::role::SimRole;
 use super::tokens::{Prompter, token_text};
 use crate::error::SimError;
@@ -45,6 +52,8 @@ pub(super) struct AppState {
     pub(super) commands: mpsc::Sender<Command>,
     pub(super) snapshot: watch::Receiver<Snapshot>,
     pub(super) model: String,
+    /// Required on `/v1` requests when set (vLLM's `--api-key`); never logged.
+    pub(super) api_key: Option<String>,
     pub(super) prompter: Prompter,
     pub(super) role: SimRole,
     pub(super) handoff: Handoff,
@@ -52,15 +61,53 @@ pub(super) struct AppState {
 
 /// The worker's routes.
 pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/load", get(load))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/sim/bootstrap/{room}", get(bootstrap_room))
-        .layer(DefaultBodyLimit::max(max_body_bytes))
-        .with_state(state)
+        .layer(DefaultBodyLimit::max(max_body_bytes));
+    // Layered last so that it also covers the fallback: vLLM refuses an unknown `/v1` path
+    // without the key too (401 before 404).
+    let routes = if state.api_key.is_some() {
+        routes.layer(middleware::from_fn_with_state(state.clone(), require_key))
+    } else {
+        routes
+    };
+    routes.with_state(state)
+}
+
+/// vLLM's `--api-key` check: a request under `/v1` (other than a CORS preflight, which
+/// vLLM lets through) without the key is answered 401 `{"error": "Unauthorized"}`.
+async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key
+        && req.method() != Method::OPTIONS
+        && req.uri().path().starts_with("/v1")
+        && !bearer_matches(req.headers(), key)
+    {
+        return (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "Unauthorized"})),
+        )
+            .into_response();
+    }
+    next.run(req).await
+}
+
+/// Whether `Authorization` carries `key`, read as vLLM reads it: the scheme before the first
+/// space, case-insensitively `bearer`, and everything after that space exactly the key.
+fn bearer_matches(headers: &HeaderMap, key: &str) -> bool {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return false;
+    };
+    let value = value.as_bytes();
+    let Some(space) = value.iter().position(|&b| b == b' ') else {
+        return false;
+    };
+    let (scheme, token) = (&value[..space], &value[space + 1..]);
+    scheme.eq_ignore_ascii_case(b"bearer") && token == key.as_bytes()
 }
 
 async fn health() -> Json<Value> {
@@ -150,6 +197,13 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    // No model named means the served one, as in vLLM.
+    if let Some(requested) = &parsed.model
+        && *requested != s.model
+    {
+        let (status, body) = model_not_found(requested);
+        return (status, Json(body)).into_response();
+    }
     let side = parsed.disagg.side(s.role);
     // A decode side first receives the prompt's KV (502 if its prefill cannot be reached).
     let remote_prefill = match side {

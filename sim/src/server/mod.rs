@@ -11,7 +11,9 @@
 //!   `num_requests_waiting`, `num_requests_running`, `kv_usage`, the worker's `role` and
 //!   counters), `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole
 //!   or streamed (SSE, one chunk per token, flushed as produced), and SGLang's simulated
-//!   bootstrap `GET /sim/bootstrap/{room}` (`bootstrap.rs`);
+//!   bootstrap `GET /sim/bootstrap/{room}` (`bootstrap.rs`). As vLLM's server does, it
+//!   answers a completion naming another model than its own 404, and with an API key
+//!   ([`SimWorkerConfig::api_key`]) refuses `/v1` requests without it (401);
 //! * the publisher's replay task.
 //!
 //! # Disaggregated serving
@@ -84,8 +86,13 @@ pub struct SimWorkerConfig {
     pub engine: EngineConfig,
     /// Simulated time runs this many times faster than real time: finite, > 0.
     pub speedup: f64,
-    /// The model name `/v1/models` reports and answers carry.
+    /// The model name `/v1/models` reports and answers carry; a completion asking for
+    /// another model is answered 404, as vLLM does.
     pub model: String,
+    /// vLLM's `--api-key`: when set, every request whose path starts with `/v1` must carry
+    /// `Authorization: Bearer KEY` (else 401); `/health`, `/load` and `/sim/...` stay open.
+    /// Printable ASCII without spaces, as kvengine's worker registration requires.
+    pub api_key: Option<String>,
     /// Where the HTTP server listens (port 0: any free port).
     pub http: SocketAddr,
     /// Where KV events are published: `tcp://HOST:PORT` (port 0: any free port).
@@ -111,6 +118,7 @@ impl Default for SimWorkerConfig {
             engine: EngineConfig::default(),
             speedup: 1.0,
             model: "kvengine-sim".into(),
+            api_key: None,
             http: SocketAddr::from(([127, 0, 0, 1], 0)),
             zmq_pub: "tcp://127.0.0.1:0".into(),
             zmq_replay: "tcp://127.0.0.1:0".into(),
@@ -139,6 +147,15 @@ impl SimWorkerConfig {
                 reason: "must not be empty",
             });
         }
+        if let Some(key) = &self.api_key
+            && (key.is_empty() || !key.bytes().all(|c| c.is_ascii_graphic()))
+        {
+            // A key a client (or kvengine's registration) cannot send would lock the worker.
+            return Err(SimError::InvalidConfig {
+                name: "api_key",
+                reason: "must be printable ASCII without spaces, and not empty",
+            });
+        }
         self.transfer.validate()?;
         let timeout = Duration::from_millis(1)..=Duration::from_secs(86_400);
         if !timeout.contains(&self.bootstrap_timeout) {
@@ -158,6 +175,8 @@ pub struct SimWorkerHandle {
     zmq_pub: String,
     zmq_replay: String,
     model: String,
+    /// Sent by the router on the requests it forwards ([`SimWorkerHandle::registration`]).
+    api_key: Option<String>,
     role: SimRole,
     engine_id: String,
     snapshot: watch::Receiver<Snapshot>,
@@ -197,8 +216,9 @@ impl SimWorkerHandle {
         self.role
     }
 
-    /// How a router registers it as worker `id`: its URL, KV-event endpoints and role, and
-    /// (for SGLang's hand-off) its HTTP port as the bootstrap port, where it serves its rooms.
+    /// How a router registers it as worker `id`: its URL, KV-event endpoints and role, its
+    /// API key (if it has one, so that forwarded requests get in), and (for SGLang's
+    /// hand-off) its HTTP port as the bootstrap port, where it serves its rooms.
     pub fn registration(&self, id: WorkerId) -> Registration {
         Registration {
             url: Some(self.url()),
@@ -206,6 +226,7 @@ impl SimWorkerHandle {
             replay: Some(self.replay_endpoint().to_owned()),
             role: Some(self.role),
             bootstrap_port: Some(self.http_addr().port()),
+            api_key: self.api_key.clone(),
             ..Registration::new(id)
         }
     }
@@ -312,6 +333,7 @@ pub async fn spawn_worker(
         commands: commands_tx,
         snapshot: snapshot.clone(),
         model: cfg.model.clone(),
+        api_key: cfg.api_key.clone(),
         prompter: tokenizer.map_or(Prompter::Fallback, Prompter::Model),
         role: cfg.role,
         handoff,
@@ -336,6 +358,7 @@ pub async fn spawn_worker(
         zmq_pub,
         zmq_replay,
         model: cfg.model,
+        api_key: cfg.api_key,
         role: cfg.role,
         engine_id,
         snapshot,

@@ -1,11 +1,13 @@
 //! The OpenAI request and response shapes a simulated worker speaks: parsing a request body
 //! into a [`Parsed`] request (or an [`OpenAiError`], the front door's error type), and the
-//! JSON of answers and stream chunks.
+//! JSON of answers and stream chunks, and vLLM's 404 for a model it does not serve
+//! ([`model_not_found`]).
 //!
 //! # Invariants
 //! 1. Any body parses to a request or an [`OpenAiError`] with status 400; nothing panics.
 //!    Disaggregation fields are parsed by [`super::disagg`].
 
+use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
 pub use transport::openai::errors::OpenAiError;
 use transport::openai::prompt::{PromptSource, prompt_token_ids};
@@ -30,6 +32,9 @@ pub enum Api {
 pub struct Parsed {
     /// The endpoint.
     pub api: Api,
+    /// The model it asks for; `None` when absent, null or empty, which vLLM takes as the
+    /// served model.
+    pub model: Option<String>,
     /// The prompt's token ids (not empty).
     pub prompt: Vec<u32>,
     /// Tokens to generate (at least 1).
@@ -88,6 +93,34 @@ fn max_tokens(map: &Map<String, Value>, names: &[&'static str]) -> Result<u32, O
     }
 }
 
+/// The requested model: a string, or nothing (absent, null or empty).
+fn model(map: &Map<String, Value>) -> Result<Option<String>, OpenAiError> {
+    match field(map, "model") {
+        None => Ok(None),
+        Some(Value::String(m)) if m.is_empty() => Ok(None),
+        Some(Value::String(m)) => Ok(Some(m.clone())),
+        Some(_) => Err(OpenAiError::invalid(
+            Some("model"),
+            "model must be a string",
+        )),
+    }
+}
+
+/// vLLM's answer to a request naming a model it does not serve: 404 and its
+/// `ErrorResponse` body, `{"error": {"message": "The model `NAME` does not exist.", "type":
+/// "NotFoundError", "param": "model", "code": 404}}`. Unlike [`OpenAiError`]'s, its `code`
+/// is the HTTP status as a number, which is what vLLM sends.
+pub fn model_not_found(requested: &str) -> (StatusCode, Value) {
+    let status = StatusCode::NOT_FOUND;
+    let body = json!({"error": {
+        "message": format!("The model `{requested}` does not exist."),
+        "type": "NotFoundError",
+        "param": "model",
+        "code": status.as_u16(),
+    }});
+    (status, body)
+}
+
 fn include_usage(map: &Map<String, Value>) -> Result<bool, OpenAiError> {
     match field(map, "stream_options") {
         None => Ok(false),
@@ -120,8 +153,12 @@ pub fn parse(api: Api, body: &[u8], prompter: &Prompter) -> Result<Parsed, OpenA
     let prompt = prompt_token_ids(body, source, prompter.tokenizer())?;
     let max_tokens = max_tokens(&map, limits)?;
     let disagg = detect(&map, stream)?;
+    // A name of the wrong type is malformed (400). Whether it is served is checked by the
+    // caller once the whole body is valid, the order vLLM checks them in.
+    let model = model(&map)?;
     Ok(Parsed {
         api,
+        model,
         prompt,
         max_tokens,
         stream,
@@ -292,6 +329,32 @@ mod tests {
         );
         assert!(mt(&format!("{{{msgs}, \"max_tokens\": -1}}")).is_err());
         assert!(mt(&format!("{{{msgs}, \"max_tokens\": 1.5}}")).is_err());
+    }
+
+    #[test]
+    fn model_names_and_their_404() {
+        let model = |b: &str| p(Api::Completions, b).map(|r| r.model);
+        assert_eq!(model(r#"{"prompt": [1]}"#).unwrap(), None);
+        assert_eq!(model(r#"{"prompt": [1], "model": null}"#).unwrap(), None);
+        assert_eq!(model(r#"{"prompt": [1], "model": ""}"#).unwrap(), None);
+        assert_eq!(
+            model(r#"{"prompt": [1], "model": "m"}"#)
+                .unwrap()
+                .as_deref(),
+            Some("m")
+        );
+        let e = model(r#"{"prompt": [1], "model": 5}"#).unwrap_err();
+        assert_eq!(
+            (e.status, e.param),
+            (StatusCode::BAD_REQUEST, Some("model"))
+        );
+        let (status, body) = model_not_found("gpt-9");
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_eq!(
+            body,
+            json!({"error": {"message": "The model `gpt-9` does not exist.",
+                             "type": "NotFoundError", "param": "model", "code": 404}})
+        );
     }
 
     #[test]

@@ -22,10 +22,20 @@ use transport::hub::{Hub, HubConfig, Registration, start_engine};
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
 
 /// The bytes of one HTTP/1.1 request with a JSON body and `Connection: close`.
+#[allow(dead_code)]
 pub fn request_bytes(method: &str, path: &str, body: &[u8]) -> Vec<u8> {
+    request_bytes_with(method, path, &[], body)
+}
+
+/// [`request_bytes`] with extra `(name, value)` headers.
+fn request_bytes_with(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
+         Content-Length: {}\r\n{extra}Connection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();
@@ -56,8 +66,19 @@ pub async fn call(
     path: &str,
     body: &[u8],
 ) -> (u16, String, String) {
+    call_with(addr, method, path, &[], body).await
+}
+
+/// [`call`] with extra `(name, value)` headers.
+pub async fn call_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> (u16, String, String) {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&request_bytes(method, path, body))
+    s.write_all(&request_bytes_with(method, path, headers, body))
         .await
         .unwrap();
     let mut raw = Vec::new();

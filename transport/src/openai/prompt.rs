@@ -25,15 +25,29 @@ pub enum PromptSource {
 #[derive(Deserialize)]
 struct CompletionBody {
     #[serde(default)]
-    model: Option<String>,
+    model: Option<Value>,
     prompt: Option<Value>,
 }
 
 #[derive(Deserialize)]
 struct ChatBody {
     #[serde(default)]
-    model: Option<String>,
+    model: Option<Value>,
     messages: Option<Vec<ChatMessage>>,
+}
+
+/// The request's `model`: a string, or absent (`null` and `""` count as absent, as vLLM
+/// takes them for its default model).
+fn model_name(v: Option<Value>) -> Result<Option<String>, OpenAiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(OpenAiError::invalid(
+            Some("model"),
+            "model must be a string",
+        )),
+    }
 }
 
 fn token_list(v: &[Value]) -> Option<Vec<u32>> {
@@ -96,7 +110,7 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
                 Some(_) => return Err(bad()),
             };
             Ok(OpenAiPrompt {
-                model: b.model,
+                model: model_name(b.model)?,
                 input,
             })
         }
@@ -107,7 +121,7 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
                 .filter(|m| !m.is_empty())
                 .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
             Ok(OpenAiPrompt {
-                model: b.model,
+                model: model_name(b.model)?,
                 input: Input::Messages(messages),
             })
         }

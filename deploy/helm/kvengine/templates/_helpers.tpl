@@ -1,0 +1,23 @@
+{{/* The name label: the chart's name unless nameOverride. */}}
+{{- define "kvengine.name" -}}
+{{- default .Chart.Name .Values.nameOverride }}
+{{- end }}
+
+{{/* The objects' name: the release name unless fullnameOverride. */}}
+{{- define "kvengine.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride }}
+{{- end }}
+
+{{/* What the Deployment, Service and ServiceMonitor select pods by. */}}
+{{- define "kvengine.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvengine.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Every object's labels. */}}
+{{- define "kvengine.labels" -}}
+helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
+{{ include "kvengine.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
