@@ -174,12 +174,22 @@ pub struct ServeArgs {
     /// authenticated admin names. Workers from flags and the config file are not checked.
     #[arg(long, env = "KVENGINE_WORKER_HOSTS", value_delimiter = ',')]
     pub worker_hosts: Vec<String>,
-    /// TLS certificate (PEM) for QUIC; without it a self-signed one is generated and its
-    /// fingerprint logged.
-    #[arg(long, env = "KVENGINE_TLS_CERT", requires = "tls_key")]
+    /// TLS certificate chain (PEM): the HTTP edge then serves HTTPS only, and QUIC uses it
+    /// too (without it QUIC generates a self-signed one and logs its fingerprint).
+    #[arg(
+        long,
+        alias = "tls-cert-path",
+        env = "KVENGINE_TLS_CERT",
+        requires = "tls_key"
+    )]
     pub tls_cert: Option<PathBuf>,
-    /// TLS private key (PEM) for QUIC.
-    #[arg(long, env = "KVENGINE_TLS_KEY", requires = "tls_cert")]
+    /// TLS private key (PEM: PKCS#8, RSA or SEC1) of `--tls-cert`.
+    #[arg(
+        long,
+        alias = "tls-key-path",
+        env = "KVENGINE_TLS_KEY",
+        requires = "tls_cert"
+    )]
     pub tls_key: Option<PathBuf>,
     /// Seconds between health checks of workers registered with a `url`.
     #[arg(long, env = "KVENGINE_HEALTH_INTERVAL_SECS", default_value_t = 2.0)]
@@ -423,11 +433,17 @@ fn run_on_cores(
     let (app_tx, app_rx) = tokio::sync::watch::channel::<Option<axum::Router>>(None);
     let mut app_tx = Some(app_tx);
     let mut handle_rx = Some(handle_rx);
+    let shared_tls = edge_tls(args)?;
     let results: Vec<Result<CoreSummary>> = std::thread::scope(|scope| {
         let mut threads = Vec::with_capacity(cores);
         for (k, (host, listener)) in hosted.cores.into_iter().zip(listeners).enumerate() {
-            let (hub, stop, handle_tx, app_rx) =
-                (hub.clone(), stop.clone(), handle_tx.clone(), app_rx.clone());
+            let (hub, stop, handle_tx, app_rx, tls) = (
+                hub.clone(),
+                stop.clone(),
+                handle_tx.clone(),
+                app_rx.clone(),
+                shared_tls.clone(),
+            );
             let setup = if k == 0 {
                 app_tx.take().zip(handle_rx.take())
             } else {
@@ -453,7 +469,7 @@ fn run_on_cores(
                                 let handles = collect_handles(handles, cores, args.no_pin)?;
                                 serve(hub, args, stop, listener, handles, Some(app_tx)).await
                             }
-                            None => serve_share(listener, app_rx, stop).await,
+                            None => serve_share(listener, app_rx, stop, tls).await,
                         }
                     });
                     // Ends every task left (subscriptions, connections, health checks).
@@ -508,11 +524,37 @@ fn collect_handles(
     Homes::new(handles.context("a core's runtime is missing")?).context("no core runtimes")
 }
 
+/// The HTTP edge's TLS settings (`--tls-cert` / `--tls-key`), if it serves HTTPS.
+fn edge_tls(args: &ServeArgs) -> Result<Option<EdgeTls>> {
+    match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Ok(Some(
+            transport::http::tls::server_config(cert, key).context("--tls-cert / --tls-key")?,
+        )),
+        _ => Ok(None),
+    }
+}
+
+type EdgeTls = Arc<transport::http::tls::TlsServerConfig>;
+
+/// Serves `router` on `listener` over HTTPS with `tls`, else plain HTTP, until `shutdown`.
+async fn serve_edge(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    tls: Option<EdgeTls>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::result::Result<(), transport::TransportError> {
+    match tls {
+        Some(tls) => transport::http::tls::serve_https(listener, router, tls, shutdown).await,
+        None => serve_http(listener, router, shutdown).await,
+    }
+}
+
 /// Another core's share of the HTTP edge: the app core 0 built, on this core's listener.
 async fn serve_share(
     listener: tokio::net::TcpListener,
     mut app: tokio::sync::watch::Receiver<Option<axum::Router>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    tls: Option<EdgeTls>,
 ) -> Result<()> {
     let Ok(ready) = app.wait_for(Option::is_some).await else {
         // Core 0's setup failed; it reports why.
@@ -524,7 +566,7 @@ async fn serve_share(
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    serve_http(listener, router, shutdown)
+    serve_edge(listener, router, tls, shutdown)
         .await
         .context("HTTP edge")
 }
@@ -937,9 +979,11 @@ async fn serve(
         let _ = share.send(Some(app.clone()));
     }
     let addr = listener.local_addr().context("HTTP listener")?;
+    let tls = edge_tls(args)?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     println!(
-        "kvengine: HTTP on http://{addr} (OpenAI /v1/chat/completions and /v1/completions; \
-         /v1/route, /v1/events, /v1/workers, /metrics)"
+        "kvengine: HTTP on {scheme}://{addr} (OpenAI /v1/chat/completions and \
+         /v1/completions; /v1/route, /v1/events, /v1/workers, /metrics)"
     );
     let interval = Duration::from_secs_f64(args.health_interval_secs.max(0.01));
     let health = tokio::spawn(health_loop(
@@ -960,7 +1004,7 @@ async fn serve(
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let served = serve_http(listener, app, shutdown).await;
+    let served = serve_edge(listener, app, tls, shutdown).await;
     health.abort();
     for (_, task) in subs
         .lock()

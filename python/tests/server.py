@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -74,7 +75,7 @@ class Router:
         for raw in self.proc.stdout:
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
             self.lines.append(line)
-            m = re.search(r"HTTP on (http://[^\s]+)", line)
+            m = re.search(r"HTTP on (https?://[^\s]+)", line)
             if m and self._url is None:
                 self._url = m.group(1)
                 self._have_url.set()
@@ -102,7 +103,9 @@ class Router:
             if self.proc.poll() is not None:
                 self._fail(f"exited with {self.proc.returncode}")
             try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2) as r:
+                # An HTTPS router (--tls-cert) is up before its certificate is checked.
+                ctx = ssl._create_unverified_context() if url.startswith("https") else None
+                with urllib.request.urlopen(url + "/healthz", timeout=2, context=ctx) as r:
                     if r.status == 200:
                         return url
             except OSError:

@@ -12,7 +12,8 @@
 //! # Invariants
 //! 1. A control call from a peer whose address is unknown (a router served without
 //!    [`axum::extract::ConnectInfo`]) is refused unless it carries the token: the gate fails
-//!    closed. [`super::serve_http`] always supplies the peer address.
+//!    closed. [`super::serve_http`] and [`super::tls::serve_https`] always supply the peer
+//!    address.
 //! 2. The token is compared by digest (no timing hint); refusals are counted
 //!    ([`crate::DropReason::Unauthorized`]) and logged without the presented secret.
 

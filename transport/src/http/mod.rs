@@ -1,6 +1,7 @@
 //! The HTTP edge: JSON endpoints over the [`Hub`] (routing, overlap queries, KV events,
 //! worker registry, load reports), Prometheus metrics and worker health checks. The
 //! contract is documented in `docs/api.md`.
+//! [`serve_http`] serves it over plain TCP, [`tls::serve_https`] over TLS.
 //!
 //! # Concurrency
 //! Handlers never hold a hub lock across an await: every hub call is synchronous and made
@@ -20,6 +21,7 @@ pub mod metrics_text;
 pub mod prompt;
 mod routing;
 pub mod scrape;
+pub mod tls;
 mod workers;
 
 use crate::error::{DropReason, TransportError};

@@ -7,10 +7,10 @@ use crate::error::{Result, TransportError};
 use quinn::rustls;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,7 +42,7 @@ pub enum Trust {
     CaPem(PathBuf),
 }
 
-fn tls_err(context: &str, e: impl std::fmt::Display) -> TransportError {
+pub(crate) fn tls_err(context: &str, e: impl std::fmt::Display) -> TransportError {
     TransportError::Invalid {
         name: "tls",
         reason: format!("{context}: {e}"),
@@ -87,23 +87,47 @@ pub fn parse_fingerprint(text: &str) -> Result<[u8; 32]> {
     Ok(out)
 }
 
+/// A PEM certificate chain (end-entity first) from `cert` and a PEM private key (PKCS#8,
+/// PKCS#1/RSA or SEC1) from `key`; shared by the QUIC server and the HTTPS edge
+/// ([`crate::http::tls`]). Every error names the file: [`TransportError::Io`] when it cannot
+/// be read, [`TransportError::Invalid`] when it holds no usable PEM item.
+pub(crate) fn load_pem_files(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
+    let chain = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| pem_err(cert, "certificate", e))?
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| pem_err(cert, "certificate", e))?;
+    if chain.is_empty() {
+        return Err(pem_err(cert, "certificate", pem::Error::NoItemsFound));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| pem_err(key, "private key (PKCS#8, PKCS#1 or SEC1)", e))?;
+    Ok((chain, key))
+}
+
+/// Keeps an I/O failure an I/O error (missing file, permissions) and makes anything else
+/// (bad base64, an unterminated section, no item of the kind wanted) invalid input.
+fn pem_err(path: &Path, what: &str, e: pem::Error) -> TransportError {
+    match e {
+        pem::Error::Io(source) => TransportError::Io {
+            context: format!("reading {}", path.display()),
+            source,
+        },
+        pem::Error::NoItemsFound => {
+            tls_err(&path.display().to_string(), format!("no PEM {what} found"))
+        }
+        other => tls_err(&format!("parsing {}", path.display()), other),
+    }
+}
+
 /// The certificate chain and key of `source`.
 pub(crate) fn load(
     source: &TlsSource,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
     match source {
-        TlsSource::Files { cert, key } => {
-            let chain = CertificateDer::pem_file_iter(cert)
-                .map_err(|e| tls_err(&format!("reading {}", cert.display()), e))?
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|e| tls_err(&format!("parsing {}", cert.display()), e))?;
-            if chain.is_empty() {
-                return Err(tls_err(&cert.display().to_string(), "no certificate"));
-            }
-            let key = PrivateKeyDer::from_pem_file(key)
-                .map_err(|e| tls_err(&format!("reading {}", key.display()), e))?;
-            Ok((chain, key))
-        }
+        TlsSource::Files { cert, key } => load_pem_files(cert, key),
         TlsSource::SelfSigned { names } => {
             let ck = rcgen::generate_simple_self_signed(names.clone())
                 .map_err(|e| tls_err("generating a self-signed certificate", e))?;
@@ -163,10 +187,10 @@ pub fn client_config(trust: &Trust) -> Result<quinn::ClientConfig> {
         }
         Trust::CaPem(path) => {
             let mut roots = rustls::RootCertStore::empty();
-            for cert in CertificateDer::pem_file_iter(path)
-                .map_err(|e| tls_err(&format!("reading {}", path.display()), e))?
+            for cert in
+                CertificateDer::pem_file_iter(path).map_err(|e| pem_err(path, "CA bundle", e))?
             {
-                let cert = cert.map_err(|e| tls_err(&format!("parsing {}", path.display()), e))?;
+                let cert = cert.map_err(|e| pem_err(path, "CA bundle", e))?;
                 roots
                     .add(cert)
                     .map_err(|e| tls_err(&format!("CA in {}", path.display()), e))?;
