@@ -198,8 +198,9 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_HEALTH_FAILURES", default_value_t = 3)]
     pub health_failures: u32,
     /// The model's tokenizer (a directory with `tokenizer.json` and `tokenizer_config.json`,
-    /// the `tokenizer.json` file, or a Hugging Face repo id such as `Qwen/Qwen2.5-7B-Instruct`
-    /// found in the local cache under `HF_HOME`): the OpenAI front door tokenizes prompts with it exactly
+    /// the `tokenizer.json` file, or a Hugging Face repo id such as `Qwen/Qwen2.5-7B-Instruct`:
+    /// looked up in the local cache under `HF_HOME`, else downloaded into it from
+    /// `HF_ENDPOINT` with `HF_TOKEN`): the OpenAI front door tokenizes prompts with it exactly
     /// as the workers do. `stand-in` names the built-in one-token-per-word stand-in shared
     /// with `kvengine sim` (the default with simulated workers only); with real workers
     /// (`--zmq-worker`) in kv mode it must be asked for by that name: a real model's blocks
@@ -288,7 +289,9 @@ fn config_workers(
     Ok((workers, models))
 }
 
-/// Loads a tokenizer as `--tokenizer` names it: `None` for the stand-in.
+/// Loads a tokenizer as `--tokenizer` names it: `None` for the stand-in. A Hugging Face repo
+/// id missing from the local cache is downloaded into it (`HF_ENDPOINT`, `HF_TOKEN`;
+/// `HF_HUB_OFFLINE` forbids it), so the next start needs no network.
 fn load_tokenizer(spec: &str) -> Result<Option<Arc<PromptTokenizer>>> {
     if spec == STAND_IN {
         return Ok(None);
@@ -297,7 +300,29 @@ fn load_tokenizer(spec: &str) -> Result<Option<Arc<PromptTokenizer>>> {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface")))
         .unwrap_or_else(|| PathBuf::from(".cache/huggingface"));
-    let path = PromptTokenizer::resolve(spec, &hf_home)?;
+    let path = match PromptTokenizer::resolve(spec, &hf_home) {
+        Ok(path) => path,
+        // `resolve` takes any existing path as is, so a failure for a repo id's shape means
+        // "not in the cache": the one case a download can mend.
+        Err(_) if PromptTokenizer::is_repo_id(spec) => {
+            let hub = transport::openai::tokenize::HubOptions::from_env();
+            match PromptTokenizer::fetch(spec, &hf_home, &hub) {
+                Ok(dir) => {
+                    println!(
+                        "kvengine: downloaded tokenizer of {spec} into {}",
+                        dir.display()
+                    );
+                    dir
+                }
+                Err(download) => bail!(
+                    "{spec} is not in the Hugging Face cache under {}, and the download failed: \
+                     {download}",
+                    hf_home.join("hub").display()
+                ),
+            }
+        }
+        Err(e) => return Err(e.into()),
+    };
     Ok(Some(Arc::new(PromptTokenizer::from_path(&path)?)))
 }
 

@@ -30,6 +30,7 @@
 //! `serde_json`'s `preserve_order` feature is on in the build; otherwise their keys are sorted
 //! where Python would keep the request's order.
 
+mod download;
 mod messages;
 mod template;
 
@@ -43,6 +44,7 @@ use tokenizers::Tokenizer;
 
 use crate::error::{Result, TransportError};
 
+pub use download::{DEFAULT_ENDPOINT, DEFAULT_TIMEOUT, HubOptions};
 pub use messages::{
     ChatMessage, ContentFormat, ContentPart, MessageContent, detect_content_format,
 };
@@ -145,6 +147,20 @@ fn describe(err: &minijinja::Error) -> String {
     text
 }
 
+/// `org/name` split in two when `spec` has a repo id's shape (see
+/// [`PromptTokenizer::is_repo_id`]); an org starting with `.` is a relative path's look.
+fn split_repo_id(spec: &str) -> Option<(&str, &str)> {
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
+    match spec.split_once('/') {
+        Some((o, n)) if part_ok(o) && part_ok(n) && !o.starts_with('.') => Some((o, n)),
+        _ => None,
+    }
+}
+
 /// Reads a file that may be absent: `Ok(None)` if it does not exist.
 fn read_optional(path: &Path) -> Result<Option<Vec<u8>>> {
     match std::fs::read(path) {
@@ -161,20 +177,15 @@ impl PromptTokenizer {
     /// Where `spec` names a tokenizer: an existing path as is, else a Hugging Face repo id
     /// (`org/name`) looked up in the local Hugging Face cache under `hf_home` (`HF_HOME`):
     /// `hub/models--org--name/snapshots/<refs/main>` (or its only snapshot). Nothing is
-    /// downloaded here: a repo missing from the cache is an error saying how to fetch it.
+    /// downloaded here: a repo missing from the cache is an error saying how to fetch it
+    /// ([`fetch`](Self::fetch) downloads it into the cache).
     pub fn resolve(spec: &str, hf_home: &Path) -> Result<PathBuf> {
         let path = Path::new(spec);
         if path.exists() {
             return Ok(path.to_path_buf());
         }
-        let repo_id = |p: &str| {
-            !p.is_empty()
-                && p.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-        };
-        let (org, name) = match spec.split_once('/') {
-            Some((o, n)) if repo_id(o) && repo_id(n) && !o.starts_with('.') => (o, n),
-            _ => return Err(tokenizer_err(format!("{spec}: no such file or directory"))),
+        let Some((org, name)) = split_repo_id(spec) else {
+            return Err(tokenizer_err(format!("{spec}: no such file or directory")));
         };
         let repo = hf_home.join("hub").join(format!("models--{org}--{name}"));
         let snapshots = repo.join("snapshots");
@@ -202,6 +213,13 @@ impl PromptTokenizer {
                 repo.display()
             ))),
         }
+    }
+
+    /// Whether `spec` has the shape of a Hugging Face repo id (`org/name`, ASCII letters,
+    /// digits, `.`, `_`, `-`), the names [`resolve`](Self::resolve) looks up in the cache.
+    /// It says nothing about whether such a path exists.
+    pub fn is_repo_id(spec: &str) -> bool {
+        split_repo_id(spec).is_some()
     }
 
     /// Loads a model's tokenizer. `path` is a directory holding `tokenizer.json` and
