@@ -467,3 +467,32 @@ def test_timeout(stand_in: str) -> None:
     _Recorder.delay = 1.0
     with pytest.raises(TimeoutError, match=re.escape(stand_in)):
         Client(stand_in, timeout=0.2).health()
+
+
+def test_models_route_among_their_own_workers() -> None:
+    """`model` on add_worker, route and overlap: each model's requests go to its workers,
+    an unknown model is 404 `model_not_found` (a router of its own: named models change how
+    the other tests' unnamed requests resolve)."""
+    r = start_router()
+    try:
+        c = Client(r.url, timeout=10.0)
+        assert c.add_worker(1, model="alpha")["model"] == "alpha"
+        c.add_worker(2, model="beta")
+        prompt = list(range(50_000, 50_000 + 2 * BLOCK))
+        c.apply_events(1, [stored(prompt, first_hash=1)])
+        c.apply_events(2, [stored(prompt, first_hash=100)])
+        for model, worker in (("alpha", 1), ("beta", 2)):
+            o = c.overlap(prompt, model=model)
+            assert [(s["worker_id"], s["overlap_blocks"]) for s in o["scores"]] == [(worker, 2)]
+            d = c.route(prompt, model=model)
+            assert d["worker_id"] == worker
+            assert [x["worker_id"] for x in d["candidates"]] == [worker]
+            c.free(d["request_id"])
+        with pytest.raises(ApiError) as e:
+            c.route(prompt, model="gamma")
+        assert e.value.status == 404 and "model_not_found" in str(e.value)
+        with pytest.raises(ApiError) as e:
+            c.route(prompt)  # two models, none named
+        assert e.value.status == 400
+    finally:
+        r.stop()

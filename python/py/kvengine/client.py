@@ -213,12 +213,19 @@ class Client:
         `{"status": "ok", "workers": 2}`."""
         return self._json("GET", "/healthz")
 
-    def overlap(self, token_ids: Sequence[int], lora_name: Optional[str] = None) -> JsonDict:
+    def overlap(
+        self,
+        token_ids: Sequence[int],
+        lora_name: Optional[str] = None,
+        model: Optional[str] = None,
+    ) -> JsonDict:
         """Cached leading blocks of a prompt per worker rank, changing nothing
         (`POST /v1/overlap`): `{"block_size", "blocks", "scores": [{"worker_id", "dp_rank",
-        "overlap_blocks"}]}`, best first, ranks with no overlap left out."""
+        "overlap_blocks"}]}`, best first, ranks with no overlap left out. `model` scores
+        that served model's workers only, at its block size."""
         body: JsonDict = {"token_ids": _token_list(token_ids)}
         _put(body, "lora_name", lora_name)
+        _put(body, "model", model)
         return self._json("POST", "/v1/overlap", body)
 
     def route(
@@ -231,14 +238,16 @@ class Client:
         overlap_weight: Optional[float] = None,
         temperature: Optional[float] = None,
         pool: Optional[str] = None,
+        model: Optional[str] = None,
     ) -> JsonDict:
         """Choose a worker rank for a prompt and record the request as active on it
         (`POST /v1/route`).
 
         `mode` is `kv`, `round-robin`, `random` or `direct` (a `worker_id` alone implies
         `direct`); `pool` is `whole`, `prefill` or `decode`; `overlap_weight` and
-        `temperature` override the router's for this call. Without `request_id` the router
-        makes one up (returned as `request_id`). Returns the decision: `request_id`,
+        `temperature` override the router's for this call; `model` chooses among that
+        served model's workers (404 `model_not_found` if none serves it). Without
+        `request_id` the router makes one up (returned as `request_id`). Returns the decision: `request_id`,
         `worker_id`, `dp_rank`, `mode`, `pool`, `blocks`, `overlap_blocks`,
         `best_available_overlap_blocks`, `busy_skipped`, `candidates`. Free the request with
         `free()` when it ends.
@@ -253,6 +262,7 @@ class Client:
         _put(body, "overlap_weight", None if overlap_weight is None else float(overlap_weight))
         _put(body, "temperature", None if temperature is None else float(temperature))
         _put(body, "pool", pool)
+        _put(body, "model", model)
         return self._json("POST", "/v1/route", body)
 
     def prefilled(self, request_id: str) -> JsonDict:
@@ -303,6 +313,7 @@ class Client:
         role: Optional[str] = None,
         bootstrap_port: Optional[int] = None,
         api_key: Optional[str] = None,
+        model: Optional[str] = None,
     ) -> JsonDict:
         """Register a worker, or add ranks and addresses to a registered one
         (`POST /v1/workers`); returns the worker object as `workers()` lists it.
@@ -311,7 +322,8 @@ class Client:
         KV-event publisher and replay endpoints, `dp_ranks` its data-parallel ranks (default
         `[0]`), `role` `aggregated`, `prefill` or `decode`, `bootstrap_port` an SGLang
         prefill worker's bootstrap port, `api_key` the worker's own API key (sent to it on
-        forwarded OpenAI requests; never shown back). Fields left out keep their stored
+        forwarded OpenAI requests; never shown back), `model` the model it serves (its
+        requests route among that model's workers). Fields left out keep their stored
         values.
         """
         body: JsonDict = {"worker_id": _int("worker_id", worker_id)}
@@ -324,6 +336,7 @@ class Client:
             body["dp_ranks"] = [_int(f"dp_ranks[{i}]", r) for i, r in enumerate(dp_ranks)]
         _put(body, "role", role)
         _put(body, "api_key", api_key)
+        _put(body, "model", model)
         _put(
             body,
             "bootstrap_port",
