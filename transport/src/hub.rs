@@ -855,6 +855,11 @@ impl Hub {
         let decision = &routed.decision;
         self.metrics.decided(decision.mode);
         self.metrics
+            .decided_because(crate::metrics::DecisionReason::of(
+                decision.overlap_blocks,
+                decision.best_available_overlap_blocks,
+            ));
+        self.metrics
             .chosen_overlap
             .observe(f64::from(decision.overlap_blocks));
         self.metrics

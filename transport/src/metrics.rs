@@ -82,6 +82,41 @@ impl Histogram {
     }
 }
 
+/// Why a routing decision chose its worker, as `/metrics` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecisionReason {
+    /// No candidate cached any of the prompt: load decided.
+    NoCacheHit,
+    /// The chosen worker had the best overlap of all candidates.
+    BestOverlap,
+    /// A worker with a better overlap was passed over (its load cost more).
+    TradedForLoad,
+}
+
+impl DecisionReason {
+    /// Every reason, in label order.
+    pub const ALL: [DecisionReason; 3] = [Self::NoCacheHit, Self::BestOverlap, Self::TradedForLoad];
+
+    /// The reason of a decision whose worker cached `chosen` blocks of the prompt when
+    /// the best candidate cached `best`.
+    pub fn of(chosen: u32, best: u32) -> Self {
+        match (best, chosen >= best) {
+            (0, _) => Self::NoCacheHit,
+            (_, true) => Self::BestOverlap,
+            (_, false) => Self::TradedForLoad,
+        }
+    }
+
+    /// Its label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoCacheHit => "no_cache_hit",
+            Self::BestOverlap => "best_overlap",
+            Self::TradedForLoad => "traded_for_load",
+        }
+    }
+}
+
 /// The `model` label of front-door answers refused before their model was known (malformed
 /// bodies, unknown models).
 pub const NO_MODEL: &str = "(none)";
@@ -127,6 +162,8 @@ pub struct Metrics {
     pub disagg_fallbacks: AtomicU64,
     drops: [AtomicU64; TRANSPORT_DROPS.len()],
     decisions: [AtomicU64; RouteMode::ALL.len()],
+    /// Routing decisions by why the chosen worker won ([`DecisionReason`]).
+    reasons: [AtomicU64; DecisionReason::ALL.len()],
     /// Seconds between a batch's publisher timestamp and its arrival.
     pub ingest_lag: Histogram,
     /// Overlap, in blocks, of each routed request with the worker chosen.
@@ -159,6 +196,7 @@ impl Default for Metrics {
             disagg_fallbacks: AtomicU64::new(0),
             drops: Default::default(),
             decisions: Default::default(),
+            reasons: Default::default(),
             ingest_lag: Histogram::new(&LAG_BUCKETS),
             chosen_overlap: Histogram::new(&OVERLAP_BUCKETS),
             best_overlap: Histogram::new(&OVERLAP_BUCKETS),
@@ -265,6 +303,21 @@ impl Metrics {
         }
     }
 
+    /// Counts one routing decision by why its worker won.
+    pub fn decided_because(&self, reason: DecisionReason) {
+        if let Some(c) = self.reasons.get(reason as usize) {
+            c.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// `(reason, decisions)` for every reason.
+    pub fn decision_reasons(&self) -> impl Iterator<Item = (DecisionReason, u64)> + '_ {
+        DecisionReason::ALL
+            .iter()
+            .zip(self.reasons.iter())
+            .map(|(&r, c)| (r, c.load(Relaxed)))
+    }
+
     /// `(mode, decisions)` for every mode.
     pub fn decisions(&self) -> impl Iterator<Item = (RouteMode, u64)> + '_ {
         RouteMode::ALL
@@ -289,6 +342,25 @@ pub fn engine_reasons() -> impl Iterator<Item = RejectReason> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decision_reasons_follow_the_overlaps() {
+        assert_eq!(DecisionReason::of(0, 0), DecisionReason::NoCacheHit);
+        assert_eq!(DecisionReason::of(3, 3), DecisionReason::BestOverlap);
+        assert_eq!(DecisionReason::of(1, 3), DecisionReason::TradedForLoad);
+        let m = Metrics::default();
+        m.decided_because(DecisionReason::TradedForLoad);
+        m.decided_because(DecisionReason::TradedForLoad);
+        let got: Vec<_> = m.decision_reasons().map(|(r, n)| (r.as_str(), n)).collect();
+        assert_eq!(
+            got,
+            [
+                ("no_cache_hit", 0),
+                ("best_overlap", 0),
+                ("traded_for_load", 2)
+            ]
+        );
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative() {

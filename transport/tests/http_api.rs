@@ -672,7 +672,7 @@ async fn load_reports_are_validated_and_shown() {
     );
 }
 
-const METRICS: [&str; 22] = [
+const METRICS: [&str; 27] = [
     "kvengine_events_applied_total",
     "kvengine_events_rejected_total",
     "kvengine_block_events_total",
@@ -695,6 +695,11 @@ const METRICS: [&str; 22] = [
     "kvengine_worker_kv_usage",
     "kvengine_worker_healthy",
     "kvengine_events_rejected_total{reason=\"malformed_json\"}",
+    "kvengine_decision_reasons_total",
+    "process_resident_memory_bytes",
+    "process_cpu_seconds_total",
+    "process_open_fds",
+    "process_start_time_seconds",
 ];
 
 fn value_of(text: &str, series: &str) -> f64 {
@@ -732,6 +737,22 @@ async fn metrics_list_every_series_and_move() {
         4.0
     );
     assert_eq!(value_of(&m, r#"kvengine_decisions_total{mode="kv"}"#), 1.0);
+    // The only worker cached the prompt: the best overlap won.
+    assert_eq!(
+        value_of(
+            &m,
+            r#"kvengine_decision_reasons_total{reason="best_overlap"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        value_of(
+            &m,
+            r#"kvengine_decision_reasons_total{reason="traded_for_load"}"#
+        ),
+        0.0
+    );
+    assert!(value_of(&m, "process_resident_memory_bytes") > 1e6);
     assert_eq!(value_of(&m, "kvengine_route_overlap_blocks_count"), 1.0);
     assert_eq!(value_of(&m, "kvengine_route_overlap_blocks_sum"), 4.0);
     assert_eq!(value_of(&m, "kvengine_active_requests"), 1.0);

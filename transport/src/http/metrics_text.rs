@@ -82,6 +82,7 @@ fn gauge(v: u64) -> Gauge {
 pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Error> {
     let m = hub.metrics();
     let mut reg = Registry::default();
+    super::process::ProcessStats::read().register(&mut reg);
 
     let engine_rejects: u64 = cores.iter().map(|c| c.rejects.total()).sum();
     reg.register(
@@ -164,6 +165,19 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
         "kvengine_decisions",
         "Routing decisions, by mode",
         decisions,
+    );
+    let reasons = Family::<Labels1, Counter>::default();
+    for (reason, n) in m.decision_reasons() {
+        reasons
+            .get_or_create(&[("reason", reason.as_str().to_owned())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_decision_reasons",
+        "Routing decisions, by why the chosen worker won: no candidate cached the prompt \
+         (no_cache_hit), it cached the most (best_overlap), or a better-cached worker cost \
+         more in load (traded_for_load)",
+        reasons,
     );
 
     let answers = Family::<Labels2, Counter>::default();
