@@ -115,17 +115,22 @@ class Router:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self._reader.join(timeout=5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
+
+
+def stop_process(proc: "subprocess.Popen[bytes]") -> None:
+    """SIGTERM, then SIGKILL after 10 s; waits for the process to end."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def start_router(extra: Sequence[str] = ()) -> Router:

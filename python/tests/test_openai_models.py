@@ -25,7 +25,7 @@ from typing import Iterator, List, Tuple
 import pytest
 
 from conftest import need
-from server import _binary, start_router
+from server import _binary, start_router, stop_process
 
 API_KEY = "beta-worker-secret"
 
@@ -70,13 +70,7 @@ class Sim:
         self.ready.set()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
 
 def get(url: str) -> Tuple[int, dict]:

@@ -1,11 +1,12 @@
 //! The hub over a real two-core engine: registration, ingest order, routing, request ids.
 
-use engine::event::{KvEvent, StoredBlock};
-use engine::hash::{lora_seed, tokens_hash};
+mod common;
+
+use engine::event::KvEvent;
 use engine::runtime::RuntimeConfig;
 use engine::sched::SchedulerConfig;
 use engine::sharding::choice::Sharding;
-use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
+use engine::{DpRank, WorkerId, WorkerKey};
 use std::time::Instant;
 use transport::TransportError;
 use transport::hub::{HubConfig, Registration, RouteCall, start_engine};
@@ -17,18 +18,9 @@ fn key(w: u64, r: u32) -> WorkerKey {
     }
 }
 
+/// A store of `tokens`' 16-token blocks.
 fn stored(tokens: &[u32], first_hash: u64) -> KvEvent {
-    KvEvent::Stored {
-        parent: None,
-        blocks: tokens
-            .chunks(16)
-            .enumerate()
-            .map(|(i, c)| StoredBlock {
-                engine_hash: EngineHash(first_hash + i as u64),
-                tokens_hash: tokens_hash(c, lora_seed(None)),
-            })
-            .collect(),
-    }
+    common::stored(tokens, 16, first_hash)
 }
 
 #[test]

@@ -2,15 +2,13 @@
 //! its own workers at its own block size, unknown models are refused, request ids are
 //! unique across models, and a worker that changes model leaves its old blocks behind.
 
-use engine::event::{KvEvent, StoredBlock};
-use engine::hash::{lora_seed, tokens_hash};
-use engine::runtime::{Runtime, RuntimeConfig};
-use engine::sched::SchedulerConfig;
-use engine::sharding::choice::Sharding;
-use engine::{DpRank, EngineHash, WorkerId, WorkerKey};
+mod common;
+
+use common::stored;
+use engine::{DpRank, WorkerId, WorkerKey};
 use std::time::Instant;
 use transport::TransportError;
-use transport::hub::{Hub, HubConfig, Registration, RouteCall, start_engine};
+use transport::hub::{Hub, Registration, RouteCall};
 use transport::models::ModelSpec;
 
 fn key(w: u64) -> WorkerKey {
@@ -18,34 +16,6 @@ fn key(w: u64) -> WorkerKey {
         worker: WorkerId(w),
         dp_rank: DpRank(0),
     }
-}
-
-/// A store of `tokens` in blocks of `bs` tokens.
-fn stored(tokens: &[u32], bs: usize, first_hash: u64) -> KvEvent {
-    KvEvent::Stored {
-        parent: None,
-        blocks: tokens
-            .chunks_exact(bs)
-            .enumerate()
-            .map(|(i, c)| StoredBlock {
-                engine_hash: EngineHash(first_hash + i as u64),
-                tokens_hash: tokens_hash(c, lora_seed(None)),
-            })
-            .collect(),
-    }
-}
-
-fn hub() -> (Hub, Runtime) {
-    let config = HubConfig {
-        scheduler: SchedulerConfig::default(),
-    };
-    let engine = RuntimeConfig {
-        pin_cores: false,
-        ingest_handles: 2,
-        query_handles: 2,
-        ..RuntimeConfig::default()
-    };
-    start_engine(config, Sharding::adaptive(2).unwrap(), engine).unwrap()
 }
 
 fn register(hub: &Hub, w: u64, model: &str) {
@@ -66,7 +36,7 @@ fn call<'a>(tokens: &'a [u32], id: &str) -> RouteCall<'a> {
 
 #[test]
 fn each_model_routes_among_its_own_workers_at_its_block_size() {
-    let (hub, runtime) = hub();
+    let (hub, runtime) = common::hub(2);
     for (name, bs) in [("small", 16), ("large", 32)] {
         hub.declare_model(&ModelSpec {
             name: name.into(),
@@ -146,7 +116,7 @@ fn each_model_routes_among_its_own_workers_at_its_block_size() {
 
 #[test]
 fn a_worker_that_changes_model_leaves_its_blocks_and_pool() {
-    let (hub, runtime) = hub();
+    let (hub, runtime) = common::hub(2);
     hub.declare_model(&ModelSpec {
         name: "a".into(),
         block_size: None,
@@ -192,7 +162,7 @@ fn a_worker_that_changes_model_leaves_its_blocks_and_pool() {
 
 #[test]
 fn without_named_models_every_request_routes_in_the_one_pool() {
-    let (hub, runtime) = hub();
+    let (hub, runtime) = common::hub(2);
     hub.register(Registration::new(WorkerId(5))).unwrap();
     let prompt: Vec<u32> = (0..32).collect();
     let now = Instant::now();

@@ -25,6 +25,24 @@ pub fn hub(cores: usize) -> (Arc<Hub>, Runtime) {
     (Arc::new(hub), runtime)
 }
 
+/// A store of `tokens`' full blocks of `block_size` tokens (no parent), engine hashes
+/// `first_hash`, `first_hash + 1`, ...
+pub fn stored(tokens: &[u32], block_size: usize, first_hash: u64) -> engine::event::KvEvent {
+    use engine::event::{KvEvent, StoredBlock};
+    use engine::hash::{lora_seed, tokens_hash};
+    KvEvent::Stored {
+        parent: None,
+        blocks: tokens
+            .chunks_exact(block_size)
+            .enumerate()
+            .map(|(i, c)| StoredBlock {
+                engine_hash: engine::EngineHash(first_hash + i as u64),
+                tokens_hash: tokens_hash(c, lora_seed(None)),
+            })
+            .collect(),
+    }
+}
+
 /// Serves the HTTP edge over `hub` on a free loopback port; returns its base URL and the
 /// sender that stops it (dropping the sender stops it too). The engine threads stop when
 /// the hub's last holder goes; HTTP tests do not wait for them.
