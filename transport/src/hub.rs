@@ -7,7 +7,7 @@
 //! 2. One worker's events always travel through the same ingest handle (handle
 //!    `home(worker) % n`), so the engine applies them in the order they were handed over.
 //! 3. A request id is active in the scheduler iff it is in the id map (kept by the sans-IO
-//!    [`Router`], which holds the scheduler, request ids, cached totals and approximate
+//!    [`Router`](engine::router::Router), which holds the scheduler, request ids, cached totals and approximate
 //!    mode; the hub drives it under one mutex and feeds it the index's overlaps).
 //! 4. Each served model has its own router and block size ([`crate::models`]); a worker's
 //!    events are converted at its model's block size and its keys are routed only by its
@@ -117,8 +117,30 @@ pub struct WorkerInfo {
     pub config_error: Option<String>,
     /// KV events handed to the engine for it.
     pub events: u64,
+    /// Its ZMQ event stream, if the router subscribes to one.
+    pub stream: Option<StreamState>,
     /// Per rank: active load from routed requests and the load it last reported.
     pub loads: Vec<(DpRank, Option<ActiveLoad>, Option<WorkerLoad>)>,
+}
+
+/// Where the router's subscription to a worker's ZMQ event stream stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamState {
+    /// Not connected yet (the publisher is not up, or not reachable): the router does not
+    /// see what this worker caches.
+    Connecting,
+    /// Connected and subscribed.
+    Subscribed,
+}
+
+impl StreamState {
+    /// Its name in `/v1/workers` and `/ready`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Connecting => "connecting",
+            Self::Subscribed => "subscribed",
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -129,6 +151,7 @@ struct WorkerEntry {
     resyncing: BTreeSet<DpRank>,
     config_error: Option<String>,
     events: u64,
+    stream: Option<StreamState>,
     /// Its model's block size (what its events are converted at).
     block_size: u32,
 }
@@ -383,6 +406,7 @@ impl Hub {
             resyncing: BTreeSet::new(),
             config_error: None,
             events: 0,
+            stream: None,
             block_size: default_block_size,
         });
         let role = reg.role.unwrap_or(entry.registration.role());
@@ -514,6 +538,14 @@ impl Hub {
         }
     }
 
+    /// Records where the subscription to `worker`'s event stream stands (the ZMQ
+    /// subscriber calls this; `/ready` reads it). Unknown workers are ignored.
+    pub fn note_stream(&self, worker: WorkerId, state: StreamState) {
+        if let Some(e) = self.registry_write().get_mut(&worker) {
+            e.stream = Some(state);
+        }
+    }
+
     /// The HTTP base URL `worker` registered, if any.
     pub fn worker_url(&self, worker: WorkerId) -> Option<String> {
         self.registry_read()
@@ -570,6 +602,7 @@ impl Hub {
                 resyncing: e.resyncing.iter().copied().collect(),
                 config_error: e.config_error.clone(),
                 events: e.events,
+                stream: e.stream,
                 loads: e
                     .ranks
                     .iter()

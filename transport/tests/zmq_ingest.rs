@@ -411,3 +411,59 @@ async fn only_the_subscribed_topic_is_taken() {
     drop(hub);
     runtime.join().unwrap();
 }
+
+/// `/ready` waits for a worker's event stream: while its publisher is not up the router
+/// cannot see its cache, so it is not ready; once subscribed it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_waits_for_the_event_stream() {
+    let (hub, runtime) = common::hub(2);
+    // A port with nothing listening on it yet.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    hub.register(Registration {
+        zmq: Some(endpoint.clone()),
+        ..Registration::new(WorkerId(1))
+    })
+    .unwrap();
+    let task = spawn_subscriber(
+        hub.clone(),
+        ZmqSource::new(WorkerId(1), &endpoint, None).unwrap(),
+        SubscriberConfig::default(),
+    );
+    let (base, stop) = common::http_server(hub.clone(), Default::default()).await;
+    let ready = || common::raw_request(&base, "GET", "/ready", "", "");
+    let start = Instant::now();
+    loop {
+        let (status, _, body) = ready().await;
+        assert_ne!(status, 200, "ready without the event stream: {body}");
+        if body.contains("no healthy worker has its KV event stream subscribed") {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "{body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, _, workers) = common::raw_request(&base, "GET", "/v1/workers", "", "").await;
+    assert!(workers.contains(r#""stream":"connecting""#), "{workers}");
+
+    let publisher = VllmPublisher::bind(&endpoint, None, 64).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let (status, _, body) = ready().await;
+        if status == 200 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "{body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, _, workers) = common::raw_request(&base, "GET", "/v1/workers", "", "").await;
+    assert!(workers.contains(r#""stream":"subscribed""#), "{workers}");
+    task.abort();
+    let _ = task.await;
+    drop(stop);
+    drop(publisher);
+    drop(hub);
+    let _ = runtime;
+}

@@ -4,8 +4,8 @@
 //! * `/live`: the process serves HTTP (nothing else is checked: restarting a live router
 //!   that has no workers would not give it any).
 //! * `/ready`: 200 when the router can route: its engine answers, at least one worker is
-//!   healthy, and so is one of every served model's ([`crate::models`]); 503 otherwise,
-//!   with the reasons. Readiness gates traffic, so a router whose
+//!   usable (healthy, and its ZMQ event stream subscribed if it has one), and so is one of
+//!   every served model's ([`crate::models`]); 503 otherwise, with the reasons. Readiness gates traffic, so a router whose
 //!   workers are all down is taken out of its Service instead of answering 503s.
 //! * `/health`: the same assessment with its details, always 200 (for people and dashboards).
 //!
@@ -20,7 +20,7 @@
 
 use super::AppState;
 use super::errors::json;
-use crate::hub::Hub;
+use crate::hub::{Hub, StreamState, WorkerInfo};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
@@ -93,6 +93,8 @@ struct WorkersHealth {
     resyncing: usize,
     /// Whose events showed a configuration error (another block size).
     config_errors: usize,
+    /// Whose ZMQ event stream is not connected yet (the router cannot see their caches).
+    streams_connecting: usize,
 }
 
 /// Assesses whether `hub` can route (see the module docs).
@@ -117,20 +119,40 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         healthy: all.iter().filter(|w| w.healthy).count(),
         resyncing: all.iter().filter(|w| !w.resyncing.is_empty()).count(),
         config_errors: all.iter().filter(|w| w.config_error.is_some()).count(),
+        streams_connecting: all
+            .iter()
+            .filter(|w| w.stream == Some(StreamState::Connecting))
+            .count(),
     };
+    // A worker serves requests once it passes health checks and, if the router subscribes
+    // to its KV events, once that stream is up (before, kv routing is blind to its cache).
+    let usable = |w: &WorkerInfo| w.healthy && w.stream != Some(StreamState::Connecting);
     if workers.healthy == 0 {
         reasons.push(format!(
             "no healthy worker ({} registered)",
             workers.registered
         ));
+    } else if !all.iter().any(usable) {
+        reasons.push(format!(
+            "no healthy worker has its KV event stream subscribed ({} connecting)",
+            workers.streams_connecting
+        ));
     }
     let models: Vec<ModelHealth> = hub
         .models()
         .into_iter()
-        .map(|(name, ready)| ModelHealth { name, ready })
+        .map(|(name, _)| {
+            let ready = all
+                .iter()
+                .any(|w| usable(w) && w.registration.model.as_deref() == Some(name.as_str()));
+            ModelHealth { name, ready }
+        })
         .collect();
     for m in models.iter().filter(|m| !m.ready) {
-        reasons.push(format!("model {:?} has no healthy worker", m.name));
+        reasons.push(format!(
+            "model {:?} has no healthy worker with its event stream subscribed",
+            m.name
+        ));
     }
     let ready = reasons.is_empty();
     Assessment {

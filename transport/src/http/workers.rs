@@ -33,6 +33,8 @@ pub(super) struct WorkerJson {
     bootstrap_port: Option<u16>,
     /// Whether an API key is set (the key itself is never shown).
     api_key: bool,
+    /// Its ZMQ event stream: `connecting`, `subscribed`, or `null` (none subscribed to).
+    stream: Option<&'static str>,
     /// The model it serves (`null`: none named).
     model: Option<String>,
     healthy: bool,
@@ -55,6 +57,7 @@ impl From<WorkerInfo> for WorkerJson {
             role,
             bootstrap_port: r.bootstrap_port,
             api_key: r.api_key.is_some(),
+            stream: w.stream.map(|s| s.as_str()),
             model: r.model,
             healthy: w.healthy,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),

@@ -17,7 +17,7 @@
 
 use super::{REPLAY_END, ZmqSource};
 use crate::error::{DropReason, TransportError};
-use crate::hub::Hub;
+use crate::hub::{Hub, StreamState};
 use crate::kv_events::{ConvertConfig, convert, decode_batch};
 use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
 use bytes::Bytes;
@@ -119,6 +119,8 @@ impl Stream {
         }
         // `connect` retries until the publisher is up; after that the socket reconnects
         // by itself.
+        self.hub
+            .note_stream(self.source.worker, StreamState::Connecting);
         loop {
             match socket.connect(&self.source.publisher).await {
                 Ok(()) => break,
@@ -131,6 +133,8 @@ impl Stream {
         }
         tracing::info!(worker = %self.source.worker, endpoint = %self.source.publisher,
             "subscribed to KV events");
+        self.hub
+            .note_stream(self.source.worker, StreamState::Subscribed);
         loop {
             let frames = match socket.recv().await {
                 Ok(m) => m.into_vec(),
