@@ -765,10 +765,12 @@ fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
 /// On SIGHUP, or when the file changes, reads the config file's workers and models again:
 /// new models get their pools, new and changed workers are registered, those gone from the
 /// file are removed; everyone else keeps its index and subscription. A file that does not
-/// load changes nothing (logged).
+/// load changes nothing (logged). `stamp` is the file's as of before it was first read, so
+/// a change made while the router was starting is not missed.
 #[cfg(unix)]
 async fn reload_on_sighup(
     path: PathBuf,
+    mut stamp: Option<(u64, std::time::SystemTime)>,
     mut known: std::collections::BTreeSet<u64>,
     hub: Arc<Hub>,
     subs: Subscriptions,
@@ -782,7 +784,6 @@ async fn reload_on_sighup(
             None
         }
     };
-    let mut stamp = file_stamp(&path);
     let mut poll = tokio::time::interval(CONFIG_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -887,6 +888,8 @@ async fn serve(
         println!("kvengine: subscribing to worker {source}");
         subscribe(&hub, &subs, &spawner, source.clone());
     }
+    // Taken before the file is read: a change from here on is reloaded.
+    let stamp = args.config.as_deref().and_then(file_stamp);
     let (file_workers, models) = config_workers(args)?;
     let mut model_tokenizers = std::collections::HashMap::new();
     for m in &models {
@@ -917,6 +920,7 @@ async fn serve(
             .collect();
         tokio::spawn(reload_on_sighup(
             path,
+            stamp,
             known,
             hub.clone(),
             subs.clone(),

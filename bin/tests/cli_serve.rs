@@ -343,9 +343,10 @@ kv_events_config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoi
         "{out}"
     );
     assert!(out.contains("reloaded 2 worker(s)"), "{out}");
-    assert_eq!(
-        out.matches("worker 7 from the config file").count(),
-        2,
+    // Registered at start and again by the reload (a poll that saw the new file first may
+    // add one more; registering it again changes nothing).
+    assert!(
+        out.matches("worker 7 from the config file").count() >= 2,
         "{out}"
     );
     // A changed file is reloaded without a signal (a ConfigMap update sends none).
