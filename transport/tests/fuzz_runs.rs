@@ -1,0 +1,413 @@
+//! Fuzzing that runs on the stable toolchain, in the default test suite: every network
+//! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
+//! bodies, OpenAI request bodies) gets a fixed budget of inputs mutated from a corpus of
+//! valid ones (the recorded fixtures under `../shared/data` when present, and inputs built
+//! here with the encoders), on top of the cargo-fuzz targets in `fuzz/` (which need
+//! nightly).
+//!
+//! Each input must be decoded without a panic, and where a decoder has a reference (the
+//! `/v1/route` scanner and serde; the owned and in-place native frame decoders) the two must
+//! agree. A run must see mutated inputs both accepted and refused, or it explored nothing.
+//! Runs are deterministic (a fixed RNG seed): a failure prints the shrunk corpus index and
+//! edits, which reproduce it. `KVENGINE_FUZZ_CASES` raises the budget (default 3,000 inputs
+//! per decoder; CI also runs 50,000).
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use transport::json_events::{parse_events_body, to_engine};
+use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
+use transport::native::frame::{
+    FrameBuf, access_client_frame, batch_events, decode_client_frame, encode_batch,
+    encode_client_frame,
+};
+use transport::native::schema::{ArchivedClientFrame, ClientFrame, NativeBlock, NativeEvent};
+
+/// One edit of an input. Positions are fractions of the input's length (in 1/65536), so a
+/// mutation means the same thing whatever input it lands on.
+#[derive(Clone, Debug)]
+enum Mutation {
+    FlipBit {
+        at: u16,
+        bit: u8,
+    },
+    SetByte {
+        at: u16,
+        byte: u8,
+    },
+    Insert {
+        at: u16,
+        bytes: Vec<u8>,
+    },
+    Delete {
+        at: u16,
+        len: u8,
+    },
+    Truncate {
+        at: u16,
+    },
+    /// Overwrites from `at` with a slice of another corpus input.
+    Splice {
+        at: u16,
+        other: usize,
+        from: u16,
+        len: u8,
+    },
+    /// Repeats a run of the input in place (lengths and counts then lie).
+    Repeat {
+        at: u16,
+        len: u8,
+        times: u8,
+    },
+}
+
+/// Bytes that sit on format boundaries: msgpack markers, JSON punctuation, extremes.
+const INTERESTING: &[u8] = &[
+    0x00, 0x01, 0x7f, 0x80, 0xff, 0xc0, 0xc1, 0xc2, 0xc3, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd9, 0xdc,
+    0xdd, 0xde, 0xdf, 0x90, 0x9f, 0x80, 0x8f, 0xa0, b'{', b'}', b'[', b']', b'"', b',', b':', b'-',
+    b'0', b'9', b'e', b'\\', b'n',
+];
+
+fn mutation(corpus: usize) -> impl Strategy<Value = Mutation> {
+    let byte = prop_oneof![any::<u8>(), proptest::sample::select(INTERESTING)];
+    prop_oneof![
+        (any::<u16>(), 0u8..8).prop_map(|(at, bit)| Mutation::FlipBit { at, bit }),
+        (any::<u16>(), byte.clone()).prop_map(|(at, byte)| Mutation::SetByte { at, byte }),
+        (any::<u16>(), proptest::collection::vec(byte, 1..16))
+            .prop_map(|(at, bytes)| Mutation::Insert { at, bytes }),
+        (any::<u16>(), 1u8..32).prop_map(|(at, len)| Mutation::Delete { at, len }),
+        any::<u16>().prop_map(|at| Mutation::Truncate { at }),
+        (any::<u16>(), 0..corpus, any::<u16>(), 1u8..64).prop_map(|(at, other, from, len)| {
+            Mutation::Splice {
+                at,
+                other,
+                from,
+                len,
+            }
+        }),
+        (any::<u16>(), 1u8..16, 1u8..8).prop_map(|(at, len, times)| Mutation::Repeat {
+            at,
+            len,
+            times
+        }),
+    ]
+}
+
+fn pos(at: u16, len: usize) -> usize {
+    (usize::from(at) * (len + 1)) >> 16
+}
+
+fn apply(input: &mut Vec<u8>, m: &Mutation, corpus: &[Vec<u8>]) {
+    let n = input.len();
+    match m {
+        Mutation::FlipBit { at, bit } if n > 0 => {
+            let i = pos(*at, n - 1);
+            input[i] ^= 1 << bit;
+        }
+        Mutation::SetByte { at, byte } if n > 0 => {
+            let i = pos(*at, n - 1);
+            input[i] = *byte;
+        }
+        Mutation::Insert { at, bytes } => {
+            let i = pos(*at, n);
+            input.splice(i..i, bytes.iter().copied());
+        }
+        Mutation::Delete { at, len } => {
+            let i = pos(*at, n);
+            let end = (i + usize::from(*len)).min(n);
+            input.drain(i..end);
+        }
+        Mutation::Truncate { at } => input.truncate(pos(*at, n)),
+        Mutation::Splice {
+            at,
+            other,
+            from,
+            len,
+        } => {
+            let src = &corpus[*other % corpus.len()];
+            let s = pos(*from, src.len());
+            let piece = &src[s..(s + usize::from(*len)).min(src.len())];
+            let i = pos(*at, n);
+            let end = (i + piece.len()).min(n);
+            input.splice(i..end, piece.iter().copied());
+        }
+        Mutation::Repeat { at, len, times } => {
+            let i = pos(*at, n);
+            let run: Vec<u8> = input[i..(i + usize::from(*len)).min(n)].to_vec();
+            for _ in 0..*times {
+                input.splice(i..i, run.iter().copied());
+            }
+        }
+        _ => {}
+    }
+}
+
+fn cases() -> u32 {
+    std::env::var("KVENGINE_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3_000)
+}
+
+/// Feeds `check` the corpus itself, then `cases()` mutated inputs (1-8 edits each).
+/// `check` says whether the decoder accepted the input: a run where every mutated input is
+/// accepted, or every one refused, explores nothing and fails.
+fn run(name: &str, corpus: Vec<Vec<u8>>, check: impl Fn(&[u8]) -> bool) {
+    let accepted = AtomicUsize::new(0);
+    let refused = AtomicUsize::new(0);
+    let check = |data: &[u8]| {
+        let counter = if check(data) { &accepted } else { &refused };
+        counter.fetch_add(1, Relaxed);
+    };
+    assert!(!corpus.is_empty(), "{name}: empty corpus");
+    for seed in &corpus {
+        check(seed);
+    }
+    let config = Config {
+        cases: cases(),
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let mut runner =
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    let n = corpus.len();
+    let strategy = (0..n, proptest::collection::vec(mutation(n), 1..8));
+    let result = runner.run(&strategy, |(seed, edits)| {
+        let mut input = corpus[seed].clone();
+        for m in &edits {
+            apply(&mut input, m, &corpus);
+        }
+        check(&input);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{name}: {e}");
+    }
+    let (a, r) = (accepted.load(Relaxed), refused.load(Relaxed));
+    assert!(
+        a > corpus.len() && r > 0,
+        "{name}: {a} inputs accepted, {r} refused: the mutations explore nothing"
+    );
+}
+
+/// The recorded msgpack fixtures, when the shared data is there.
+fn recorded_msgpack() -> Vec<Vec<u8>> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/kv_events");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "msgpack"))
+        .collect();
+    files.sort();
+    files.iter().filter_map(|p| std::fs::read(p).ok()).collect()
+}
+
+fn wire_batches() -> Vec<Vec<u8>> {
+    let stored = |p: u64, lora: Option<&str>| WireEvent::Stored {
+        block_hashes: vec![p, p + 1],
+        parent: (p > 1).then_some(p - 1),
+        token_ids: (0..32).map(|t| t as u32 + p as u32).collect(),
+        block_size: Some(16),
+        lora_id: lora.map(|_| 3),
+        lora_name: lora.map(str::to_owned),
+        medium: Some("GPU".into()),
+    };
+    let batches = [
+        vec![stored(1, None)],
+        vec![
+            stored(5, Some("adapter")),
+            WireEvent::Removed {
+                block_hashes: vec![5, 6],
+                medium: None,
+            },
+        ],
+        vec![WireEvent::Cleared, stored(9, None)],
+    ];
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(i, events)| {
+            transport::zmq::publisher::encode_batch(&WireBatch {
+                ts: Some(1.5),
+                dp_rank: Some(i as u32),
+                events,
+                unknown_events: 0,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn msgpack_batches_survive_mutation() {
+    let mut corpus = recorded_msgpack();
+    corpus.extend(wire_batches());
+    // The corpus is valid: the run starts from inputs that reach deep into the decoder.
+    for seed in &corpus {
+        assert!(decode_batch(seed).is_ok(), "a corpus batch does not decode");
+    }
+    run("msgpack batch", corpus, |data| match decode_batch(data) {
+        Ok(b) => {
+            for block_size in [0, 1, 16] {
+                let _ = convert(b.clone(), &ConvertConfig { block_size });
+            }
+            true
+        }
+        Err(_) => false,
+    });
+}
+
+fn native_frames() -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut buf = FrameBuf::new();
+    let hello = ClientFrame::Hello {
+        version: 1,
+        worker_id: 7,
+        dp_ranks: vec![0, 1],
+        block_size: 16,
+        token: "secret".into(),
+    };
+    encode_client_frame(&hello, &mut buf).unwrap();
+    out.push(buf.to_vec());
+    let events = [
+        NativeEvent::Stored {
+            parent: None,
+            blocks: vec![
+                NativeBlock {
+                    engine_hash: 1,
+                    tokens_hash: 11,
+                },
+                NativeBlock {
+                    engine_hash: 2,
+                    tokens_hash: 12,
+                },
+            ],
+        },
+        NativeEvent::StoredTokens {
+            parent: Some(2),
+            engine_hashes: vec![3],
+            token_ids: (0..16).collect(),
+            lora_name: Some("adapter".into()),
+        },
+        NativeEvent::Removed { blocks: vec![1, 3] },
+        NativeEvent::Cleared,
+    ];
+    encode_batch(7, 1, 42, &events, &mut buf).unwrap();
+    out.push(buf.to_vec());
+    out
+}
+
+#[test]
+fn native_frames_survive_mutation() {
+    let corpus = native_frames();
+    for seed in &corpus {
+        assert!(decode_client_frame(seed).is_ok());
+    }
+    run("native frame", corpus, |data| {
+        let owned = decode_client_frame(data).is_ok();
+        let mut buf = FrameBuf::with_capacity(data.len());
+        buf.extend_from_slice(data);
+        let in_place = access_client_frame(&buf);
+        // The owned and the in-place decoders validate alike.
+        assert_eq!(owned, in_place.is_ok(), "the two frame decoders disagree");
+        if let Ok(ArchivedClientFrame::Batch(batch)) = in_place {
+            for block_size in [0, 1, 16] {
+                let mut out = Vec::new();
+                batch_events(batch, block_size, &mut out, |_| {});
+            }
+        }
+        owned
+    });
+}
+
+#[test]
+fn json_events_survive_mutation() {
+    let tokens: Vec<u32> = (0..16).collect();
+    let corpus: Vec<Vec<u8>> = [
+        serde_json::json!({"worker_id": 7, "dp_rank": 0, "seq": 12, "events": [
+            {"type": "stored", "parent_hash": null, "lora_name": null,
+             "blocks": [{"block_hash": 11, "token_ids": tokens},
+                        {"block_hash": 12, "token_ids": tokens}]},
+            {"type": "removed", "block_hashes": [11]},
+            {"type": "cleared"}]}),
+        serde_json::json!({"worker_id": 1, "events": [
+            {"type": "stored", "parent_hash": 4, "lora_name": "a",
+             "blocks": [{"block_hash": 18446744073709551615u64, "token_ids": tokens}]}]}),
+    ]
+    .iter()
+    .map(|v| v.to_string().into_bytes())
+    .collect();
+    for seed in &corpus {
+        assert!(parse_events_body(seed).is_ok());
+    }
+    run("JSON events", corpus, |data| {
+        match parse_events_body(data) {
+            Ok(body) => {
+                for e in &body.events {
+                    for block_size in [0, 1, 16] {
+                        let _ = to_engine(e, block_size);
+                    }
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    });
+}
+
+#[test]
+fn route_bodies_decode_as_serde_does() {
+    use transport::http::prompt::{parse_prompt, parse_prompt_serde};
+    let ids: Vec<u32> = (0..40).map(|i| i * 1_000_003 % 4_000_000_000).collect();
+    let corpus: Vec<Vec<u8>> = [
+        serde_json::json!({"token_ids": ids}),
+        serde_json::json!({"token_ids": [1, 2, 3], "request_id": "r-1", "lora_name": "a",
+                           "mode": "kv", "worker_id": 3, "overlap_weight": 1.5,
+                           "temperature": 0.0, "pool": "prefill", "model": "m"}),
+    ]
+    .iter()
+    .map(|v| v.to_string().into_bytes())
+    .chain([b" { \"token_ids\" : [ 0 , 4294967295 ] , \"model\" : null } ".to_vec()])
+    .collect();
+    run("route body", corpus, |data| {
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        match (
+            parse_prompt(data, &mut fast),
+            parse_prompt_serde(data, &mut slow),
+        ) {
+            (Ok(a), Ok(b)) => {
+                assert!(a == b && fast == slow, "scanner and serde disagree");
+                true
+            }
+            (Err(_), Err(_)) => false,
+            (a, b) => panic!("scanner {a:?} vs serde {b:?}"),
+        }
+    });
+}
+
+#[test]
+fn openai_bodies_survive_mutation() {
+    use transport::openai::prompt::{PromptSource, parse_request};
+    let corpus: Vec<Vec<u8>> = [
+        serde_json::json!({"model": "m", "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
+            "stream": true, "max_tokens": 8}),
+        serde_json::json!({"model": "m", "prompt": "once upon a time", "max_tokens": 4}),
+        serde_json::json!({"prompt": [[1, 2, 3]]}),
+    ]
+    .iter()
+    .map(|v| v.to_string().into_bytes())
+    .collect();
+    run("OpenAI body", corpus, |data| {
+        let mut accepted = false;
+        for source in [PromptSource::Chat, PromptSource::Completion] {
+            if let Ok(p) = parse_request(data, source) {
+                accepted |= p.token_ids(None).is_ok();
+            }
+        }
+        accepted
+    });
+}
