@@ -22,7 +22,8 @@
 //!
 //! # Invariants
 //! 1. A batch consumes its number once classified, whether or not any of its events apply
-//!    (an undecodable batch is not a gap).
+//!    (an undecodable batch is not a gap: the ZMQ subscriber reads it again from the
+//!    replay buffer, or else clears and resyncs the stream's ranks).
 //! 2. After a [`Action::Replay`], the caller feeds every replayed batch to
 //!    [`EventStream::replayed`], then calls [`EventStream::replay_ended`], then offers the
 //!    live batch again.

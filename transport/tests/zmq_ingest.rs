@@ -267,7 +267,7 @@ async fn a_restarted_publisher_clears_the_worker_first() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_payloads_are_counted_and_still_consume_their_seq() {
+async fn bad_payloads_are_counted_consume_their_seq_and_resync_the_worker() {
     let (rig, mut publisher) = setup(7, false).await;
     let hub = rig.hub.clone();
     let base = hub.metrics().events_forwarded.load(Relaxed);
@@ -299,7 +299,9 @@ async fn bad_payloads_are_counted_and_still_consume_their_seq() {
     assert_eq!(m.dropped(DropReason::MalformedMsgpack), 2);
     assert_eq!(m.dropped(DropReason::BlockSizeMismatch), 1);
     assert_eq!(m.dropped(DropReason::NonGpuMedium), 1);
-    assert_eq!(m.resyncs.load(Relaxed), 0, "a bad batch is not a gap");
+    // Not a gap (the next batch applies in order), but without a replay socket to read
+    // them again, each unreadable batch clears the worker: what it changed is unknown.
+    assert_eq!(m.resyncs.load(Relaxed), 2);
     assert_eq!(overlap(&hub, 9, 1), vec![]);
     assert_eq!(overlap(&hub, 8, 1), vec![]);
     let error = hub.workers()[0].config_error.clone().unwrap();
@@ -466,4 +468,63 @@ async fn ready_waits_for_the_event_stream() {
     drop(publisher);
     drop(hub);
     let _ = runtime;
+}
+
+/// A live batch that does not decode is read again from the publisher's replay buffer (the
+/// live copy may be what was damaged); without a readable copy the worker's ranks are
+/// cleared and resynced, since what the batch changed is unknown. Never a silent skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_batch_is_replayed_or_resynced() {
+    let (rig, mut publisher) = setup(11, true).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish_damaged(&batch(0, vec![store(2, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish(&batch(0, vec![store(3, 1)]))
+        .await
+        .unwrap();
+    wait_for("the batch after the damaged one", || {
+        !overlap(&hub, 3, 1).is_empty()
+    })
+    .await;
+    assert_eq!(overlap(&hub, 2, 2), vec![(key(11, 0), 2)], "recovered");
+    assert_eq!(overlap(&hub, 1, 2), vec![(key(11, 0), 2)], "kept");
+    let m = hub.metrics();
+    assert_eq!(m.dropped(DropReason::MalformedMsgpack), 1);
+    assert_eq!(m.resyncs.load(Relaxed), 0);
+    assert!(m.replayed_batches.load(Relaxed) >= 1);
+    drop(hub);
+    rig.stop(publisher).await;
+
+    // No replay socket: the blocks the worker had may be stale now.
+    let (rig, mut publisher) = setup(12, false).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    wait_for("the first store", || !overlap(&hub, 1, 2).is_empty()).await;
+    publisher
+        .publish_damaged(&batch(0, vec![store(2, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish(&batch(0, vec![store(3, 1)]))
+        .await
+        .unwrap();
+    wait_for("the batch after the damaged one", || {
+        !overlap(&hub, 3, 1).is_empty()
+    })
+    .await;
+    assert_eq!(overlap(&hub, 1, 2), vec![], "cleared: possibly stale");
+    assert_eq!(overlap(&hub, 2, 2), vec![]);
+    assert_eq!(hub.metrics().resyncs.load(Relaxed), 1);
+    drop(hub);
+    rig.stop(publisher).await;
 }

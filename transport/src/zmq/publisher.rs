@@ -131,6 +131,27 @@ impl VllmPublisher {
         Ok(seq)
     }
 
+    /// Numbers and buffers a batch, but sends a damaged copy (cut in half) on the live
+    /// stream: the replay buffer holds the readable one (tests of decode recovery use this).
+    pub async fn publish_damaged(&mut self, batch: &WireBatch) -> Result<u64> {
+        let good = Bytes::from(encode_batch(batch));
+        let seq = self.remember(good.clone());
+        let frames = vec![
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            good.slice(..good.len() / 2),
+        ];
+        let msg = ZmqMessage::try_from(frames).map_err(|e| TransportError::Io {
+            context: "cannot build the message".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        self.socket
+            .send(msg)
+            .await
+            .map_err(|e| zmq_err("cannot publish", e))?;
+        Ok(seq)
+    }
+
     /// Numbers and buffers a batch without sending it: the message is "lost" on the live
     /// stream but replayable (tests of gap repair use this).
     pub fn withhold(&mut self, batch: &WireBatch) -> u64 {

@@ -89,6 +89,13 @@ struct Stream {
 }
 
 /// `[topic, seq, payload]` or `[seq, payload]`.
+fn replay_io(context: &str, e: String) -> TransportError {
+    TransportError::Io {
+        context: context.to_owned(),
+        source: std::io::Error::other(e),
+    }
+}
+
 fn split_live(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
     let (seq, payload) = match frames {
         [_, seq, payload] | [seq, payload] => (seq, payload),
@@ -191,42 +198,99 @@ impl Stream {
                 self.clear_ranks(ClearKind::Resync, &format_args!("batches {from}..{seq}"));
             }
         }
-        self.process(seq, payload);
+        if self.process(seq, payload).is_err() {
+            self.recover(seq).await;
+        }
     }
 
-    async fn replay(&mut self, endpoint: &str, from: u64) -> Result<(), TransportError> {
-        let io = |context: &str, e: String| TransportError::Io {
-            context: context.to_owned(),
-            source: std::io::Error::other(e),
+    /// A live batch that could not be decoded: its events are unknown, so the index may now
+    /// be stale. Its copy in the publisher's replay buffer is asked for (the live copy may
+    /// be what was damaged) and applied if it decodes; otherwise the stream's ranks are
+    /// cleared and resynced. Never a silent skip.
+    async fn recover(&mut self, seq: u64) {
+        let copy = match self.source.replay.clone() {
+            Some(endpoint) => match self.fetch_one(&endpoint, seq).await {
+                Ok(copy) => copy,
+                Err(e) => {
+                    tracing::warn!(worker = %self.source.worker, seq, "replay failed: {e}");
+                    None
+                }
+            },
+            None => None,
         };
+        if let Some(payload) = copy
+            && self.process(seq, &payload).is_ok()
+        {
+            self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
+            tracing::info!(worker = %self.source.worker, seq,
+                "an undecodable batch was read again from the replay buffer");
+            return;
+        }
+        self.clear_ranks(
+            ClearKind::Resync,
+            &format_args!("seq {seq} could not be decoded, nor replayed"),
+        );
+    }
+
+    /// Batch `seq` from the replay socket at `endpoint`, if its buffer still holds it.
+    async fn fetch_one(&self, endpoint: &str, seq: u64) -> Result<Option<Bytes>, TransportError> {
+        let mut dealer = self.open_replay(endpoint, seq).await?;
+        loop {
+            let (got, payload) = self.next_replayed(&mut dealer).await?;
+            if got == seq {
+                return Ok(Some(payload));
+            }
+            if got == REPLAY_END || got > seq {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// A replay socket asked for every batch from `from` on.
+    async fn open_replay(&self, endpoint: &str, from: u64) -> Result<DealerSocket, TransportError> {
         let timeout = self.config.replay_timeout;
         let mut dealer = DealerSocket::new();
         tokio::time::timeout(timeout, dealer.connect(endpoint))
             .await
-            .map_err(|_| io("replay connect", "timed out".into()))?
-            .map_err(|e| io("replay connect", e.to_string()))?;
+            .map_err(|_| replay_io("replay connect", "timed out".into()))?
+            .map_err(|e| replay_io("replay connect", e.to_string()))?;
         let request = ZmqMessage::try_from(vec![
             Bytes::new(),
             Bytes::copy_from_slice(&from.to_be_bytes()),
         ])
-        .map_err(|e| io("replay request", e.to_string()))?;
+        .map_err(|e| replay_io("replay request", e.to_string()))?;
         dealer
             .send(request)
             .await
-            .map_err(|e| io("replay request", e.to_string()))?;
+            .map_err(|e| replay_io("replay request", e.to_string()))?;
+        Ok(dealer)
+    }
+
+    /// The next `(seq, payload)` a replay socket sends ([`REPLAY_END`] ends it).
+    async fn next_replayed(
+        &self,
+        dealer: &mut DealerSocket,
+    ) -> Result<(u64, Bytes), TransportError> {
+        let reply = tokio::time::timeout(self.config.replay_timeout, dealer.recv())
+            .await
+            .map_err(|_| replay_io("replay", "timed out".into()))?
+            .map_err(|e| replay_io("replay", e.to_string()))?
+            .into_vec();
+        match split_replay(&reply) {
+            Some((seq, payload)) => Ok((seq, payload.clone())),
+            None => Err(TransportError::MalformedMsgpack(format!(
+                "replay reply of {} frames",
+                reply.len()
+            ))),
+        }
+    }
+
+    async fn replay(&mut self, endpoint: &str, from: u64) -> Result<(), TransportError> {
+        let mut dealer = self.open_replay(endpoint, from).await?;
         tracing::info!(worker = %self.source.worker, from, "replaying missed batches");
         loop {
-            let reply = tokio::time::timeout(timeout, dealer.recv())
-                .await
-                .map_err(|_| io("replay", "timed out".into()))?
-                .map_err(|e| io("replay", e.to_string()))?
-                .into_vec();
-            let Some((seq, payload)) = split_replay(&reply) else {
-                return Err(TransportError::MalformedMsgpack(format!(
-                    "replay reply of {} frames",
-                    reply.len()
-                )));
-            };
+            let (seq, payload) = self.next_replayed(&mut dealer).await?;
+            let payload = &payload;
             if seq == REPLAY_END {
                 return Ok(());
             }
@@ -239,7 +303,13 @@ impl Stream {
                 }
             }
             self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
-            self.process(seq, payload);
+            if self.process(seq, payload).is_err() {
+                // Unreadable in the buffer too: what it changed is unknown.
+                self.clear_ranks(
+                    ClearKind::Resync,
+                    &format_args!("replayed seq {seq} could not be decoded"),
+                );
+            }
         }
     }
 
@@ -260,7 +330,8 @@ impl Stream {
         );
     }
 
-    fn process(&mut self, seq: u64, payload: &[u8]) {
+    /// Decodes and applies one batch; `Err` (counted and logged) if it does not decode.
+    fn process(&mut self, seq: u64, payload: &[u8]) -> Result<(), ()> {
         let worker = self.source.worker;
         let metrics = self.hub.metrics();
         let batch = match decode_batch(payload) {
@@ -271,7 +342,7 @@ impl Stream {
                     1,
                     &format_args!("worker {worker}: seq {seq}: {e}"),
                 );
-                return;
+                return Err(());
             }
         };
         if let Some(ts) = batch.ts
@@ -311,5 +382,6 @@ impl Stream {
         if let Err(e) = self.hub.ingest(key, converted.events) {
             metrics.drop_input(e.reason(), n, &format_args!("worker {worker}: {e}"));
         }
+        Ok(())
     }
 }
