@@ -151,6 +151,9 @@ pub struct Metrics {
     pub upstream_errors: AtomicU64,
     /// Front door: requests sent again to another worker after a failure.
     pub retries: AtomicU64,
+    /// Times the engine's cores did not all answer a stats query within its deadline (a
+    /// stalled core), seen by `/metrics`, `/ready` or `/health`.
+    pub engine_unresponsive: AtomicU64,
     /// Front door: answers per (model, HTTP status). Models are the configured or
     /// registered ones (clients cannot add labels: an unknown name is [`NO_MODEL`]).
     statuses: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
@@ -190,6 +193,7 @@ impl Default for Metrics {
             end_to_end: Histogram::new(&LATENCY_BUCKETS),
             upstream_errors: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            engine_unresponsive: AtomicU64::new(0),
             statuses: Mutex::new(std::collections::BTreeMap::new()),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),

@@ -51,7 +51,7 @@ async fn a_stuck_core_gets_route_calls_a_503_in_time_and_then_routes_again() {
     };
 
     let stall = tokio::task::spawn_blocking(move || {
-        let r = staller.stall_core(0, Duration::from_millis(1_500));
+        let r = staller.stall_core(0, Duration::from_millis(3_000));
         (staller, r)
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -67,12 +67,40 @@ async fn a_stuck_core_gets_route_calls_a_503_in_time_and_then_routes_again() {
         waited < Duration::from_millis(1_000),
         "answered after {waited:?}"
     );
+    // The watchdog's view: /ready says why it is not ready, and /metrics still answers
+    // (everything but the shards' figures) with the engine marked unresponsive.
+    let get = |path: &str| {
+        Request::builder()
+            .uri(format!("{base}{path}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let resp = client.request(get("/ready")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let ready: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(ready["engine"]["responsive"], false, "{ready}");
+    let resp = client.request(get("/metrics")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let page = resp.into_body().collect().await.unwrap().to_bytes();
+    let page = String::from_utf8_lossy(&page);
+    assert!(page.contains("kvengine_engine_responsive 0"), "{page}");
+    assert!(!page.contains("kvengine_index_entries{"), "{page}");
+    let stalls: u64 = page
+        .lines()
+        .find_map(|l| l.strip_prefix("kvengine_engine_unresponsive_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(stalls >= 2, "{page}");
 
     let (_staller, stalled) = stall.await.unwrap();
     assert!(stalled.is_err(), "the stall itself outlasts the deadline");
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
     let resp = client.request(route("back")).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
+    let resp = client.request(get("/metrics")).await.unwrap();
+    let page = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&page).contains("kvengine_engine_responsive 1"));
     assert_eq!(
         hub.active_requests(),
         1,

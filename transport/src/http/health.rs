@@ -106,6 +106,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
             cores: cores.len(),
         },
         Err(e) => {
+            hub.metrics().engine_unresponsive.fetch_add(1, Relaxed);
             reasons.push(format!("the engine did not answer: {e}"));
             EngineHealth {
                 responsive: false,

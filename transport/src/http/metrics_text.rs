@@ -78,10 +78,26 @@ fn gauge(v: u64) -> Gauge {
     g
 }
 
-/// Renders every metric (see `docs/api.md` for the list).
-pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Error> {
+/// Renders every metric (see `docs/api.md` for the list). `cores` is `None` when the
+/// engine did not answer in time: the per-shard series are then left out and
+/// `kvengine_engine_responsive` is 0.
+pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::fmt::Error> {
     let m = hub.metrics();
     let mut reg = Registry::default();
+    let responsive = Gauge::<i64>::default();
+    responsive.set(i64::from(cores.is_some()));
+    reg.register(
+        "kvengine_engine_responsive",
+        "1 when every engine core answered this scrape's stats query within its deadline",
+        responsive,
+    );
+    reg.register(
+        "kvengine_engine_unresponsive",
+        "Stats queries (/metrics, /ready, /health) some core did not answer in time: a \
+         stalled core",
+        counter(m.engine_unresponsive.load(Relaxed)),
+    );
+    let cores = cores.unwrap_or_default();
     super::process::ProcessStats::read().register(&mut reg);
 
     let engine_rejects: u64 = cores.iter().map(|c| c.rejects.total()).sum();
@@ -340,11 +356,16 @@ pub fn render(hub: &Hub, cores: &[CoreSummary]) -> Result<String, std::fmt::Erro
 }
 
 pub(super) async fn metrics(State(st): State<AppState>) -> Response {
-    let cores = match st.hub.core_stats() {
-        Ok(c) => c,
-        Err(e) => return ApiError::from(e).into_response(),
+    // A stalled core must not take the whole page with it: that is when the rest matters.
+    let cores = match crate::cores::engine_call(|| st.hub.core_stats()) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!("/metrics without the shards' figures: {e}");
+            st.hub.metrics().engine_unresponsive.fetch_add(1, Relaxed);
+            None
+        }
     };
-    match render(&st.hub, &cores) {
+    match render(&st.hub, cores.as_deref()) {
         Ok(text) => {
             let mut r = (StatusCode::OK, text).into_response();
             r.headers_mut()
