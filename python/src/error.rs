@@ -24,7 +24,8 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
     match e {
         TransportError::UnknownWorker(_)
         | TransportError::UnknownRequest(_)
-        | TransportError::UnknownModel(_) => PyKeyError::new_err(msg),
+        | TransportError::UnknownModel(_)
+        | TransportError::UnknownRank { .. } => PyKeyError::new_err(msg),
         TransportError::Engine(e) => from_engine(e),
         TransportError::Io { .. } => PyOSError::new_err(msg),
         TransportError::MalformedMsgpack(_)
@@ -36,6 +37,7 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
         | TransportError::Unauthorized(_)
         | TransportError::UnsupportedVersion { .. }
         | TransportError::DuplicateRequest(_)
+        | TransportError::TooManyRanks { .. }
         | TransportError::Invalid { .. } => PyValueError::new_err(msg),
     }
 }

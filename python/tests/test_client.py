@@ -357,9 +357,14 @@ def test_report_load(client: Client, wid: int) -> None:
     assert client.report_load(wid, num_requests_waiting=3, kv_usage=0.25) == {}
     load = worker_entry(client, wid)["loads"][0]  # type: ignore[index]
     assert load["num_requests_waiting"] == 3 and load["kv_usage"] == 0.25
-    client.report_load(wid, 0, 0.5, dp_rank=2)
+    # A load report never creates a rank (a routing candidate); registration does.
+    with pytest.raises(ApiError) as e:
+        client.report_load(wid, 0, 0.5, dp_rank=2)
+    assert e.value.status == 404 and e.value.code == "unknown_rank"
     w = worker_entry(client, wid)
-    assert w is not None and 2 in w["dp_ranks"]
+    assert w is not None and w["dp_ranks"] == [0]
+    client.add_worker(wid, dp_ranks=[0, 2])
+    assert client.report_load(wid, 0, 0.5, dp_rank=2) == {}
     with pytest.raises(ApiError) as e:
         client.report_load(wid, 1, 1.5)
     assert e.value.status == 400 and e.value.code == "invalid_argument"

@@ -46,6 +46,23 @@ pub enum TransportError {
     /// The worker is not registered.
     #[error("unknown worker {0}")]
     UnknownWorker(u64),
+    /// A load report for a rank the worker was not registered with, nor has published
+    /// events for (load reports never create ranks).
+    #[error("worker {worker} has no rank {dp_rank}")]
+    UnknownRank {
+        /// The worker.
+        worker: u64,
+        /// The rank named.
+        dp_rank: u32,
+    },
+    /// A worker's events named more ranks than [`crate::hub::MAX_RANKS_PER_WORKER`].
+    #[error("worker {worker} would have more than {limit} data-parallel ranks")]
+    TooManyRanks {
+        /// The worker.
+        worker: u64,
+        /// The cap.
+        limit: usize,
+    },
     /// No worker serves the requested model.
     #[error("the model `{0}` does not exist")]
     UnknownModel(String),
@@ -154,7 +171,9 @@ impl TransportError {
             TransportError::Oversized { .. } => DropReason::Oversized,
             TransportError::BlockSizeMismatch { .. } => DropReason::BlockSizeMismatch,
             TransportError::TokenCountMismatch { .. } => DropReason::TokenCountMismatch,
-            TransportError::UnknownWorker(_) => DropReason::UnknownWorker,
+            TransportError::UnknownWorker(_)
+            | TransportError::UnknownRank { .. }
+            | TransportError::TooManyRanks { .. } => DropReason::UnknownWorker,
             TransportError::Unauthorized(_) => DropReason::Unauthorized,
             TransportError::UnsupportedVersion { .. } => DropReason::UnsupportedVersion,
             TransportError::Engine(e) => DropReason::Engine(e.reason()),

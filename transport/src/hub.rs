@@ -100,6 +100,11 @@ impl Registration {
     }
 }
 
+/// The most data-parallel ranks one worker may have: ranks first seen in its events
+/// register themselves (vLLM's ranks publish separately), and without a cap a stream of
+/// made-up rank numbers would grow the router's tables without end.
+pub const MAX_RANKS_PER_WORKER: usize = 256;
+
 fn key(worker: WorkerId, dp_rank: DpRank) -> WorkerKey {
     WorkerKey { worker, dp_rank }
 }
@@ -461,13 +466,20 @@ impl Hub {
         self.registry_read().contains_key(&worker)
     }
 
-    /// Checks that `key`'s worker is registered, registering a new rank of it.
+    /// Checks that `key`'s worker is registered, registering a new rank of it (up to
+    /// [`MAX_RANKS_PER_WORKER`]). For events: a worker's ranks are learned from them.
     pub fn admit(&self, key: WorkerKey) -> Result<()> {
         {
             let registry = self.registry_read();
             match registry.get(&key.worker) {
                 None => return Err(TransportError::UnknownWorker(key.worker.0)),
                 Some(e) if e.ranks.contains(&key.dp_rank) => return Ok(()),
+                Some(e) if e.ranks.len() >= MAX_RANKS_PER_WORKER => {
+                    return Err(TransportError::TooManyRanks {
+                        worker: key.worker.0,
+                        limit: MAX_RANKS_PER_WORKER,
+                    });
+                }
                 Some(_) => {}
             }
         }
@@ -916,12 +928,20 @@ impl Hub {
     }
 
     /// Records the load a worker rank reported.
+    /// The rank must be known (registered, or seen in the worker's events): a load report
+    /// never creates a routing candidate.
     pub fn update_load(&self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
         load.validate()?;
-        if !self.is_registered(key.worker) {
-            return Err(TransportError::UnknownWorker(key.worker.0));
+        match self.registry_read().get(&key.worker) {
+            None => return Err(TransportError::UnknownWorker(key.worker.0)),
+            Some(e) if !e.ranks.contains(&key.dp_rank) => {
+                return Err(TransportError::UnknownRank {
+                    worker: key.worker.0,
+                    dp_rank: key.dp_rank.0,
+                });
+            }
+            Some(_) => {}
         }
-        self.admit(key)?;
         // An unhealthy worker is out of routing; its report is not an error.
         match lock(&self.routing).router_of(key.worker) {
             Some(r) => Ok(r.update_load(key, load)?),

@@ -631,12 +631,16 @@ async fn load_reports_are_validated_and_shown() {
         )
         .await;
     assert_eq!((st, v), (StatusCode::OK, json!({})));
+    // A load report never creates a rank; registering one does.
+    let rank2 = json!({"worker_id": 1, "dp_rank": 2, "num_requests_waiting": 0, "kv_usage": 1.0});
+    let (st, v) = s.post("/v1/load", rank2.clone()).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(error_code(&v), "unknown_rank");
     let (st, _) = s
-        .post(
-            "/v1/load",
-            json!({"worker_id": 1, "dp_rank": 2, "num_requests_waiting": 0, "kv_usage": 1.0}),
-        )
+        .post("/v1/workers", json!({"worker_id": 1, "dp_ranks": [0, 2]}))
         .await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, _) = s.post("/v1/load", rank2).await;
     assert_eq!(st, StatusCode::OK);
     let (_, w) = s.get("/v1/workers").await;
     let loads = &w["workers"][0]["loads"];

@@ -156,3 +156,46 @@ fn without_kv_events_decisions_predict_the_caches_and_events_are_refused() {
     drop(hub);
     runtime.join().unwrap();
 }
+
+/// Ranks: a worker's events may add ranks (vLLM's data-parallel ranks publish separately),
+/// up to a cap; a load report never adds one.
+#[test]
+fn load_reports_need_known_ranks_and_event_ranks_are_capped() {
+    use engine::sched::WorkerLoad;
+    use transport::hub::MAX_RANKS_PER_WORKER;
+    let (hub, runtime) = common::hub(1);
+    hub.register(Registration::new(WorkerId(4))).unwrap();
+    let load = WorkerLoad {
+        num_requests_waiting: 1,
+        kv_usage: 0.5,
+    };
+    hub.update_load(key(4, 0), load).unwrap();
+    assert!(matches!(
+        hub.update_load(key(4, 3), load),
+        Err(TransportError::UnknownRank {
+            worker: 4,
+            dp_rank: 3
+        })
+    ));
+    assert!(matches!(
+        hub.update_load(key(5, 0), load),
+        Err(TransportError::UnknownWorker(5))
+    ));
+    assert_eq!(hub.workers()[0].registration.dp_ranks, vec![DpRank(0)]);
+    // Events bring ranks in, up to the cap.
+    for r in 1..MAX_RANKS_PER_WORKER as u32 {
+        hub.ingest(key(4, r), vec![KvEvent::Cleared]).unwrap();
+    }
+    hub.update_load(key(4, 3), load).unwrap();
+    let over = MAX_RANKS_PER_WORKER as u32;
+    assert!(matches!(
+        hub.ingest(key(4, over), vec![KvEvent::Cleared]),
+        Err(TransportError::TooManyRanks { worker: 4, .. })
+    ));
+    assert_eq!(
+        hub.workers()[0].registration.dp_ranks.len(),
+        MAX_RANKS_PER_WORKER
+    );
+    drop(hub);
+    runtime.join().unwrap();
+}

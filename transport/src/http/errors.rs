@@ -151,6 +151,10 @@ impl From<TransportError> for ApiError {
             TransportError::UnknownRequest(_) => {
                 Self::new(StatusCode::NOT_FOUND, "unknown_request", message)
             }
+            TransportError::UnknownRank { .. } => {
+                Self::new(StatusCode::NOT_FOUND, "unknown_rank", message)
+            }
+            TransportError::TooManyRanks { .. } => Self::invalid(message),
             TransportError::UnknownModel(_) => {
                 Self::new(StatusCode::NOT_FOUND, "model_not_found", message)
             }
