@@ -470,17 +470,14 @@ async fn ready_waits_for_the_event_stream() {
     let _ = runtime;
 }
 
-/// A live batch that does not decode is read again from the publisher's replay buffer (the
-/// live copy may be what was damaged); without a readable copy the worker's ranks are
-/// cleared and resynced, since what the batch changed is unknown. Never a silent skip.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_undecodable_batch_is_replayed_or_resynced() {
-    let (rig, mut publisher) = setup(11, true).await;
-    let hub = rig.hub.clone();
+/// Publishes a store of prompt 1, a damaged store of prompt 2, and a store of prompt 3;
+/// returns once prompt 3 is indexed (the damaged batch was handled before it).
+async fn publish_around_a_damaged_batch(hub: &Hub, publisher: &mut VllmPublisher) {
     publisher
         .publish(&batch(0, vec![store(1, 2)]))
         .await
         .unwrap();
+    wait_for("the first store", || !overlap(hub, 1, 2).is_empty()).await;
     publisher
         .publish_damaged(&batch(0, vec![store(2, 2)]))
         .await
@@ -490,9 +487,19 @@ async fn an_undecodable_batch_is_replayed_or_resynced() {
         .await
         .unwrap();
     wait_for("the batch after the damaged one", || {
-        !overlap(&hub, 3, 1).is_empty()
+        !overlap(hub, 3, 1).is_empty()
     })
     .await;
+}
+
+/// A live batch that does not decode is read again from the publisher's replay buffer (the
+/// live copy may be what was damaged); without a readable copy the worker's ranks are
+/// cleared and resynced, since what the batch changed is unknown. Never a silent skip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_batch_is_replayed_or_resynced() {
+    let (rig, mut publisher) = setup(11, true).await;
+    let hub = rig.hub.clone();
+    publish_around_a_damaged_batch(&hub, &mut publisher).await;
     assert_eq!(overlap(&hub, 2, 2), vec![(key(11, 0), 2)], "recovered");
     assert_eq!(overlap(&hub, 1, 2), vec![(key(11, 0), 2)], "kept");
     let m = hub.metrics();
@@ -505,23 +512,7 @@ async fn an_undecodable_batch_is_replayed_or_resynced() {
     // No replay socket: the blocks the worker had may be stale now.
     let (rig, mut publisher) = setup(12, false).await;
     let hub = rig.hub.clone();
-    publisher
-        .publish(&batch(0, vec![store(1, 2)]))
-        .await
-        .unwrap();
-    wait_for("the first store", || !overlap(&hub, 1, 2).is_empty()).await;
-    publisher
-        .publish_damaged(&batch(0, vec![store(2, 2)]))
-        .await
-        .unwrap();
-    publisher
-        .publish(&batch(0, vec![store(3, 1)]))
-        .await
-        .unwrap();
-    wait_for("the batch after the damaged one", || {
-        !overlap(&hub, 3, 1).is_empty()
-    })
-    .await;
+    publish_around_a_damaged_batch(&hub, &mut publisher).await;
     assert_eq!(overlap(&hub, 1, 2), vec![], "cleared: possibly stale");
     assert_eq!(overlap(&hub, 2, 2), vec![]);
     assert_eq!(hub.metrics().resyncs.load(Relaxed), 1);

@@ -115,6 +115,12 @@ impl VllmPublisher {
     /// Numbers, buffers and publishes an already encoded batch; returns its seq.
     pub async fn publish_payload(&mut self, payload: Bytes) -> Result<u64> {
         let seq = self.remember(payload.clone());
+        self.send(seq, payload).await?;
+        Ok(seq)
+    }
+
+    /// Sends `[topic, seq, payload]` on the live stream.
+    async fn send(&mut self, seq: u64, payload: Bytes) -> Result<()> {
         let frames = vec![
             self.topic.clone(),
             Bytes::copy_from_slice(&seq.to_be_bytes()),
@@ -127,8 +133,7 @@ impl VllmPublisher {
         self.socket
             .send(msg)
             .await
-            .map_err(|e| zmq_err("cannot publish", e))?;
-        Ok(seq)
+            .map_err(|e| zmq_err("cannot publish", e))
     }
 
     /// Numbers and buffers a batch, but sends a damaged copy (cut in half) on the live
@@ -136,19 +141,7 @@ impl VllmPublisher {
     pub async fn publish_damaged(&mut self, batch: &WireBatch) -> Result<u64> {
         let good = Bytes::from(encode_batch(batch));
         let seq = self.remember(good.clone());
-        let frames = vec![
-            self.topic.clone(),
-            Bytes::copy_from_slice(&seq.to_be_bytes()),
-            good.slice(..good.len() / 2),
-        ];
-        let msg = ZmqMessage::try_from(frames).map_err(|e| TransportError::Io {
-            context: "cannot build the message".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        self.socket
-            .send(msg)
-            .await
-            .map_err(|e| zmq_err("cannot publish", e))?;
+        self.send(seq, good.slice(..good.len() / 2)).await?;
         Ok(seq)
     }
 
