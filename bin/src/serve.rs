@@ -775,15 +775,8 @@ async fn reload_on_sighup(
     hub: Arc<Hub>,
     subs: Subscriptions,
     spawner: Homes,
+    mut hup: Option<tokio::signal::unix::Signal>,
 ) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut hup = match signal(SignalKind::hangup()) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!("cannot watch SIGHUP (reloads on file changes only): {e}");
-            None
-        }
-    };
     let mut poll = tokio::time::interval(CONFIG_POLL);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -918,6 +911,15 @@ async fn serve(
             .filter(|w| !args.workers.iter().any(|c| c.id == w.id))
             .map(|w| w.id)
             .collect();
+        // Installed here, before the router says it is up: a SIGHUP that came before the
+        // reload task first ran would otherwise take the default action and end the process.
+        let hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("cannot watch SIGHUP (reloads on file changes only): {e}");
+                None
+            }
+        };
         tokio::spawn(reload_on_sighup(
             path,
             stamp,
@@ -925,6 +927,7 @@ async fn serve(
             hub.clone(),
             subs.clone(),
             spawner.clone(),
+            hup,
         ));
     }
 
