@@ -316,14 +316,9 @@ impl Hub {
     pub fn models(&self) -> Vec<(String, bool)> {
         let routing = lock(&self.routing);
         routing
-            .named()
-            .map(|m| {
-                let ready = routing
-                    .iter()
-                    .find(|(n, _)| *n == m)
-                    .is_some_and(|(_, ns)| ns.router.routable_workers() > 0);
-                (m.to_owned(), ready)
-            })
+            .iter()
+            .filter(|(m, _)| *m != DEFAULT_MODEL)
+            .map(|(m, ns)| (m.to_owned(), ns.router.routable_workers() > 0))
             .collect()
     }
 
@@ -437,20 +432,8 @@ impl Hub {
         self.note_pools(&routing);
         drop(routing);
         added?;
-        if moved && !new {
-            // Blocks it cached for its old model are not its new model's.
-            entry.registration.model = Some(model.clone());
-            drop(registry);
-            for &r in &all {
-                self.clear(key(reg.worker, r))?;
-            }
-            registry = self.registry_write();
-        }
-        let Some(entry) = registry.get_mut(&reg.worker) else {
-            return Err(TransportError::UnknownWorker(reg.worker.0));
-        };
-        entry.registration.model = (!model.is_empty()).then_some(model);
         let e = &mut entry.registration;
+        e.model = (!model.is_empty()).then_some(model);
         e.role = Some(role);
         e.bootstrap_port = reg.bootstrap_port.or(e.bootstrap_port);
         e.url = reg.url.or(e.url.take());
@@ -458,6 +441,13 @@ impl Hub {
         e.replay = reg.replay.or(e.replay.take());
         e.api_key = reg.api_key.or(e.api_key.take());
         e.dp_ranks = entry.ranks.iter().copied().collect();
+        drop(registry);
+        if moved && !new {
+            // Blocks it cached for its old model are not its new model's.
+            for &r in &all {
+                self.clear(key(reg.worker, r))?;
+            }
+        }
         Ok(new)
     }
 
