@@ -20,6 +20,7 @@ mod dyn_env;
 mod logging;
 mod publish;
 mod serve;
+mod signals;
 mod sim;
 
 use std::process::ExitCode;

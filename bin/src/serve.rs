@@ -375,11 +375,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
              to /v1/route only)"
         );
     }
-    let (tx, rx) = tokio::sync::watch::channel(false);
-    ctrlc::set_handler(move || {
-        let _ = tx.send(true);
-    })
-    .context("cannot install the SIGINT/SIGTERM handler")?;
+    let rx = crate::signals::stop_channel()?;
 
     let sharding = Sharding::configured(cores, args.replicate_depth, args.hub_fanout)
         .context("invalid sharding flags")?;
@@ -492,7 +488,8 @@ fn run_on_cores(
                         match setup {
                             Some((app_tx, handles)) => {
                                 let handles = collect_handles(handles, cores, args.no_pin)?;
-                                serve(hub, args, stop, listener, handles, Some(app_tx)).await
+                                let share = Some(app_tx);
+                                serve(hub, args, stop, listener, handles, share, tls).await
                             }
                             None => serve_share(listener, app_rx, stop, tls).await,
                         }
@@ -674,7 +671,16 @@ fn run_threaded(
             })?;
         let spawner = Homes::new(vec![tokio::runtime::Handle::current()])
             .context("no runtime for the subscriptions")?;
-        serve(hub.clone(), args, stop, listener, spawner, None).await
+        serve(
+            hub.clone(),
+            args,
+            stop,
+            listener,
+            spawner,
+            None,
+            edge_tls(args)?,
+        )
+        .await
     });
     // Dropping the runtime ends every task (subscriptions, connections, health checks).
     drop(rt);
@@ -862,7 +868,7 @@ fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqS
 
 /// The setup and this thread's share of the edge: registrations and subscriptions, simulated
 /// workers, QUIC, the app (shared with the other cores through `share`), health checks;
-/// then HTTP on `listener` until `stop`.
+/// then HTTP (over `tls` when given) on `listener` until `stop`.
 async fn serve(
     hub: Arc<Hub>,
     args: &ServeArgs,
@@ -870,6 +876,7 @@ async fn serve(
     listener: tokio::net::TcpListener,
     spawner: Homes,
     share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
+    tls: Option<EdgeTls>,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
     for source in &args.zmq_workers {
@@ -1011,7 +1018,6 @@ async fn serve(
         let _ = share.send(Some(app.clone()));
     }
     let addr = listener.local_addr().context("HTTP listener")?;
-    let tls = edge_tls(args)?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     println!(
         "kvengine: HTTP on {scheme}://{addr} (OpenAI /v1/chat/completions and \

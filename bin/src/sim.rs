@@ -224,11 +224,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         )),
         None => None,
     };
-    let (tx, mut rx) = tokio::sync::watch::channel(false);
-    ctrlc::set_handler(move || {
-        let _ = tx.send(true);
-    })
-    .context("cannot install the SIGINT/SIGTERM handler")?;
+    let mut rx = crate::signals::stop_channel()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .thread_name("kvengine-sim")
         .enable_all()

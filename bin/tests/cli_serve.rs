@@ -19,6 +19,10 @@ impl Printed {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        eprintln!(
+            "{needle:?} not printed; so far:\n{}",
+            self.0.lock().unwrap()
+        );
         false
     }
 }
