@@ -268,6 +268,25 @@ impl<R: BlockRef> Directories<R> {
         self.dirs.keys().copied()
     }
 
+    /// Every worker key's directory (for a snapshot).
+    pub fn directories(&self) -> impl Iterator<Item = (WorkerKey, &Directory<R>)> + '_ {
+        self.dirs.iter().map(|(k, d)| (*k, d))
+    }
+
+    /// `key`'s directory, created empty if absent, to restore a snapshot's entries into.
+    /// A directory left empty must be dropped with [`Directories::forget_empty`].
+    pub fn restoring(&mut self, key: WorkerKey) -> &mut Directory<R> {
+        self.dirs.entry(key).or_default()
+    }
+
+    /// Drops empty directories (after a restore), keeping invariant 3.
+    pub fn forget_empty(&mut self) {
+        self.dirs.retain(|_, d| !d.is_empty());
+        if self.dirs.is_empty() {
+            self.dirs = HashMap::new();
+        }
+    }
+
     /// Refusals so far, per reason.
     pub fn rejects(&self) -> &RejectCounts {
         &self.rejects

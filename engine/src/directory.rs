@@ -179,6 +179,42 @@ impl<R: BlockRef> Directory<R> {
         })
     }
 
+    /// Every `(engine hash, block, copies)` (for a snapshot).
+    pub fn iter(&self) -> impl Iterator<Item = (EngineHash, R, u32)> + '_ {
+        self.table.iter().map(|e| {
+            let engine = EngineHash(e.engine());
+            let more = self.extra.get(&engine).copied().unwrap_or(0);
+            (engine, e.block(), more.saturating_add(1))
+        })
+    }
+
+    /// Records `engine` as `block` with `copies` copies (a snapshot's entry; `copies` 0 is
+    /// ignored). A present engine hash is overwritten: a snapshot names each once.
+    pub fn restore(&mut self, engine: EngineHash, block: R, copies: u32) {
+        if copies == 0 {
+            return;
+        }
+        let entry = self.table.entry(
+            dir_hash(engine.0),
+            |e| e.engine() == engine.0,
+            |e| dir_hash(e.engine()),
+        );
+        entry.insert(DirEntry {
+            engine: engine.0,
+            block,
+        });
+        if copies > 1 {
+            self.extra.insert(engine, copies - 1);
+        } else {
+            self.extra.remove(&engine);
+        }
+    }
+
+    /// Room for `n` more engine hashes without growing.
+    pub fn reserve(&mut self, n: usize) {
+        self.table.reserve(n, |e| dir_hash(e.engine()));
+    }
+
     /// Distinct engine hashes held.
     pub fn len(&self) -> usize {
         self.table.len()

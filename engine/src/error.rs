@@ -89,6 +89,10 @@ pub enum EngineError {
         /// How long the caller waited.
         waited_ms: u64,
     },
+    /// A snapshot that cannot be restored: damaged, of another format version, or taken
+    /// under another shard layout.
+    #[error("snapshot not usable: {0}")]
+    BadSnapshot(String),
     /// A parameter outside its documented range.
     #[error("invalid {name}: {reason}")]
     InvalidArgument {

@@ -19,6 +19,7 @@
 //! * [`sharding`]: splitting the index across shards (policy, ingest routing, shards).
 //! * [`ring`]: the bounded SPSC ring that threads use to talk to shards.
 //! * [`runtime`]: the thread-per-core runtime: shard threads, ingest and query handles.
+//! * [`snapshot`]: the engine at a consistent cut, as a checksummed file, for warm restarts.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
@@ -37,6 +38,7 @@ pub mod router;
 pub mod runtime;
 pub mod sched;
 pub mod sharding;
+pub mod snapshot;
 mod sync;
 
 pub use error::{EngineError, RejectCounts, RejectReason, Result};

@@ -41,6 +41,7 @@
 
 mod children;
 mod holders;
+mod image;
 mod nodes;
 mod path;
 mod pos;
@@ -55,6 +56,7 @@ mod tests;
 mod validate;
 mod walk;
 
+pub use image::holder_key;
 pub use path::PathPiece;
 pub use pos::{MAX_RUN_LEN, MAX_RUNS, Pos, RunId};
 pub use remove::Removed;

@@ -178,7 +178,7 @@ impl ShardIndex {
     }
 
     /// Creates `seqs` as a chain continuing `at`, held once by `slot` (`None`: unheld).
-    fn create(
+    pub(super) fn create(
         &mut self,
         slot: Option<Slot>,
         at: Option<Pos>,

@@ -35,6 +35,8 @@ use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ShardPolicy;
+use crate::snapshot::StreamMark;
+use crate::snapshot::image::EngineImage;
 use hashbrown::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -271,13 +273,16 @@ impl Link {
     pub(crate) fn send_events(
         &mut self,
         events: &Arc<[(WorkerKey, KvEvent)]>,
+        mark: Option<StreamMark>,
         work: Work<'_>,
     ) -> Result<()> {
         let cores = self.cores();
+        let marked_home = mark.map(|m| self.home(m.worker));
         // Reused across batches: this is the ingest hot path.
         let mut homes = std::mem::take(&mut self.homes);
         homes.resize(cores, false);
         let mut start = 0;
+        let mut mark_sent = false;
         while start < events.len() {
             let end = (start + SEND_CHUNK).min(events.len());
             homes.iter_mut().for_each(|h| *h = false);
@@ -287,7 +292,11 @@ impl Link {
                 }
             }
             for (c, _) in homes.iter().enumerate().filter(|(_, h)| **h) {
-                if let Err(e) = self.post(c, ToCore::Events((events.clone(), start..end)), work) {
+                // The mark rides with the last chunk its home applies.
+                let m = mark.filter(|_| end == events.len() && marked_home == Some(c));
+                mark_sent |= m.is_some();
+                if let Err(e) = self.post(c, ToCore::Events((events.clone(), start..end), m), work)
+                {
                     self.homes = homes;
                     return Err(e);
                 }
@@ -295,7 +304,22 @@ impl Link {
             start = end;
         }
         self.homes = homes;
+        if let (Some(m), Some(home), false) = (mark, marked_home, mark_sent) {
+            let n = events.len();
+            self.post(home, ToCore::Events((events.clone(), n..n), Some(m)), work)?;
+        }
         Ok(())
+    }
+
+    /// See [`IngestHandle::snapshot`].
+    pub(crate) fn snapshot(&mut self, work: Work<'_>) -> Result<EngineImage> {
+        let tag = self.next_tag();
+        let deadline = Deadline::after(self.sync_timeout);
+        self.send(0, tag, ToCore::Snapshot, deadline, work)?;
+        match self.recv(0, tag, deadline, work)? {
+            FromCore::Snapshot(image) => Ok(*image),
+            _ => Err(EngineError::RuntimeStopped),
+        }
     }
 
     /// See [`IngestHandle::clear`].
@@ -453,7 +477,24 @@ impl IngestHandle {
     /// events of its own workers. Refusals are counted by the cores
     /// ([`IngestHandle::rejects`]).
     pub fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> Result<()> {
-        self.link.send_events(events, &mut idle)
+        self.link.send_events(events, None, &mut idle)
+    }
+
+    /// Like [`IngestHandle::send`], and records `mark` (the batch's number on its stream)
+    /// on its worker's home core once the events are applied there.
+    pub fn send_marked(
+        &mut self,
+        events: &Arc<[(WorkerKey, KvEvent)]>,
+        mark: StreamMark,
+    ) -> Result<()> {
+        self.link.send_events(events, Some(mark), &mut idle)
+    }
+
+    /// The engine at a consistent cut: every core's shard, directories and stream marks,
+    /// and the trunk (see `crate::snapshot`). Ingest pauses on each core only from its
+    /// freeze to its image (a promotion round's freeze). Waits up to the sync timeout.
+    pub fn snapshot(&mut self) -> Result<EngineImage> {
+        self.link.snapshot(&mut idle)
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.

@@ -36,6 +36,7 @@ use crate::event::KvEvent;
 use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::sharding::{ShardId, ShardPolicy};
+use crate::snapshot::StreamMark;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -217,7 +218,18 @@ impl<P: ShardPolicy> CoreHost<P> {
     /// See [`super::IngestHandle::send`].
     pub fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> Result<()> {
         let runner = &mut self.runner;
-        self.ingest.send_events(events, &mut || runner.step())
+        self.ingest.send_events(events, None, &mut || runner.step())
+    }
+
+    /// See [`super::IngestHandle::send_marked`].
+    pub fn send_marked(
+        &mut self,
+        events: &Arc<[(WorkerKey, KvEvent)]>,
+        mark: StreamMark,
+    ) -> Result<()> {
+        let runner = &mut self.runner;
+        self.ingest
+            .send_events(events, Some(mark), &mut || runner.step())
     }
 
     /// See [`super::IngestHandle::apply`].

@@ -48,6 +48,7 @@ use crate::ring::ring;
 use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
+use crate::snapshot::image::ArchivedEngineImage;
 use client::Link;
 use shard_loop::{Core, Runner};
 use std::sync::Arc;
@@ -121,7 +122,19 @@ pub fn start<P: ShardPolicy + Clone + 'static>(
     policy: P,
     config: RuntimeConfig,
 ) -> Result<Started<P>> {
-    let built = build(policy.clone(), &config, Layout::Threads)?;
+    start_from(policy, config, None)
+}
+
+/// Like [`start`], with every core restored from `image` first (see [`start_hosted_from`]).
+pub fn start_from<P: ShardPolicy + Clone + 'static>(
+    mut policy: P,
+    config: RuntimeConfig,
+    image: Option<&ArchivedEngineImage>,
+) -> Result<Started<P>> {
+    if let Some(img) = image {
+        policy.restore_trunk(&img.trunk);
+    }
+    let built = build(policy.clone(), &config, Layout::Threads, image)?;
     let mut threads = Vec::with_capacity(built.cores.len());
     let mut pinned = Vec::with_capacity(built.cores.len());
     for (k, (core, cpu)) in built.cores.into_iter().enumerate() {
@@ -170,13 +183,28 @@ pub fn start_hosted<P: ShardPolicy + Clone + 'static>(
     policy: P,
     config: RuntimeConfig,
 ) -> Result<Hosted<P>> {
+    start_hosted_from(policy, config, None)
+}
+
+/// Like [`start_hosted`], with every core restored from `image` first: the trunk is
+/// published, then the cores' shards and directories are rebuilt in parallel (rayon), one
+/// task per core. Refused ([`EngineError::BadSnapshot`]) if the image was taken with
+/// another number of shards or does not add up.
+pub fn start_hosted_from<P: ShardPolicy + Clone + 'static>(
+    mut policy: P,
+    config: RuntimeConfig,
+    image: Option<&ArchivedEngineImage>,
+) -> Result<Hosted<P>> {
+    if let Some(img) = image {
+        policy.restore_trunk(&img.trunk);
+    }
     let cores = policy.shards();
     let config = RuntimeConfig {
         ingest_handles: cores + 1,
         query_handles: cores + 1,
         ..config
     };
-    let built = build(policy.clone(), &config, Layout::Hosted)?;
+    let built = build(policy.clone(), &config, Layout::Hosted, image)?;
     // Client order: every core's ingest link, the outsiders' ingest handle, every core's
     // query link, the outsiders' query handle.
     let mut links = built.links.into_iter();
@@ -224,8 +252,17 @@ fn build<P: ShardPolicy + Clone>(
     policy: P,
     config: &RuntimeConfig,
     layout: Layout,
+    image: Option<&ArchivedEngineImage>,
 ) -> Result<Built<P>> {
     let cores = policy.shards();
+    if let Some(img) = image
+        && (img.shards.to_native() as usize != cores || img.cores.len() != cores)
+    {
+        return Err(EngineError::BadSnapshot(format!(
+            "taken with {} shards, this runtime has {cores}",
+            img.shards.to_native()
+        )));
+    }
     let clients = config.ingest_handles + config.query_handles;
     if cores == 0 || clients == 0 || config.ring_capacity == 0 {
         return Err(EngineError::InvalidArgument {
@@ -326,7 +363,7 @@ fn build<P: ShardPolicy + Clone>(
         .into_iter()
         .zip(clients_out)
         .zip(peers_in.into_iter().zip(peers_out));
-    let built = parts
+    let mut built: Vec<(Core<P>, Option<core_affinity::CoreId>)> = parts
         .enumerate()
         .map(|(k, ((cin, cout), (pin, pout)))| {
             let cpu = cpus.get(k).copied();
@@ -351,11 +388,31 @@ fn build<P: ShardPolicy + Clone>(
             (core, cpu)
         })
         .collect();
+    if let Some(img) = image {
+        restore_cores(&mut built, img)?;
+    }
     Ok(Built {
         cores: built,
         links,
         wakers,
     })
+}
+
+/// Rebuilds every core's shard and directories from its image, one rayon task per core.
+fn restore_cores<P: ShardPolicy>(
+    cores: &mut [(Core<P>, Option<core_affinity::CoreId>)],
+    image: &ArchivedEngineImage,
+) -> Result<()> {
+    use rayon::prelude::*;
+    cores
+        .par_iter_mut()
+        .zip(image.cores.as_slice().par_iter())
+        .map(|((core, _), img)| {
+            core.shard.restore_image(img)?;
+            core.ingest.restore(img)
+        })
+        .collect::<Result<Vec<()>>>()
+        .map(|_| ())
 }
 
 impl Runtime {

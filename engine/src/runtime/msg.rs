@@ -9,6 +9,8 @@ use crate::matches::Matches;
 use crate::sharding::ShardId;
 use crate::sharding::ingest::OpBatch;
 use crate::sharding::promote::Promotion;
+use crate::snapshot::StreamMark;
+use crate::snapshot::image::{CoreImage, EngineImage};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -30,8 +32,10 @@ pub(crate) struct Tagged<T> {
 /// A client's message to one core.
 #[derive(Debug)]
 pub(crate) enum ToCore {
-    /// Apply the events of this slice whose worker lives on this core (no reply).
-    Events(EventSlice),
+    /// Apply the events of this slice whose worker lives on this core (no reply); then
+    /// record the stream mark, if any (its worker lives here), so that a snapshot never
+    /// holds part of a marked batch without its mark.
+    Events(EventSlice, Option<StreamMark>),
     /// Apply one event (this core is its worker's home); reply `Applied`.
     Apply(WorkerKey, KvEvent),
     /// Clear one worker key (home core); reply `Count`.
@@ -47,6 +51,9 @@ pub(crate) enum ToCore {
     Sync,
     /// Reply with this core's figures.
     Stats,
+    /// To the coordinator (core 0): reply `Snapshot` with the engine at a consistent cut
+    /// (a snapshot round, `promotion`).
+    Snapshot,
     /// Do nothing for this long, then reply `Count(0)`: a stuck core, for the tests of
     /// callers' deadlines.
     #[cfg(any(test, feature = "test-util"))]
@@ -64,6 +71,7 @@ pub(crate) enum FromCore {
     Count(usize),
     Synced,
     Stats(Box<CoreSummary>),
+    Snapshot(Box<EngineImage>),
 }
 
 /// A core's message to another core.
@@ -81,6 +89,8 @@ pub(crate) enum PeerMsg {
     Freeze {
         epoch: u64,
         hubs: Arc<[(ShardId, SeqHash)]>,
+        /// A snapshot round: every core images itself once drained (no hubs then).
+        snapshot: bool,
     },
     /// Everything this core produced before it froze for `epoch` precedes this marker.
     Drained { epoch: u64 },
@@ -89,8 +99,13 @@ pub(crate) enum PeerMsg {
         epoch: u64,
         promotions: Arc<[Promotion]>,
     },
-    /// To the coordinator: this core grafted every path of `epoch`.
-    Grafted { epoch: u64 },
+    /// To the coordinator: this core grafted every path of `epoch` (and, in a snapshot
+    /// round, this is its image).
+    Grafted {
+        epoch: u64,
+        from: ShardId,
+        image: Option<Box<CoreImage>>,
+    },
     /// From the coordinator: the new trunk is published (or the round was abandoned);
     /// take events again.
     Thaw { epoch: u64 },

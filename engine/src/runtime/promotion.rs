@@ -31,26 +31,39 @@
 //!    closed its peer rings ignores `Freeze`; a core never closes its peer rings while
 //!    frozen; and the coordinator abandons a round (thawing everyone, publishing nothing)
 //!    if a peer ring closes under it.
+//! 5. The paths grafted in one round are disjoint (`sharding::promote` invariant 3): paths
+//!    of different exporters are (a non-trunk block lives in one shard), and an exporter
+//!    exports its hubs with [`Shard::export_round`].
 //!
 //! # Concurrency
 //! Each core's [`Promo`] is its own; the coordinator's also holds the queue and the round.
+//!
+//! [`Shard::export_round`]: crate::sharding::shard::Shard::export_round
 
 use super::msg::PeerMsg;
 use super::shard_loop::{Core, State};
 use crate::ids::SeqHash;
 use crate::sharding::promote::Promotion;
 use crate::sharding::{ShardId, ShardPolicy};
+use crate::snapshot::image::{CoreImage, EngineImage};
 use hashbrown::HashMap;
 use std::sync::Arc;
 
 /// The core that runs the rounds.
 const COORDINATOR: usize = 0;
 
+/// A round's hubs: (the shard exporting it, the block).
+type Hubs = Arc<[(ShardId, SeqHash)]>;
+
 /// The round a core is frozen for.
 #[derive(Clone, Debug)]
 struct Round {
     epoch: u64,
     hubs: Arc<[(ShardId, SeqHash)]>,
+    /// A snapshot round: this core images itself once drained.
+    snapshot: bool,
+    /// Its image, until sent to the coordinator.
+    image: Option<Box<CoreImage>>,
     /// Distinct shards among `hubs`.
     exporters: usize,
     /// This core exported its hubs (if it has any).
@@ -68,6 +81,9 @@ struct Active {
     /// Cores (the coordinator included) that grafted every path.
     grafted: usize,
     promotions: Vec<Arc<[Promotion]>>,
+    /// A snapshot round: the clients waiting for it, and the images so far by core.
+    snapshot: Vec<(usize, u64)>,
+    images: Vec<(usize, Box<CoreImage>)>,
 }
 
 /// One core's part in promotions.
@@ -78,6 +94,10 @@ pub(crate) struct Promo {
     drained: HashMap<u64, usize>,
     queue: Vec<(ShardId, SeqHash)>,
     active: Option<Active>,
+    /// Coordinator: clients waiting for a snapshot round to start (`(client, tag)`).
+    snapshot_waiters: Vec<(usize, u64)>,
+    /// A snapshot round's freeze that waits for this core's event slice to finish.
+    deferred: Option<(u64, Hubs)>,
     next_epoch: u64,
     /// Promotions this core published (coordinator) or grafted.
     pub(crate) rounds: u64,
@@ -95,12 +115,12 @@ impl Promo {
 
     /// Is a round in progress here (a core must not close its rings then)?
     pub(crate) fn busy(&self) -> bool {
-        self.frozen.is_some() || self.active.is_some()
+        self.frozen.is_some() || self.active.is_some() || self.deferred.is_some()
     }
 
     /// Is a round in progress or queued (coordinator)?
     pub(crate) fn pending(&self) -> bool {
-        self.busy() || !self.queue.is_empty()
+        self.busy() || !self.queue.is_empty() || !self.snapshot_waiters.is_empty()
     }
 }
 
@@ -141,9 +161,13 @@ impl<P: ShardPolicy> Core<P> {
     pub(crate) fn handle_promotion(&mut self, st: &mut State, msg: PeerMsg) -> bool {
         match msg {
             PeerMsg::Hub { from, tip } => self.queue_hub(st, from, tip),
-            PeerMsg::Freeze { epoch, hubs } => {
+            PeerMsg::Freeze {
+                epoch,
+                hubs,
+                snapshot,
+            } => {
                 if !st.closed_peers {
-                    self.freeze(st, epoch, hubs);
+                    self.freeze(st, epoch, hubs, snapshot);
                 }
             }
             PeerMsg::Drained { epoch } => {
@@ -151,9 +175,12 @@ impl<P: ShardPolicy> Core<P> {
                 self.maybe_export(st);
             }
             PeerMsg::Graft { epoch, promotions } => self.graft(st, epoch, promotions),
-            PeerMsg::Grafted { epoch } => {
+            PeerMsg::Grafted { epoch, from, image } => {
                 if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
                     a.grafted += 1;
+                    if let Some(img) = image {
+                        a.images.push((from.idx(), img));
+                    }
                 }
                 self.maybe_finish(st);
             }
@@ -172,8 +199,38 @@ impl<P: ShardPolicy> Core<P> {
         self.maybe_start(st);
     }
 
+    /// A client asks for a snapshot (coordinator only; another core answers nothing
+    /// useful, and the client's call fails).
+    pub(crate) fn request_snapshot(&mut self, st: &mut State, client: usize, tag: u64) {
+        if !self.coordinator() {
+            self.reply_count(client, tag);
+            return;
+        }
+        st.promo.snapshot_waiters.push((client, tag));
+        self.maybe_start(st);
+    }
+
     fn maybe_start(&mut self, st: &mut State) {
         if st.promo.active.is_some() || st.clients_gone || st.closed_peers {
+            return;
+        }
+        if !st.promo.snapshot_waiters.is_empty() {
+            // A snapshot round carries no hubs: they wait for the next round, so the
+            // images and the trunk they are taken with agree.
+            st.promo.next_epoch += 1;
+            let epoch = st.promo.next_epoch;
+            st.promo.active = Some(Active {
+                epoch,
+                snapshot: std::mem::take(&mut st.promo.snapshot_waiters),
+                ..Active::default()
+            });
+            let hubs: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
+            self.broadcast(st, || PeerMsg::Freeze {
+                epoch,
+                hubs: hubs.clone(),
+                snapshot: true,
+            });
+            self.freeze(st, epoch, hubs, true);
             return;
         }
         let policy = self.ingest.policy();
@@ -193,11 +250,24 @@ impl<P: ShardPolicy> Core<P> {
         self.broadcast(st, || PeerMsg::Freeze {
             epoch,
             hubs: hubs.clone(),
+            snapshot: false,
         });
-        self.freeze(st, epoch, hubs);
+        self.freeze(st, epoch, hubs, false);
     }
 
-    fn freeze(&mut self, st: &mut State, epoch: u64, hubs: Arc<[(ShardId, SeqHash)]>) {
+    /// Freezes now, or (a snapshot round while an event slice is half applied) once the
+    /// slice is done: an image must not hold part of a marked batch.
+    fn freeze(
+        &mut self,
+        st: &mut State,
+        epoch: u64,
+        hubs: Arc<[(ShardId, SeqHash)]>,
+        snapshot: bool,
+    ) {
+        if snapshot && st.rest.is_some() {
+            st.promo.deferred = Some((epoch, hubs));
+            return;
+        }
         let mut shards: Vec<ShardId> = hubs.iter().map(|h| h.0).collect();
         shards.sort_unstable();
         shards.dedup();
@@ -205,8 +275,10 @@ impl<P: ShardPolicy> Core<P> {
         st.promo.frozen = Some(Round {
             epoch,
             hubs,
+            snapshot,
+            image: None,
             exporters: shards.len(),
-            exported: !exports_here,
+            exported: !exports_here && !snapshot,
             grafts: 0,
             grafted: false,
         });
@@ -225,16 +297,29 @@ impl<P: ShardPolicy> Core<P> {
             return;
         }
         let (epoch, hubs) = (round.epoch, round.hubs.clone());
+        if round.snapshot {
+            // Every operation any core produced before it froze is applied here, and no
+            // core takes events until the thaw: this core's part of the cut.
+            let mut image = CoreImage::default();
+            self.shard.image_into(&mut image);
+            self.ingest.export(&mut image);
+            if let Some(r) = st.promo.frozen.as_mut() {
+                r.exported = true;
+                r.image = Some(Box::new(image));
+            }
+            self.maybe_grafted(st);
+            return;
+        }
         if let Some(r) = st.promo.frozen.as_mut() {
             r.exported = true;
         }
         let policy = self.ingest.policy();
         let me = self.me();
-        let promotions: Arc<[Promotion]> = hubs
-            .iter()
-            .filter(|h| h.0 == me)
-            .filter_map(|&(_, tip)| self.shard.export(tip, |s| policy.in_trunk(s)))
-            .collect();
+        // One round's paths are published together, so they are exported together:
+        // disjoint, or the other shards would graft shared blocks twice (invariant 5).
+        let tips = hubs.iter().filter(|h| h.0 == me).map(|h| h.1);
+        let promotions: Arc<[Promotion]> =
+            self.shard.export_round(tips, |s| policy.in_trunk(s)).into();
         self.broadcast(st, || PeerMsg::Graft {
             epoch,
             promotions: promotions.clone(),
@@ -273,16 +358,23 @@ impl<P: ShardPolicy> Core<P> {
             return;
         }
         let epoch = r.epoch;
+        let mut image = None;
         if let Some(r) = st.promo.frozen.as_mut() {
             r.grafted = true;
+            image = r.image.take();
         }
         if self.coordinator() {
+            let me = self.me().idx();
             if let Some(a) = st.promo.active.as_mut().filter(|a| a.epoch == epoch) {
                 a.grafted += 1;
+                if let Some(img) = image {
+                    a.images.push((me, img));
+                }
             }
             self.maybe_finish(st);
         } else {
-            self.send_peer(st, COORDINATOR, PeerMsg::Grafted { epoch });
+            let from = self.me();
+            self.send_peer(st, COORDINATOR, PeerMsg::Grafted { epoch, from, image });
         }
     }
 
@@ -296,6 +388,9 @@ impl<P: ShardPolicy> Core<P> {
         }
         let epoch = a.epoch;
         let promotions: Vec<Arc<[Promotion]>> = a.promotions.clone();
+        if !a.snapshot.is_empty() {
+            self.answer_snapshot(st);
+        }
         for p in promotions.iter().flat_map(|ps| ps.iter()) {
             self.ingest.policy_mut().promote(&p.seqs(), &p.pins, p.from);
             st.promo.rounds += 1;
@@ -304,6 +399,32 @@ impl<P: ShardPolicy> Core<P> {
         self.broadcast(st, || PeerMsg::Thaw { epoch });
         self.thaw(st, epoch);
         self.maybe_start(st);
+    }
+
+    /// Coordinator, once every core sent its image: answers the round's waiters.
+    fn answer_snapshot(&mut self, st: &mut State) {
+        let Some(a) = st.promo.active.as_mut() else {
+            return;
+        };
+        let waiters = std::mem::take(&mut a.snapshot);
+        let mut images = std::mem::take(&mut a.images);
+        images.sort_by_key(|(core, _)| *core);
+        let image = EngineImage {
+            shards: self.cores() as u32,
+            policy: String::new(),
+            trunk: self.ingest.policy().trunk_image(),
+            cores: images.into_iter().map(|(_, img)| *img).collect(),
+        };
+        for (client, tag) in waiters {
+            self.reply_snapshot(client, tag, Box::new(image.clone()));
+        }
+    }
+
+    /// After this core's event slice finished: the snapshot freeze it put off.
+    pub(crate) fn freeze_deferred(&mut self, st: &mut State) {
+        if let Some((epoch, hubs)) = st.promo.deferred.take() {
+            self.freeze(st, epoch, hubs, true);
+        }
     }
 
     fn thaw(&mut self, st: &mut State, epoch: u64) {

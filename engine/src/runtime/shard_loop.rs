@@ -42,6 +42,8 @@ use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
+use crate::snapshot::StreamMark;
+use crate::snapshot::image::EngineImage;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,7 +131,9 @@ pub(crate) struct State {
     /// Every client ring is closed.
     pub(crate) clients_gone: bool,
     /// The part of an event slice not applied yet (invariant 4).
-    rest: Option<EventSlice>,
+    pub(crate) rest: Option<EventSlice>,
+    /// The stream mark to record once `rest` is applied.
+    rest_mark: Option<StreamMark>,
 }
 
 impl State {
@@ -160,6 +164,7 @@ impl<P: ShardPolicy> Runner<P> {
             closed_peers: false,
             clients_gone: false,
             rest: None,
+            rest_mark: None,
         };
         let clients_open = vec![true; core.clients_in.len()];
         let peers_open = vec![true; core.peers_in.len()];
@@ -406,8 +411,9 @@ impl<P: ShardPolicy> Core<P> {
         let cores = self.cores();
         let Tagged { tag, msg } = tagged;
         match msg {
-            ToCore::Events(slice) => {
+            ToCore::Events(slice, mark) => {
                 st.rest = Some(slice);
+                st.rest_mark = mark;
                 self.continue_events(st);
             }
             ToCore::Apply(key, ev) => {
@@ -451,6 +457,7 @@ impl<P: ShardPolicy> Core<P> {
                 let s = self.summary(st);
                 self.reply(client, tag, FromCore::Stats(Box::new(s)));
             }
+            ToCore::Snapshot => self.request_snapshot(st, client, tag),
             #[cfg(any(test, feature = "test-util"))]
             ToCore::Stall(d) => {
                 std::thread::sleep(d);
@@ -491,6 +498,12 @@ impl<P: ShardPolicy> Core<P> {
         self.note_hub(st);
         if next < range.end {
             st.rest = Some((events, next..range.end));
+        } else {
+            if let Some(m) = st.rest_mark.take() {
+                self.ingest.mark(m);
+            }
+            // A snapshot round waits for the slice to finish before this core freezes.
+            self.freeze_deferred(st);
         }
     }
 
@@ -579,6 +592,16 @@ impl<P: ShardPolicy> Core<P> {
             }
         }
         progressed
+    }
+
+    /// Replies to a call this core cannot answer (the client then fails it).
+    pub(crate) fn reply_count(&mut self, client: usize, tag: u64) {
+        self.reply(client, tag, FromCore::Count(0));
+    }
+
+    /// Replies with a snapshot.
+    pub(crate) fn reply_snapshot(&mut self, client: usize, tag: u64, image: Box<EngineImage>) {
+        self.reply(client, tag, FromCore::Snapshot(image));
     }
 
     fn reply(&mut self, client: usize, tag: u64, msg: FromCore) {

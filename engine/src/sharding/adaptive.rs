@@ -18,6 +18,7 @@ use super::trunk::{Trunk, TrunkCell};
 use super::{Placement, Route, ShardId, ShardPolicy, shard_of};
 use crate::error::{EngineError, Result};
 use crate::ids::SeqHash;
+use crate::snapshot::image::{ArchivedTrunkImage, TrunkImage};
 use crate::sync::Arc;
 
 const EVERYWHERE: Route = Route(u32::MAX);
@@ -138,6 +139,16 @@ impl ShardPolicy for Adaptive {
     fn promote(&mut self, path: &[SeqHash], pins: &[SeqHash], from: ShardId) {
         let current = self.cell.load();
         self.cell.publish(current.promoted(path, pins, from));
+        self.refresh();
+    }
+
+    fn trunk_image(&self) -> TrunkImage {
+        self.trunk.image()
+    }
+
+    fn restore_trunk(&mut self, trunk: &ArchivedTrunkImage) {
+        self.cell
+            .publish(Trunk::from_image(trunk, self.shards.into()));
         self.refresh();
     }
 }

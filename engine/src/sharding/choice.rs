@@ -6,6 +6,7 @@ use super::trunk::Trunk;
 use super::{Placement, Route, ShardId, ShardPolicy};
 use crate::error::Result;
 use crate::ids::SeqHash;
+use crate::snapshot::image::{ArchivedTrunkImage, TrunkImage};
 
 /// Either policy, chosen by configuration (`--replicate-depth` picks the fixed one).
 #[derive(Clone, Debug)]
@@ -95,5 +96,13 @@ impl ShardPolicy for Sharding {
 
     fn promote(&mut self, path: &[SeqHash], pins: &[SeqHash], from: ShardId) {
         both!(self, p => p.promote(path, pins, from))
+    }
+
+    fn trunk_image(&self) -> TrunkImage {
+        both!(self, p => p.trunk_image())
+    }
+
+    fn restore_trunk(&mut self, trunk: &ArchivedTrunkImage) {
+        both!(self, p => p.restore_trunk(trunk))
     }
 }

@@ -21,9 +21,12 @@
 use super::shard::Shard;
 use super::{Placement, Route, ShardId, ShardPolicy};
 use crate::directories::{Applied, BlockStore, Directories};
-use crate::error::{RejectCounts, Result};
+use crate::error::{EngineError, RejectCounts, Result};
 use crate::event::KvEvent;
-use crate::ids::{SeqHash, WorkerId, WorkerKey};
+use crate::ids::{DpRank, EngineHash, SeqHash, WorkerId, WorkerKey};
+use crate::snapshot::StreamMark;
+use crate::snapshot::image::{ArchivedCoreImage, CoreImage, EntryRec, KeyRec, MarkRec};
+use hashbrown::HashMap;
 use std::fmt;
 
 /// What to do with a batch's blocks.
@@ -302,6 +305,8 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
 pub struct Ingest<P> {
     policy: P,
     dirs: Directories<Placed>,
+    /// The last batch applied per numbered stream of the workers whose events come here.
+    marks: HashMap<(WorkerId, u32), u64>,
     scratch: Vec<SeqHash>,
     hubs: HubWatch,
 }
@@ -312,6 +317,7 @@ impl<P: ShardPolicy> Ingest<P> {
         Self {
             policy,
             dirs: Directories::new(),
+            marks: HashMap::new(),
             scratch: Vec::new(),
             hubs: HubWatch::default(),
         }
@@ -385,7 +391,82 @@ impl<P: ShardPolicy> Ingest<P> {
             scratch: &mut self.scratch,
             hubs: &mut self.hubs,
         };
+        self.marks.retain(|(w, _), _| *w != worker);
         self.dirs.remove_worker(worker, &mut sink)
+    }
+
+    /// Records that batch `mark.seq` of a stream has been applied (after its events).
+    pub fn mark(&mut self, mark: StreamMark) {
+        self.marks.insert((mark.worker, mark.stream), mark.seq);
+    }
+
+    /// Adds the directories and stream marks to a snapshot image.
+    pub fn export(&self, image: &mut CoreImage) {
+        for (key, dir) in self.dirs.directories() {
+            image.keys.push(KeyRec {
+                worker: key.worker.0,
+                rank: key.dp_rank.0,
+                len: dir.len() as u32,
+            });
+            image
+                .entries
+                .extend(dir.iter().map(|(engine, placed, count)| EntryRec {
+                    engine: engine.0,
+                    seq: placed.seq,
+                    route: placed.route,
+                    count,
+                }));
+        }
+        image
+            .marks
+            .extend(self.marks.iter().map(|(&(w, stream), &seq)| MarkRec {
+                worker: w.0,
+                stream,
+                seq,
+            }));
+    }
+
+    /// Restores the directories and stream marks of a snapshot image (into an empty
+    /// ingest). Refused, with what was restored so far kept, if the image's directory
+    /// lengths do not add up.
+    pub fn restore(&mut self, image: &ArchivedCoreImage) -> Result<()> {
+        let mut entries = image.entries.iter();
+        for k in image.keys.iter() {
+            let key = WorkerKey {
+                worker: WorkerId(k.worker.to_native()),
+                dp_rank: DpRank(k.rank.to_native()),
+            };
+            let len = k.len.to_native() as usize;
+            let dir = self.dirs.restoring(key);
+            dir.reserve(len);
+            for _ in 0..len {
+                let e = entries
+                    .next()
+                    .ok_or_else(|| EngineError::BadSnapshot("directory entries missing".into()))?;
+                let placed = Placed {
+                    seq: e.seq.to_native(),
+                    route: e.route.to_native(),
+                };
+                dir.restore(
+                    EngineHash(e.engine.to_native()),
+                    placed,
+                    e.count.to_native(),
+                );
+            }
+        }
+        self.dirs.forget_empty();
+        if entries.next().is_some() {
+            return Err(EngineError::BadSnapshot(
+                "directory entries left over".into(),
+            ));
+        }
+        for m in image.marks.iter() {
+            self.marks.insert(
+                (WorkerId(m.worker.to_native()), m.stream.to_native()),
+                m.seq.to_native(),
+            );
+        }
+        Ok(())
     }
 
     /// Distinct engine hashes `key` holds (its cached blocks, unless it maps two engine

@@ -45,6 +45,7 @@ pub mod sharded;
 pub mod trunk;
 
 use crate::ids::SeqHash;
+use crate::snapshot::image::{ArchivedTrunkImage, TrunkImage};
 use std::fmt;
 
 /// A shard's number, `0..shards`.
@@ -114,6 +115,15 @@ pub trait ShardPolicy: Send + Sync + fmt::Debug {
     /// Publishes a promotion: `path` joins the trunk and `pins` stay in `from` (policies
     /// without a trunk ignore it).
     fn promote(&mut self, _path: &[SeqHash], _pins: &[SeqHash], _from: ShardId) {}
+
+    /// The trunk, for a snapshot (empty for policies without one).
+    fn trunk_image(&self) -> TrunkImage {
+        TrunkImage::default()
+    }
+
+    /// Publishes a snapshot's trunk (before any core starts; ignored by policies without
+    /// a trunk).
+    fn restore_trunk(&mut self, _trunk: &ArchivedTrunkImage) {}
 }
 
 /// Maps a uniform 64-bit hash onto `0..shards` (Lemire's multiply-shift: no division).

@@ -15,6 +15,10 @@
 //!    single-threaded engine applies it between two events; the runtime drains its rings
 //!    first), so no operation can reach a shard routed by the old trunk after the new one
 //!    is published.
+//! 3. Every block is grafted at most once per publication: [`Shard::import`] adds the
+//!    path's holders, so a block imported twice would keep copies that the removals (one
+//!    per shard) never take back. Promotions published together (the runtime's round) are
+//!    exported together with [`Shard::export_round`], which makes them disjoint.
 //!
 //! [`ShardPolicy::is_hub`]: super::ShardPolicy::is_hub
 
@@ -83,6 +87,26 @@ impl Shard {
         })
     }
 
+    /// The paths of `tips` for promotions that are published together (one runtime
+    /// round; `in_trunk` is the trunk before it): each path ends where the trunk or a path
+    /// exported before it in the call does, as it would once those were published, so no
+    /// block is in two of them (invariant 3). Two hubs of one shard share blocks whenever
+    /// one is below the other or they branch from a common block outside the trunk.
+    pub fn export_round(
+        &self,
+        tips: impl IntoIterator<Item = SeqHash>,
+        in_trunk: impl Fn(SeqHash) -> bool,
+    ) -> Vec<Promotion> {
+        let mut exported = hashbrown::HashSet::new();
+        tips.into_iter()
+            .filter_map(|tip| {
+                let p = self.export(tip, |s| in_trunk(s) || exported.contains(&s))?;
+                exported.extend(p.seqs());
+                Some(p)
+            })
+            .collect()
+    }
+
     /// Grafts an exported path: its trunk ancestors as structure where missing, then each
     /// piece with its holders and copies.
     pub fn import(&mut self, p: &Promotion) {
@@ -125,5 +149,55 @@ impl Shard {
         }
         // Grafting is not traffic: a branch it made is no hub.
         let _ = self.take_branch();
+    }
+}
+
+#[cfg(all(test, not(kvengine_loom)))]
+mod tests {
+    use super::*;
+    use crate::ids::{DpRank, WorkerId, WorkerKey};
+
+    fn key(w: u64) -> WorkerKey {
+        WorkerKey {
+            worker: WorkerId(w),
+            dp_rank: DpRank(0),
+        }
+    }
+
+    fn seqs(v: &[u64]) -> Vec<SeqHash> {
+        v.iter().copied().map(SeqHash).collect()
+    }
+
+    /// Three hubs of one shard in one round (2, 3 below it, and 6, 3's sibling): every
+    /// other shard grafts each shared block once, so it answers as the exporter does, and
+    /// one removal per held block (what the ingest sends every shard once the blocks are
+    /// trunk) empties it.
+    #[test]
+    fn a_round_grafts_each_shared_block_once() {
+        let mut from = Shard::new(ShardId(0));
+        let mut to = Shard::new(ShardId(1));
+        let (a, b) = (key(1), key(2));
+        from.store_seqs(a, None, &seqs(&[1, 2, 3, 4]));
+        from.store_seqs(b, None, &seqs(&[1, 2, 3, 5]));
+        from.store_seqs(b, Some(SeqHash(2)), &seqs(&[6, 7]));
+        from.store_seqs(a, Some(SeqHash(2)), &seqs(&[6, 8]));
+        let round = from.export_round(seqs(&[3, 2, 6]), |_| false);
+        let mut all: Vec<SeqHash> = round.iter().flat_map(Promotion::seqs).collect();
+        all.sort_unstable();
+        assert_eq!(all, seqs(&[1, 2, 3, 6]), "each block in one path");
+        let mut pins: Vec<SeqHash> = round.iter().flat_map(|p| p.pins.clone()).collect();
+        pins.sort_unstable();
+        assert_eq!(pins, seqs(&[4, 5, 6, 7, 8]), "every continuation is pinned");
+        for p in &round {
+            to.import(p);
+        }
+        for q in [[1, 2, 3], [1, 2, 6]] {
+            assert_eq!(to.find_matches(&seqs(&q)), from.find_matches(&seqs(&q)));
+        }
+        for k in [a, b] {
+            to.remove_seqs(k, &seqs(&[1, 2, 3, 6]));
+        }
+        assert_eq!(to.inconsistencies(), 0);
+        assert_eq!((to.stats().blocks, to.stats().entries), (0, 0));
     }
 }

@@ -12,9 +12,11 @@
 
 use super::ShardId;
 use super::ingest::{BlockOp, OpBatch};
+use crate::error::{EngineError, Result};
 use crate::ids::{SeqHash, WorkerKey};
-use crate::index::{IndexStats, Pos, ShardIndex};
+use crate::index::{IndexStats, Pos, ShardIndex, holder_key};
 use crate::matches::Matches;
+use crate::snapshot::image::{ArchivedCoreImage, CoreImage};
 
 /// One shard's part of the index.
 #[derive(Debug)]
@@ -146,6 +148,53 @@ impl Shard {
     /// Operations that could not apply (see invariant 2).
     pub fn inconsistencies(&self) -> u64 {
         self.inconsistencies
+    }
+
+    /// Adds this shard's tree to a snapshot image.
+    pub fn image_into(&self, image: &mut CoreImage) {
+        self.index
+            .export(&mut image.nodes, &mut image.seqs, &mut image.holders);
+    }
+
+    /// Rebuilds the tree of a snapshot image (into an empty shard).
+    pub fn restore_image(&mut self, image: &ArchivedCoreImage) -> Result<()> {
+        let bad = |what: &str| EngineError::BadSnapshot(format!("shard {}: {what}", self.id.0));
+        let (seqs, holders) = (image.seqs.as_slice(), image.holders.as_slice());
+        let (mut s_at, mut h_at) = (0usize, 0usize);
+        let mut chain: Vec<SeqHash> = Vec::new();
+        for n in image.nodes.iter() {
+            let len = n.len.to_native() as usize;
+            let count = n.holders.to_native() as usize;
+            let blocks = seqs
+                .get(s_at..s_at.saturating_add(len))
+                .ok_or_else(|| bad("node blocks missing"))?;
+            let hs = holders
+                .get(h_at..h_at.saturating_add(count))
+                .ok_or_else(|| bad("holders missing"))?;
+            s_at += len;
+            h_at += count;
+            chain.clear();
+            chain.extend(blocks.iter().map(|s| SeqHash(s.to_native())));
+            let parent = (!n.root).then(|| SeqHash(n.parent.to_native()));
+            self.index
+                .import_node(
+                    parent,
+                    &chain,
+                    hs.iter().map(holder_key),
+                    &mut self.positions,
+                )
+                .map_err(|e| bad(&format!("a node does not fit: {e}")))?;
+        }
+        if s_at != seqs.len() || h_at != holders.len() {
+            return Err(bad("data left over"));
+        }
+        self.positions.clear();
+        Ok(())
+    }
+
+    /// Checks the tree's structural invariants (O(size): for tests and debugging).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.index.validate()
     }
 
     /// Sizes and heap bytes.

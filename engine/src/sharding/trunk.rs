@@ -28,6 +28,7 @@
 
 use super::ShardId;
 use crate::ids::SeqHash;
+use crate::snapshot::image::{ArchivedTrunkImage, PinRec, TrunkImage};
 use crate::sync::{Arc, AtomicU64, Mutex, Ordering};
 use hashbrown::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -96,6 +97,46 @@ impl Trunk {
     /// No trunk block.
     pub fn is_empty(&self) -> bool {
         self.members.is_empty()
+    }
+
+    /// This trunk as a snapshot records it.
+    pub fn image(&self) -> TrunkImage {
+        TrunkImage {
+            version: self.version,
+            members: self.members.iter().map(|s| s.0).collect(),
+            pins: self
+                .pins
+                .iter()
+                .map(|(s, shard)| PinRec {
+                    seq: s.0,
+                    shard: u32::from(shard.0),
+                })
+                .collect(),
+        }
+    }
+
+    /// The trunk a snapshot recorded (pins to shards past `shards` are dropped: the caller
+    /// checked the layout).
+    pub fn from_image(image: &ArchivedTrunkImage, shards: usize) -> Self {
+        Self {
+            members: image
+                .members
+                .iter()
+                .map(|s| SeqHash(s.to_native()))
+                .collect(),
+            pins: image
+                .pins
+                .iter()
+                .filter(|p| (p.shard.to_native() as usize) < shards)
+                .map(|p| {
+                    (
+                        SeqHash(p.seq.to_native()),
+                        ShardId(p.shard.to_native() as u16),
+                    )
+                })
+                .collect(),
+            version: image.version.to_native(),
+        }
     }
 
     /// The next version: `path` joins the trunk, and each of `pins` stays in `from`.

@@ -122,6 +122,9 @@ impl From<EngineError> for ApiError {
             EngineError::IndexFull => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "index_full", message)
             }
+            EngineError::BadSnapshot(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "bad_snapshot", message)
+            }
             EngineError::UnknownPosition => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "index_inconsistent",

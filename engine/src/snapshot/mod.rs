@@ -1,0 +1,242 @@
+//! Snapshots of the whole engine, for a warm restart (issue 12).
+//!
+//! A snapshot is the engine at one consistent cut: every shard's tree, every worker key's
+//! directory, the trunk, and per numbered event stream the last batch applied (its *mark*).
+//! The runtime takes it without stopping ingest for longer than a promotion round (see
+//! `runtime::promotion`, "snapshot rounds"); the transport writes it to disk and, on
+//! start, restores the cores from it and asks each stream's publisher to replay what came
+//! after its mark.
+//!
+//! # File layout
+//! A 48-byte header, then the rkyv archive of an [`EngineImage`], then the caller's own
+//! bytes (`meta`: the transport keeps its worker registry there):
+//!
+//! | offset | bytes | field |
+//! |---|---|---|
+//! | 0 | 8 | magic `KVESNAP\0` |
+//! | 8 | 4 | [`FORMAT_VERSION`], little-endian |
+//! | 12 | 4 | reserved (0) |
+//! | 16 | 8 | archive length |
+//! | 24 | 8 | meta length |
+//! | 32 | 8 | XXH3-64 of archive and meta |
+//! | 40 | 8 | reserved (0) |
+//!
+//! The archive starts 48 bytes in, so a buffer aligned to 16 bytes (rkyv's `AlignedVec`)
+//! holds it aligned, and it is validated with bytecheck and read in place.
+//!
+//! # Invariants
+//! 1. [`decode`] accepts exactly what [`encode`] wrote: any other length, checksum, magic or
+//!    version is refused with [`EngineError::BadSnapshot`], never a panic.
+//! 2. Restoring an image gives an engine that answers every query and applies every later
+//!    event exactly as the engine it was taken from (tested against the reference model).
+
+pub mod image;
+
+pub use image::{
+    ArchivedCoreImage, ArchivedEngineImage, CoreImage, EngineImage, EntryRec, HolderRec, KeyRec,
+    MarkRec, NodeRec, PinRec, TrunkImage,
+};
+
+use crate::error::{EngineError, Result};
+use crate::ids::WorkerId;
+use rkyv::rancor;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// The layout version [`encode`] writes and [`decode`] accepts.
+pub const FORMAT_VERSION: u32 = 1;
+/// The first 8 bytes of every snapshot file.
+pub const MAGIC: [u8; 8] = *b"KVESNAP\0";
+/// Bytes before the archive.
+pub const HEADER_LEN: usize = 48;
+
+/// The last batch applied from one numbered event stream of a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StreamMark {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Which of its streams (the transport's numbering).
+    pub stream: u32,
+    /// The batch's number.
+    pub seq: u64,
+}
+
+fn bad(reason: impl Into<String>) -> EngineError {
+    EngineError::BadSnapshot(reason.into())
+}
+
+/// The file's bytes for `image`, with `meta` after it.
+pub fn encode(image: &EngineImage, meta: &[u8]) -> Result<Vec<u8>> {
+    let archive = rkyv::to_bytes::<rancor::Error>(image).map_err(|e| bad(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + archive.len() + meta.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&(archive.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
+    let sum_at = out.len();
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&archive);
+    out.extend_from_slice(meta);
+    let sum = xxh3_64(out.get(HEADER_LEN..).unwrap_or_default());
+    if let Some(s) = out.get_mut(sum_at..sum_at + 8) {
+        s.copy_from_slice(&sum.to_le_bytes());
+    }
+    Ok(out)
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> Result<u64> {
+    bytes
+        .get(at..at + 8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| bad("truncated header"))
+}
+
+/// The archived image and the meta bytes of a snapshot file, checked (invariant 1).
+/// `bytes` must start 16-byte aligned (read the file into an `AlignedVec`).
+pub fn decode(bytes: &[u8]) -> Result<(&ArchivedEngineImage, &[u8])> {
+    if bytes.len() < HEADER_LEN || bytes.get(..8) != Some(&MAGIC[..]) {
+        return Err(bad("not a kvengine snapshot"));
+    }
+    let version = bytes
+        .get(8..12)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| bad("truncated header"))?;
+    if version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "format version {version}; this build reads {FORMAT_VERSION}"
+        )));
+    }
+    let archive_len = usize::try_from(u64_at(bytes, 16)?).map_err(|_| bad("bad length"))?;
+    let meta_len = usize::try_from(u64_at(bytes, 24)?).map_err(|_| bad("bad length"))?;
+    let sum = u64_at(bytes, 32)?;
+    let body = bytes.get(HEADER_LEN..).unwrap_or_default();
+    if Some(body.len()) != archive_len.checked_add(meta_len) {
+        return Err(bad(format!(
+            "{} bytes after the header, the header says {archive_len} + {meta_len}",
+            body.len()
+        )));
+    }
+    if xxh3_64(body) != sum {
+        return Err(bad("checksum mismatch"));
+    }
+    let (archive, meta) = body.split_at(archive_len);
+    let image = rkyv::access::<ArchivedEngineImage, rancor::Error>(archive)
+        .map_err(|e| bad(format!("invalid archive: {e}")))?;
+    Ok((image, meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rkyv::util::AlignedVec;
+
+    fn sample() -> EngineImage {
+        EngineImage {
+            shards: 2,
+            policy: "adaptive".into(),
+            trunk: TrunkImage {
+                version: 3,
+                members: vec![1, 2],
+                pins: vec![PinRec { seq: 5, shard: 1 }],
+            },
+            cores: vec![
+                CoreImage {
+                    nodes: vec![NodeRec {
+                        parent: 0,
+                        root: true,
+                        len: 2,
+                        holders: 1,
+                    }],
+                    seqs: vec![7, 8],
+                    holders: vec![HolderRec {
+                        worker: 1,
+                        rank: 0,
+                        count: 1,
+                    }],
+                    keys: vec![KeyRec {
+                        worker: 1,
+                        rank: 0,
+                        len: 1,
+                    }],
+                    entries: vec![EntryRec {
+                        engine: 70,
+                        seq: 7,
+                        route: 0,
+                        count: 1,
+                    }],
+                    marks: vec![MarkRec {
+                        worker: 1,
+                        stream: 0,
+                        seq: 41,
+                    }],
+                },
+                CoreImage::default(),
+            ],
+        }
+    }
+
+    fn aligned(bytes: &[u8]) -> AlignedVec {
+        let mut v = AlignedVec::new();
+        v.extend_from_slice(bytes);
+        v
+    }
+
+    #[test]
+    fn round_trips_image_and_meta() {
+        let img = sample();
+        let bytes = aligned(&encode(&img, b"{\"workers\":[]}").unwrap());
+        let (archived, meta) = decode(&bytes).unwrap();
+        let back: EngineImage = rkyv::deserialize::<_, rancor::Error>(archived).unwrap();
+        assert_eq!(back, img);
+        assert_eq!(meta, b"{\"workers\":[]}");
+    }
+
+    #[test]
+    fn refuses_damage_of_every_kind() {
+        let good = encode(&sample(), b"m").unwrap();
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new(), good[..HEADER_LEN - 1].to_vec()];
+        cases.push(good[..good.len() - 1].to_vec());
+        let mut flipped = good.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        cases.push(flipped);
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        cases.push(magic);
+        let mut version = good.clone();
+        version[8] = 9;
+        cases.push(version);
+        let mut archive_byte = good.clone();
+        archive_byte[HEADER_LEN + 3] ^= 0x40;
+        cases.push(archive_byte);
+        for c in cases {
+            assert!(matches!(
+                decode(&aligned(&c)),
+                Err(EngineError::BadSnapshot(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        use rand::{Rng, SeedableRng};
+        let good = encode(&sample(), b"").unwrap();
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+        for _ in 0..2_000 {
+            let mut b = good.clone();
+            for _ in 0..rng.random_range(1..4) {
+                let i = rng.random_range(0..b.len());
+                b[i] = rng.random();
+            }
+            // The checksum is recomputed so that damage reaches the archive validation.
+            let sum = xxh3_64(&b[HEADER_LEN..]);
+            b[32..40].copy_from_slice(&sum.to_le_bytes());
+            b[..8].copy_from_slice(&MAGIC);
+            b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+            let _ = decode(&aligned(&b));
+        }
+    }
+}

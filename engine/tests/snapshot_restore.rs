@@ -1,0 +1,328 @@
+//! Snapshots against a plain model: an engine restored from a snapshot answers exactly as
+//! the model of the batches its stream marks name, on 1, 2 and 3 cores, with trunk
+//! promotions happening all the time (hub fanout 2).
+//!
+//! * `a_restored_engine_is_the_engine_it_was_taken_from`: events from one thread; a
+//!   snapshot at random points; the restored engine is compared with the model, then both
+//!   take the same further events and are compared again, and at the end everything is
+//!   removed from the restored engine, which must be back to empty with no inconsistency
+//!   (its tree is a real tree, not just one that answers queries).
+//! * `a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut`: two threads publish
+//!   numbered batches for their own workers while snapshots are taken; each snapshot must
+//!   equal the model of exactly the batches up to each worker's mark: nothing applied
+//!   without its mark (stale after a replay), nothing marked but missing (lost).
+
+use engine::event::{KvEvent, StoredBlock};
+use engine::hash::{BASE_SEED, seq_hash, tokens_hash};
+use engine::runtime::{IngestHandle, QueryHandle, RuntimeConfig, Started, start_from};
+use engine::sharding::adaptive::Adaptive;
+use engine::snapshot::{self, StreamMark};
+use engine::{DpRank, EngineHash, Matches, SeqHash, WorkerId, WorkerKey};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rkyv::util::AlignedVec;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// Per worker key: engine hash -> (seq_hash, copies); the multiset follows from it.
+#[derive(Default, Clone)]
+struct Model {
+    dirs: BTreeMap<WorkerKey, BTreeMap<u64, (u64, u32)>>,
+}
+
+impl Model {
+    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) {
+        match ev {
+            KvEvent::Stored { parent, blocks } => {
+                let dir = self.dirs.entry(key).or_default();
+                let mut prev = match parent {
+                    None => None,
+                    Some(p) => match dir.get(&p.0) {
+                        Some(&(s, _)) => Some(SeqHash(s)),
+                        None => {
+                            if dir.is_empty() {
+                                self.dirs.remove(&key);
+                            }
+                            return;
+                        }
+                    },
+                };
+                for b in blocks {
+                    let s = seq_hash(prev, b.tokens_hash);
+                    dir.entry(b.engine_hash.0).or_insert((s.0, 0)).1 += 1;
+                    prev = Some(s);
+                }
+            }
+            KvEvent::Removed { blocks } => {
+                if let Some(dir) = self.dirs.get_mut(&key) {
+                    for e in blocks {
+                        if let Some(c) = dir.get_mut(&e.0) {
+                            c.1 -= 1;
+                            if c.1 == 0 {
+                                dir.remove(&e.0);
+                            }
+                        }
+                    }
+                    if dir.is_empty() {
+                        self.dirs.remove(&key);
+                    }
+                }
+            }
+            KvEvent::Cleared => {
+                self.dirs.remove(&key);
+            }
+        }
+    }
+
+    fn holds(&self, key: WorkerKey, seq: u64) -> bool {
+        self.dirs
+            .get(&key)
+            .is_some_and(|d| d.values().any(|&(s, _)| s == seq))
+    }
+
+    fn matches(&self, q: &[SeqHash]) -> Matches {
+        Matches::from_overlaps(self.dirs.keys().map(|&k| {
+            let o = q.iter().take_while(|s| self.holds(k, s.0)).count();
+            (k, o as u32)
+        }))
+    }
+}
+
+/// Every chain ever stored, by its last block: queries are real chains.
+#[derive(Default)]
+struct Paths(HashMap<u64, Vec<SeqHash>>);
+
+/// A random event for `key` given what it holds: tokens from a small alphabet, so workers
+/// share prefixes and blocks branch (hubs, promotions).
+fn event(rng: &mut SmallRng, model: &Model, paths: &mut Paths, key: WorkerKey) -> KvEvent {
+    let held: Vec<(u64, u64)> = model
+        .dirs
+        .get(&key)
+        .map(|d| d.iter().map(|(&e, &(s, _))| (e, s)).collect())
+        .unwrap_or_default();
+    let roll = rng.random_range(0..10);
+    if roll < 7 || held.is_empty() {
+        let parent = if held.is_empty() || rng.random_bool(0.3) {
+            None
+        } else {
+            Some(held[rng.random_range(0..held.len())])
+        };
+        let mut prev = parent.map(|(_, s)| SeqHash(s));
+        let mut path = prev
+            .and_then(|p| paths.0.get(&p.0).cloned())
+            .unwrap_or_default();
+        let blocks = (0..rng.random_range(1..6))
+            .map(|_| {
+                let t = tokens_hash(&[rng.random_range(0..3u32)], BASE_SEED);
+                let s = seq_hash(prev, t);
+                path.push(s);
+                paths.0.insert(s.0, path.clone());
+                prev = Some(s);
+                StoredBlock {
+                    engine_hash: EngineHash(s.0 ^ 0x5555),
+                    tokens_hash: t,
+                }
+            })
+            .collect();
+        KvEvent::Stored {
+            parent: parent.map(|(e, _)| EngineHash(e)),
+            blocks,
+        }
+    } else if roll < 9 {
+        let n = rng.random_range(1..4);
+        KvEvent::Removed {
+            blocks: (0..n)
+                .map(|_| EngineHash(held[rng.random_range(0..held.len())].0))
+                .collect(),
+        }
+    } else {
+        KvEvent::Cleared
+    }
+}
+
+fn key(w: u64, r: u32) -> WorkerKey {
+    WorkerKey {
+        worker: WorkerId(w),
+        dp_rank: DpRank(r),
+    }
+}
+
+fn config() -> RuntimeConfig {
+    RuntimeConfig {
+        pin_cores: false,
+        ring_capacity: 64,
+        ..RuntimeConfig::default()
+    }
+}
+
+fn policy(cores: usize) -> Adaptive {
+    Adaptive::new(cores, 2).unwrap()
+}
+
+/// Encodes, decodes and restores `image` onto a fresh runtime of `cores` cores.
+fn restored(cores: usize, image: &snapshot::EngineImage) -> Started<Adaptive> {
+    let bytes = snapshot::encode(image, b"meta").unwrap();
+    let mut buf = AlignedVec::<16>::new();
+    buf.extend_from_slice(&bytes);
+    let (archived, meta) = snapshot::decode(&buf).unwrap();
+    assert_eq!(meta, b"meta");
+    start_from(policy(cores), config(), Some(archived)).unwrap()
+}
+
+/// The restored engine answers every query on stored chains and every block count as the
+/// model does.
+fn check(q: &mut QueryHandle<Adaptive>, ingest: &mut IngestHandle, model: &Model, paths: &Paths) {
+    for path in paths.0.values() {
+        assert_eq!(
+            q.find_matches(path).unwrap(),
+            model.matches(path),
+            "{path:?}"
+        );
+    }
+    for w in 0..6 {
+        for r in 0..2 {
+            let k = key(w, r);
+            let want = model.dirs.get(&k).map_or(0, |d| d.len() as u64);
+            assert_eq!(ingest.cached_blocks(k).unwrap(), want, "{k:?}");
+        }
+    }
+}
+
+fn empty_and_consistent(started: &mut Started<Adaptive>) {
+    let ingest = &mut started.ingest[0];
+    for w in 0..6 {
+        ingest.remove_worker(WorkerId(w)).unwrap();
+    }
+    ingest.settle().unwrap();
+    for c in ingest.core_stats().unwrap() {
+        assert_eq!(c.inconsistencies, 0, "{c:?}");
+        assert_eq!((c.index.blocks, c.index.entries), (0, 0), "{c:?}");
+        assert_eq!(c.directory_entries, 0, "{c:?}");
+    }
+}
+
+#[test]
+fn a_restored_engine_is_the_engine_it_was_taken_from() {
+    for cores in [1, 2, 3] {
+        for seed in 0..4u64 {
+            let mut rng = SmallRng::seed_from_u64(seed * 31 + cores as u64);
+            let mut a = start_from(policy(cores), config(), None).unwrap();
+            let mut model = Model::default();
+            let mut paths = Paths::default();
+            let before = rng.random_range(50..300);
+            for _ in 0..before {
+                let k = key(rng.random_range(0..6), rng.random_range(0..2));
+                let ev = event(&mut rng, &model, &mut paths, k);
+                model.apply(k, &ev);
+                a.ingest[0].apply(k, &ev).ok();
+            }
+            let image = a.ingest[0].snapshot().unwrap();
+            assert_eq!(image.cores.len(), cores);
+            let mut b = restored(cores, &image);
+            check(&mut b.query[0], &mut b.ingest[0], &model, &paths);
+            // Both go on with the same events (stores continuing restored blocks,
+            // removals of restored blocks) and stay equal to the model.
+            for _ in 0..150 {
+                let k = key(rng.random_range(0..6), rng.random_range(0..2));
+                let ev = event(&mut rng, &model, &mut paths, k);
+                model.apply(k, &ev);
+                let ra = a.ingest[0].apply(k, &ev);
+                let rb = b.ingest[0].apply(k, &ev);
+                assert_eq!(ra, rb, "{ev:?}");
+            }
+            b.ingest[0].settle().unwrap();
+            check(&mut b.query[0], &mut b.ingest[0], &model, &paths);
+            empty_and_consistent(&mut b);
+        }
+    }
+}
+
+/// One publisher thread's log: per worker, its batches (key and events) in order.
+type Log = BTreeMap<u64, Vec<(WorkerKey, Vec<KvEvent>)>>;
+
+#[test]
+fn a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut() {
+    for cores in [1, 2, 3] {
+        let cfg = RuntimeConfig {
+            ingest_handles: 3,
+            ..config()
+        };
+        let mut started = start_from(policy(cores), cfg, None).unwrap();
+        let mut handles = std::mem::take(&mut started.ingest);
+        let mut taker = handles.pop().unwrap();
+        let publishers: Vec<_> = handles
+            .into_iter()
+            .enumerate()
+            .map(|(t, mut h)| {
+                std::thread::spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(t as u64 + 100 * cores as u64);
+                    let mut model = Model::default();
+                    let mut paths = Paths::default();
+                    let mut log = Log::new();
+                    // Thread t owns workers t, t + 2, t + 4.
+                    for _ in 0..600 {
+                        let w = t as u64 + 2 * rng.random_range(0..3);
+                        let k = key(w, rng.random_range(0..2));
+                        let batch: Vec<KvEvent> = (0..rng.random_range(1..4))
+                            .map(|_| {
+                                let ev = event(&mut rng, &model, &mut paths, k);
+                                model.apply(k, &ev);
+                                ev
+                            })
+                            .collect();
+                        let batches = log.entry(w).or_default();
+                        let mark = StreamMark {
+                            worker: WorkerId(w),
+                            stream: 0,
+                            seq: batches.len() as u64,
+                        };
+                        let slice: Arc<[(WorkerKey, KvEvent)]> =
+                            batch.iter().map(|e| (k, e.clone())).collect();
+                        batches.push((k, batch));
+                        h.send_marked(&slice, mark).unwrap();
+                    }
+                    h.sync().unwrap();
+                    (log, paths)
+                })
+            })
+            .collect();
+        let mut images = Vec::new();
+        while images.len() < 5 {
+            images.push(taker.snapshot().unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mut log = Log::new();
+        let mut paths = Paths::default();
+        for p in publishers {
+            let (l, ps) = p.join().unwrap();
+            log.extend(l);
+            paths.0.extend(ps.0);
+        }
+        images.push(taker.snapshot().unwrap());
+        let mut cut_sizes = Vec::new();
+        for image in &images {
+            let mut model = Model::default();
+            let mut batches = 0;
+            for m in image.cores.iter().flat_map(|c| &c.marks) {
+                assert_eq!(m.stream, 0);
+                for (k, batch) in &log[&m.worker][..=m.seq as usize] {
+                    batches += 1;
+                    for ev in batch {
+                        model.apply(*k, ev);
+                    }
+                }
+            }
+            cut_sizes.push(batches);
+            let mut b = restored(cores, image);
+            check(&mut b.query[0], &mut b.ingest[0], &model, &paths);
+            empty_and_consistent(&mut b);
+        }
+        // The last image follows every batch; the original ends empty too.
+        assert_eq!(cut_sizes.last(), Some(&1_200), "{cut_sizes:?}");
+        let mut original = Started {
+            ingest: vec![taker],
+            ..started
+        };
+        empty_and_consistent(&mut original);
+    }
+}
