@@ -22,6 +22,7 @@ mod publish;
 mod serve;
 mod signals;
 mod sim;
+mod warm;
 
 use std::process::ExitCode;
 

@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use engine::WorkerId;
 use engine::approx::ApproxConfig;
-use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted};
+use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted_from};
 use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
@@ -31,7 +31,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use transport::cores::{self, Homes};
 use transport::http::{HttpConfig, health::health_loop, router, serve_http};
-use transport::hub::{Hub, HubConfig, Registration, start_engine};
+use transport::hub::{Hub, HubConfig, Registration, start_engine_from};
 use transport::models::ModelSpec;
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
@@ -69,6 +69,15 @@ pub struct ServeArgs {
     /// Do not pin shard threads to cores.
     #[arg(long, env = "KVENGINE_NO_PIN")]
     pub no_pin: bool,
+    /// Keep the index in this directory across restarts: a snapshot is written every
+    /// `--snapshot-interval-s` and at shutdown, and read at start (with the same `--cores`
+    /// and sharding flags); each ZMQ worker then replays what it published meanwhile.
+    #[arg(long, env = "KVENGINE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Seconds between snapshots in `--state-dir` (0: only at shutdown).
+    #[arg(long, env = "KVENGINE_SNAPSHOT_INTERVAL_S", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub snapshot_interval_s: u64,
 
     /// Address the HTTP edge listens on.
     #[arg(long, env = "KVENGINE_HTTP_HOST", default_value = "0.0.0.0")]
@@ -446,9 +455,21 @@ fn run_on_cores(
     engine: RuntimeConfig,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Vec<CoreSummary>> {
-    let hosted = start_hosted(sharding, engine).context("cannot build the cores")?;
+    let policy = sharding.describe();
+    let shards = engine::sharding::ShardPolicy::shards(&sharding);
+    let (hosted, warm) = crate::warm::start_engine(
+        args.state_dir.as_deref(),
+        args.snapshot_interval_s,
+        shards,
+        &policy,
+        |image| start_hosted_from(sharding.clone(), engine, image),
+    )?;
     let cores = hosted.cores.len();
     let hub = hub_for(args, Hub::hosted(config, hosted.ingest, hosted.query)?)?;
+    if let Some(w) = &warm {
+        w.record(&hub);
+    }
+    let mut warm = warm;
     let listeners = reuseport_listeners(&args.http_host, args.http_port, cores)?;
     let (handle_tx, handle_rx) = std::sync::mpsc::channel();
     let (app_tx, app_rx) = tokio::sync::watch::channel::<Option<axum::Router>>(None);
@@ -466,7 +487,10 @@ fn run_on_cores(
                 shared_tls.clone(),
             );
             let setup = if k == 0 {
-                app_tx.take().zip(handle_rx.take())
+                app_tx
+                    .take()
+                    .zip(handle_rx.take())
+                    .map(|(a, h)| (a, h, warm.take()))
             } else {
                 None
             };
@@ -486,10 +510,11 @@ fn run_on_cores(
                         let listener =
                             tokio::net::TcpListener::from_std(listener).context("HTTP listener")?;
                         match setup {
-                            Some((app_tx, handles)) => {
+                            Some((app_tx, handles, warm)) => {
                                 let handles = collect_handles(handles, cores, args.no_pin)?;
                                 let share = Some(app_tx);
-                                serve(hub, args, stop, listener, handles, share, tls).await
+                                let startup = Startup { tls, warm };
+                                serve(hub, args, stop, listener, handles, share, startup).await
                             }
                             None => serve_share(listener, app_rx, stop, tls).await,
                         }
@@ -650,9 +675,18 @@ fn run_threaded(
         query_handles: http_threads + 1,
         ..engine
     };
-    let (hub, runtime) =
-        start_engine(config, sharding, engine).context("cannot start the shards")?;
+    let policy = sharding.describe();
+    let ((hub, runtime), warm) = crate::warm::start_engine(
+        args.state_dir.as_deref(),
+        args.snapshot_interval_s,
+        cores,
+        &policy,
+        |image| start_engine_from(config, sharding.clone(), engine, image),
+    )?;
     let hub = hub_for(args, hub)?;
+    if let Some(w) = &warm {
+        w.record(&hub);
+    }
     print_pinning(args.no_pin, runtime.pinned());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(http_threads)
@@ -678,7 +712,10 @@ fn run_threaded(
             listener,
             spawner,
             None,
-            edge_tls(args)?,
+            Startup {
+                tls: edge_tls(args)?,
+                warm,
+            },
         )
         .await
     });
@@ -869,6 +906,12 @@ fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqS
 /// The setup and this thread's share of the edge: registrations and subscriptions, simulated
 /// workers, QUIC, the app (shared with the other cores through `share`), health checks;
 /// then HTTP (over `tls` when given) on `listener` until `stop`.
+/// What the setup core starts with besides the hub: the edge's TLS and the state directory.
+struct Startup {
+    tls: Option<EdgeTls>,
+    warm: Option<crate::warm::Warm>,
+}
+
 async fn serve(
     hub: Arc<Hub>,
     args: &ServeArgs,
@@ -876,9 +919,14 @@ async fn serve(
     listener: tokio::net::TcpListener,
     spawner: Homes,
     share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
-    tls: Option<EdgeTls>,
+    Startup { tls, warm }: Startup,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
+    // Before any subscription starts: restored workers get their resume points.
+    let restoring = match warm.as_ref().and_then(|w| w.plan.as_ref()) {
+        Some(plan) => Some(transport::state::begin_restore(&hub, plan)?),
+        None => None,
+    };
     for source in &args.zmq_workers {
         hub.register(Registration {
             zmq: Some(source.publisher.clone()),
@@ -990,6 +1038,26 @@ async fn serve(
             }
         })
     };
+    if let (Some(done), Some(w)) = (restoring, &warm)
+        && let Some(plan) = &w.plan
+    {
+        let r = transport::state::finish_restore(&hub, plan, done, &*on_register)?;
+        println!(
+            "kvengine: restore: {} worker(s) resume from the snapshot, {} cleared, {} \
+             re-registered",
+            r.kept, r.cleared, r.registered
+        );
+    }
+    let snapshots = warm.as_ref().and_then(|w| {
+        w.interval.map(|every| {
+            tokio::spawn(transport::state::snapshot_every(
+                hub.clone(),
+                w.dir.clone(),
+                w.policy.clone(),
+                every,
+            ))
+        })
+    });
     let on_remove = {
         let subs = subs.clone();
         Arc::new(move |worker: WorkerId| unsubscribe(&subs, worker, None))
@@ -1044,12 +1112,24 @@ async fn serve(
     };
     let served = serve_edge(listener, app, tls, shutdown).await;
     health.abort();
+    if let Some(s) = snapshots {
+        s.abort();
+    }
     for (_, task) in subs
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .drain()
     {
         task.abort();
+    }
+    if let Some(w) = &warm {
+        // The subscriptions are stopped: this snapshot holds everything they applied.
+        if transport::state::save_now(&hub, &w.dir, &w.policy).await {
+            println!(
+                "kvengine: snapshot written to {}",
+                w.dir.snapshot_path().display()
+            );
+        }
     }
     if let Some(q) = quic {
         q.close();

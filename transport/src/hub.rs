@@ -38,6 +38,7 @@ use engine::router::{NameError, RouteError};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
 use engine::sharding::choice::Sharding;
+use engine::snapshot::{EngineImage, StreamMark};
 use engine::{DpRank, EngineError, Matches, SeqHash, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -179,6 +180,9 @@ pub struct Hub {
     /// door then disaggregates its requests): kept with the schedulers' pools, read without
     /// a lock per request.
     disaggregating: AtomicBool,
+    /// What a warm restart needs: where each restored stream resumes, and which workers
+    /// were registered over the API (the snapshot keeps those).
+    persisted: crate::state::Persisted,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -231,6 +235,7 @@ impl Hub {
             metrics: Metrics::default(),
             approximate: false,
             disaggregating: AtomicBool::new(false),
+            persisted: crate::state::Persisted::default(),
         })
     }
 
@@ -488,6 +493,7 @@ impl Hub {
             return Ok(None);
         }
         drop(registry);
+        self.persisted.forget_worker(worker);
         {
             let mut routing = lock(&self.routing);
             routing.unplace(worker);
@@ -495,6 +501,11 @@ impl Hub {
         }
         let dropped = self.on_ingest(worker, &mut |e| e.remove_worker(worker))?;
         Ok(Some(dropped))
+    }
+
+    /// Is `worker` registered?
+    pub fn registered(&self, worker: WorkerId) -> bool {
+        self.registry_read().contains_key(&worker)
     }
 
     /// Takes a worker out of routing (failed health checks) or puts it back. Taking it out
@@ -656,6 +667,46 @@ impl Hub {
         let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
         self.on_ingest(key.worker, &mut |e| e.send(&batch))?;
         Ok(())
+    }
+
+    /// Like [`Hub::ingest`] for batch `seq` of `key.worker`'s numbered stream (its ZMQ
+    /// stream): the engine records the number with the events, so a snapshot holds a batch
+    /// exactly when it holds its number. Sent even with no events (the number is still
+    /// taken).
+    pub fn ingest_marked(&self, key: WorkerKey, events: Vec<KvEvent>, seq: u64) -> Result<()> {
+        self.refuse_events_if_approximate()?;
+        self.admit(key)?;
+        self.count_events(key, &events);
+        let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
+        let mark = StreamMark {
+            worker: key.worker,
+            stream: 0,
+            seq,
+        };
+        self.on_ingest(key.worker, &mut |e| e.send_marked(&batch, mark))?;
+        Ok(())
+    }
+
+    /// The engine at a consistent cut (see `engine::snapshot`). Blocks until every core
+    /// answered (up to the engine's sync timeout): call it from a thread that is not a
+    /// core's (`spawn_blocking`), or the core it would block could not take part.
+    pub fn snapshot_engine(&self) -> Result<EngineImage> {
+        let image = match &self.engine {
+            Engine::Threads { ingest, .. } => lock(ingest.get(0)).snapshot(),
+            Engine::Hosted { ingest, .. } => lock(ingest).snapshot(),
+        }?;
+        Ok(image)
+    }
+
+    /// Drops every block of `worker` from the index, registered or not (a restored
+    /// snapshot's workers that are gone, or whose streams cannot be resumed).
+    pub fn forget_index(&self, worker: WorkerId) -> Result<usize> {
+        Ok(self.on_ingest(worker, &mut |e| e.remove_worker(worker))?)
+    }
+
+    /// The warm-restart state (`crate::state`).
+    pub fn persisted(&self) -> &crate::state::Persisted {
+        &self.persisted
     }
 
     /// Applies `events` of `key` one by one and waits for each result (the HTTP events
@@ -985,6 +1036,11 @@ enum Engine {
 /// What the hub asks of the engine about events, whether through a handle or a hosted core.
 trait EngineOps {
     fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> engine::Result<()>;
+    fn send_marked(
+        &mut self,
+        events: &Arc<[(WorkerKey, KvEvent)]>,
+        mark: StreamMark,
+    ) -> engine::Result<()>;
     fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> engine::Result<Applied>;
     fn clear(&mut self, key: WorkerKey) -> engine::Result<usize>;
     fn remove_worker(&mut self, worker: WorkerId) -> engine::Result<usize>;
@@ -1003,6 +1059,13 @@ macro_rules! engine_ops {
         impl EngineOps for $t {
             fn send(&mut self, events: &Arc<[(WorkerKey, KvEvent)]>) -> engine::Result<()> {
                 <$t>::send(self, events)
+            }
+            fn send_marked(
+                &mut self,
+                events: &Arc<[(WorkerKey, KvEvent)]>,
+                mark: StreamMark,
+            ) -> engine::Result<()> {
+                <$t>::send_marked(self, events, mark)
             }
             fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> engine::Result<Applied> {
                 <$t>::apply(self, key, event)
@@ -1081,7 +1144,17 @@ pub fn start_engine(
     sharding: Sharding,
     engine: engine::runtime::RuntimeConfig,
 ) -> Result<(Hub, engine::runtime::Runtime)> {
-    let started = engine::runtime::start(sharding, engine)?;
+    start_engine_from(config, sharding, engine, None)
+}
+
+/// Like [`start_engine`], with the cores restored from a snapshot's image first.
+pub fn start_engine_from(
+    config: HubConfig,
+    sharding: Sharding,
+    engine: engine::runtime::RuntimeConfig,
+    image: Option<&engine::snapshot::ArchivedEngineImage>,
+) -> Result<(Hub, engine::runtime::Runtime)> {
+    let started = engine::runtime::start_from(sharding, engine, image)?;
     let hub = Hub::new(config, started.ingest, started.query)?;
     Ok((hub, started.runtime))
 }

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod models;
 pub mod native;
 pub mod openai;
+pub mod state;
 pub mod stream;
 pub mod zmq;
 

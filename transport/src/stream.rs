@@ -99,6 +99,20 @@ impl EventStream {
         }
     }
 
+    /// A stream restored from a snapshot that holds every batch up to `last`: the next
+    /// number is `last + 1`, and anything else is a gap or a restart.
+    pub fn resume(can_replay: bool, last: u64) -> Self {
+        let mut s = Self::new(can_replay);
+        s.fence.accept(last);
+        s
+    }
+
+    /// A catch-up replay from `from` ran to its end: live copies of what it delivered
+    /// (queued meanwhile) are duplicates, not a restart.
+    pub fn caught_up(&mut self, from: u64) {
+        self.fence.note_replayed(from);
+    }
+
     /// The number expected next, once any batch was taken.
     pub fn next_expected(&self) -> Option<u64> {
         self.fence.next_expected()

@@ -78,6 +78,52 @@ fn gauge(v: u64) -> Gauge {
     g
 }
 
+fn seconds(us: u64) -> Gauge<f64, std::sync::atomic::AtomicU64> {
+    let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+    g.set(us as f64 / 1e6);
+    g
+}
+
+/// Snapshots and the restore at start (`--state-dir`).
+fn register_state(reg: &mut Registry, p: &crate::state::Persisted) {
+    reg.register(
+        "kvengine_snapshots",
+        "Snapshots written to --state-dir",
+        counter(p.snapshots.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_snapshot_failures",
+        "Snapshots that could not be taken or written",
+        counter(p.snapshot_failures.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_snapshot_last_seconds",
+        "Seconds the last snapshot took, from the engine's cut to the file in place",
+        seconds(p.last_snapshot_us.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_snapshot_last_bytes",
+        "Bytes of the last snapshot",
+        gauge(p.last_snapshot_bytes.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_restore_seconds",
+        "Seconds the restore from the snapshot took at start (0: started cold)",
+        seconds(p.restore_us.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_restored_workers",
+        "Workers whose restored blocks were kept (their streams resume from the snapshot)",
+        gauge(p.restored_workers.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_restore_cleared_workers",
+        "Workers whose restored blocks were dropped: no resumable stream, or no longer \
+         registered",
+        gauge(p.restore_cleared.load(Relaxed)),
+    );
+}
+
 /// Renders every metric (see `docs/api.md` for the list). `cores` is `None` when the
 /// engine did not answer in time: the per-shard series are then left out and
 /// `kvengine_engine_responsive` is 0.
@@ -258,6 +304,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         "Worker ranks cleared because their event stream could not be repaired",
         counter(m.resyncs.load(Relaxed)),
     );
+    register_state(&mut reg, hub.persisted());
     reg.register(
         "kvengine_worker_load_scrapes",
         "Worker /metrics pages read for their load",

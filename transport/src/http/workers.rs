@@ -244,6 +244,7 @@ pub(super) async fn register(
             format!("worker {worker} was removed while registering"),
         ));
     };
+    hub.persisted().note_api_worker(worker);
     if let Some(hook) = &st.cfg.on_register {
         hook(&info.registration);
     }

@@ -63,7 +63,16 @@ pub fn spawn_subscriber_on(
     config: SubscriberConfig,
 ) -> JoinHandle<()> {
     let can_replay = source.replay.is_some();
+    // A worker restored from a snapshot resumes after the last batch the snapshot holds.
+    let resume = hub.persisted().take_resume(source.worker);
     on.spawn(async move {
+        let (events, ranks) = match &resume {
+            Some(r) => (
+                EventStream::resume(can_replay, r.last_seq),
+                r.ranks.iter().copied().collect(),
+            ),
+            None => (EventStream::new(can_replay), BTreeSet::new()),
+        };
         let mut stream = Stream {
             convert: ConvertConfig {
                 block_size: hub.block_size_of(source.worker),
@@ -71,10 +80,10 @@ pub fn spawn_subscriber_on(
             hub,
             source,
             config,
-            stream: EventStream::new(can_replay),
-            ranks: BTreeSet::new(),
+            stream: events,
+            ranks,
         };
-        stream.run().await;
+        stream.run(resume.map(|r| r.last_seq)).await;
     })
 }
 
@@ -117,7 +126,9 @@ fn split_replay(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
 }
 
 impl Stream {
-    async fn run(&mut self) {
+    /// `resumed`: the last batch a restored snapshot holds (the stream catches up from the
+    /// batch after it before taking live batches).
+    async fn run(&mut self, resumed: Option<u64>) {
         let mut socket = SubSocket::new();
         // The publisher filters by this prefix (vLLM's `topic`; "" takes everything).
         if let Err(e) = socket.subscribe(&self.source.topic).await {
@@ -142,6 +153,9 @@ impl Stream {
             "subscribed to KV events");
         self.hub
             .note_stream(self.source.worker, StreamState::Subscribed);
+        if let Some(last) = resumed {
+            self.catch_up(last.saturating_add(1)).await;
+        }
         loop {
             let frames = match socket.recv().await {
                 Ok(m) => m.into_vec(),
@@ -200,6 +214,26 @@ impl Stream {
         }
         if self.process(seq, payload).is_err() {
             self.recover(seq).await;
+        }
+    }
+
+    /// After a restart from a snapshot: asks the replay socket for every batch from `from`
+    /// on (the publisher's buffer keeps its recent batches) before any live batch. A
+    /// buffer that no longer reaches back to `from` clears and resyncs the worker (as a gap
+    /// does while running); without a replay socket, or if the replay fails, the next live
+    /// batch tells: the next number applies, anything else is a gap or a restart.
+    async fn catch_up(&mut self, from: u64) {
+        let Some(endpoint) = self.source.replay.clone() else {
+            return;
+        };
+        match self.replay(&endpoint, from).await {
+            Ok(()) => {
+                self.stream.caught_up(from);
+                tracing::info!(worker = %self.source.worker, from,
+                    "resumed from the snapshot: replayed what came after it");
+            }
+            Err(e) => tracing::warn!(worker = %self.source.worker, from,
+                "resuming from the snapshot: replay failed ({e}); the next live batch decides"),
         }
     }
 
@@ -379,7 +413,7 @@ impl Stream {
         };
         self.ranks.insert(converted.dp_rank);
         let n = converted.events.len() as u64;
-        if let Err(e) = self.hub.ingest(key, converted.events) {
+        if let Err(e) = self.hub.ingest_marked(key, converted.events, seq) {
             metrics.drop_input(e.reason(), n, &format_args!("worker {worker}: {e}"));
         }
         Ok(())

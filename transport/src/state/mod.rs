@@ -1,0 +1,544 @@
+//! Warm restarts (`--state-dir`): the engine's snapshot and the API-registered workers in
+//! one file, written in the background and at shutdown, restored at start.
+//!
+//! Taking a snapshot: the engine cuts every core consistently (`engine::snapshot`); the
+//! cut carries, per worker, the number of the last batch of its ZMQ stream that is in it
+//! (its *mark*). The transport adds the workers registered over the API (their
+//! registrations, as JSON) and writes the file atomically ([`file`], io_uring on Linux).
+//!
+//! Restoring: the cores are rebuilt from the image (rayon, one task per core), then
+//! [`begin_restore`] and [`finish_restore`] decide, worker by worker, what may be kept:
+//! * a worker that is no longer registered (neither configured nor in the snapshot's API
+//!   registrations) is forgotten;
+//! * a worker whose stream has a mark keeps its blocks, and its subscriber resumes from
+//!   the mark: it asks the publisher's replay socket for every batch after it before taking
+//!   live batches. Where the replay cannot reach back that far (or the worker has no
+//!   replay socket and the next live batch is not the next number), the stream clears the
+//!   worker and counts a resync, exactly as for a gap while running;
+//! * a worker without a mark (its events came over QUIC or HTTP, whose numbering does not
+//!   survive a restart) is cleared and counted: what it holds now cannot be known.
+//!
+//! So after a restart nothing stale is kept, and nothing acknowledged is lost where the
+//! publisher's replay buffer still holds what came after the snapshot.
+//!
+//! # Invariants
+//! 1. A restored worker keeps its blocks only if its subscriber resumes from its mark.
+//! 2. [`Persisted::take_resume`] hands each worker's resume point out once: a
+//!    re-subscription after a config reload starts fresh, like any new subscription.
+//!
+//! # Concurrency
+//! [`Persisted`] is shared by every thread through the hub (a mutex per table, taken once
+//! per subscription or registration, never on the per-batch path).
+
+pub mod file;
+
+use crate::error::{Result, TransportError};
+use crate::hub::{Hub, Registration};
+use engine::sched::WorkerRole;
+use engine::snapshot::{self, ArchivedEngineImage};
+use engine::{DpRank, WorkerId};
+use rkyv::util::AlignedVec;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+/// The snapshot's file name inside the state directory.
+pub const SNAPSHOT_FILE: &str = "snapshot.kvs";
+/// Version of the JSON the transport keeps in a snapshot's meta bytes.
+const META_VERSION: u32 = 1;
+
+/// Where a restored worker's stream resumes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resume {
+    /// The number of the last batch in the snapshot.
+    pub last_seq: u64,
+    /// The ranks the snapshot holds blocks of (what a clear must reach).
+    pub ranks: Vec<DpRank>,
+}
+
+/// Warm-restart state shared through the hub, and its figures.
+#[derive(Debug, Default)]
+pub struct Persisted {
+    resume: Mutex<BTreeMap<WorkerId, Resume>>,
+    api: Mutex<BTreeSet<WorkerId>>,
+    /// Snapshots written.
+    pub snapshots: AtomicU64,
+    /// Snapshots that failed (engine or disk).
+    pub snapshot_failures: AtomicU64,
+    /// Microseconds the last snapshot took, cut to file.
+    pub last_snapshot_us: AtomicU64,
+    /// Bytes of the last snapshot.
+    pub last_snapshot_bytes: AtomicU64,
+    /// Microseconds the restore at start took (reading, checking, rebuilding the cores).
+    pub restore_us: AtomicU64,
+    /// Workers whose blocks a restore kept (their streams resume from their marks).
+    pub restored_workers: AtomicU64,
+    /// Workers a restore cleared: no resumable stream, or no longer registered.
+    pub restore_cleared: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Persisted {
+    /// `worker` was registered over the API (a snapshot keeps its registration).
+    pub fn note_api_worker(&self, worker: WorkerId) {
+        lock(&self.api).insert(worker);
+    }
+
+    /// `worker` was removed.
+    pub fn forget_worker(&self, worker: WorkerId) {
+        lock(&self.api).remove(&worker);
+        lock(&self.resume).remove(&worker);
+    }
+
+    /// Where `worker`'s restored stream resumes, once (invariant 2).
+    pub fn take_resume(&self, worker: WorkerId) -> Option<Resume> {
+        lock(&self.resume).remove(&worker)
+    }
+
+    fn api_workers(&self) -> Vec<WorkerId> {
+        lock(&self.api).iter().copied().collect()
+    }
+}
+
+/// A registration as the snapshot keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct SavedWorker {
+    worker_id: u64,
+    dp_ranks: Vec<u32>,
+    url: Option<String>,
+    zmq: Option<String>,
+    replay: Option<String>,
+    role: Option<String>,
+    bootstrap_port: Option<u16>,
+    api_key: Option<String>,
+    model: Option<String>,
+}
+
+impl SavedWorker {
+    fn of(r: &Registration) -> Self {
+        Self {
+            worker_id: r.worker.0,
+            dp_ranks: r.dp_ranks.iter().map(|d| d.0).collect(),
+            url: r.url.clone(),
+            zmq: r.zmq.clone(),
+            replay: r.replay.clone(),
+            role: r.role.map(|x| x.as_str().to_owned()),
+            bootstrap_port: r.bootstrap_port,
+            api_key: r.api_key.clone(),
+            model: r.model.clone(),
+        }
+    }
+
+    fn registration(&self) -> Result<Registration> {
+        let role = match &self.role {
+            None => None,
+            Some(s) => Some(
+                s.parse::<WorkerRole>()
+                    .map_err(|e| TransportError::Invalid {
+                        name: "snapshot worker role",
+                        reason: e.to_string(),
+                    })?,
+            ),
+        };
+        Ok(Registration {
+            worker: WorkerId(self.worker_id),
+            dp_ranks: self.dp_ranks.iter().copied().map(DpRank).collect(),
+            url: self.url.clone(),
+            zmq: self.zmq.clone(),
+            replay: self.replay.clone(),
+            role,
+            bootstrap_port: self.bootstrap_port,
+            api_key: self.api_key.clone(),
+            model: self.model.clone(),
+        })
+    }
+}
+
+/// The transport's part of a snapshot.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Meta {
+    version: u32,
+    /// Milliseconds since the Unix epoch when it was taken.
+    taken_unix_ms: u64,
+    /// The sharding policy it was taken under (routes mean something only under it).
+    policy: String,
+    workers: Vec<SavedWorker>,
+}
+
+fn io_err(context: &str, e: std::io::Error) -> TransportError {
+    TransportError::Io {
+        context: context.to_owned(),
+        source: e,
+    }
+}
+
+/// The state directory.
+#[derive(Clone, Debug)]
+pub struct StateDir {
+    dir: PathBuf,
+}
+
+/// What one snapshot took.
+#[derive(Clone, Copy, Debug)]
+pub struct Written {
+    /// File bytes.
+    pub bytes: usize,
+    /// Seconds from asking the engine to the file being renamed into place.
+    pub seconds: f64,
+    /// Which I/O path wrote it.
+    pub backend: file::Backend,
+}
+
+impl StateDir {
+    /// `dir`, created if missing.
+    pub fn open(dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir).map_err(|e| io_err("--state-dir", e))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// The snapshot file.
+    pub fn snapshot_path(&self) -> PathBuf {
+        self.dir.join(SNAPSHOT_FILE)
+    }
+
+    /// Takes a snapshot of `hub`'s engine (taken under the sharding `policy`) and writes
+    /// it. Blocking: run it on a thread that is not a core's (see
+    /// [`Hub::snapshot_engine`]).
+    pub fn save(&self, hub: &Hub, policy: &str) -> Result<Written> {
+        let started = Instant::now();
+        let result = self.save_inner(hub, policy, started);
+        let p = hub.persisted();
+        match &result {
+            Ok(w) => {
+                p.snapshots.fetch_add(1, Relaxed);
+                p.last_snapshot_us.store((w.seconds * 1e6) as u64, Relaxed);
+                p.last_snapshot_bytes.store(w.bytes as u64, Relaxed);
+            }
+            Err(e) => {
+                p.snapshot_failures.fetch_add(1, Relaxed);
+                tracing::warn!("snapshot failed: {e}");
+            }
+        }
+        result
+    }
+
+    fn save_inner(&self, hub: &Hub, policy: &str, started: Instant) -> Result<Written> {
+        let mut image = hub.snapshot_engine()?;
+        image.policy = policy.to_owned();
+        let registrations = hub.workers();
+        let api = hub.persisted().api_workers();
+        let meta = Meta {
+            version: META_VERSION,
+            taken_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            policy: policy.to_owned(),
+            workers: registrations
+                .iter()
+                .filter(|w| api.contains(&w.registration.worker))
+                .map(|w| SavedWorker::of(&w.registration))
+                .collect(),
+        };
+        let meta = serde_json::to_vec(&meta).map_err(|e| TransportError::Invalid {
+            name: "snapshot meta",
+            reason: e.to_string(),
+        })?;
+        let bytes = snapshot::encode(&image, &meta)?;
+        drop(image);
+        let len = bytes.len();
+        let backend = file::write_atomic(&self.snapshot_path(), bytes)
+            .map_err(|e| io_err("writing the snapshot", e))?;
+        Ok(Written {
+            bytes: len,
+            seconds: started.elapsed().as_secs_f64(),
+            backend,
+        })
+    }
+
+    /// Reads the snapshot file, if there is one. A file that cannot be read is an error;
+    /// its contents are checked by [`Loaded::image`].
+    pub fn load(&self) -> Result<Option<Loaded>> {
+        let path = self.snapshot_path();
+        match file::read(&path) {
+            Ok((bytes, backend)) => Ok(Some(Loaded { bytes, backend })),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err("reading the snapshot", e)),
+        }
+    }
+
+    /// Moves an unusable snapshot aside (kept for inspection, never read again).
+    pub fn set_aside(&self) {
+        let path = self.snapshot_path();
+        let _ = std::fs::rename(&path, path.with_extension("kvs.bad"));
+    }
+}
+
+/// A snapshot file read into memory.
+#[derive(Debug)]
+pub struct Loaded {
+    bytes: AlignedVec,
+    /// Which I/O path read it.
+    pub backend: file::Backend,
+}
+
+/// A checked snapshot: the engine image (read in place) and the transport's part.
+pub struct Checked<'a> {
+    /// The engine image, to start the cores from.
+    pub image: &'a ArchivedEngineImage,
+    meta: Meta,
+}
+
+impl std::fmt::Debug for Checked<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked")
+            .field("cores", &self.image.cores.len())
+            .field("meta", &self.meta)
+            .finish()
+    }
+}
+
+impl Loaded {
+    /// File bytes.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether the file is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Checks the file (checksum, version, archive) and that it was taken with `shards`
+    /// shards under the sharding `policy`.
+    pub fn image(&self, shards: usize, policy: &str) -> Result<Checked<'_>> {
+        let (image, meta) = snapshot::decode(&self.bytes)?;
+        let meta: Meta = serde_json::from_slice(meta).map_err(|e| TransportError::Invalid {
+            name: "snapshot meta",
+            reason: e.to_string(),
+        })?;
+        let bad = |reason: String| TransportError::Invalid {
+            name: "snapshot",
+            reason,
+        };
+        if meta.version != META_VERSION {
+            return Err(bad(format!("meta version {}", meta.version)));
+        }
+        if image.shards.to_native() as usize != shards || meta.policy != policy {
+            return Err(bad(format!(
+                "taken with {} shards and sharding \"{}\"; this run has {shards} and \"{policy}\" \
+                 (start with the same --cores and sharding flags to restore it)",
+                image.shards.to_native(),
+                meta.policy
+            )));
+        }
+        Ok(Checked { image, meta })
+    }
+}
+
+/// What a restore keeps from a checked snapshot once the cores are rebuilt: the stream
+/// marks, the ranks with blocks, and the API registrations (owned, so the file's buffer
+/// can go).
+#[derive(Debug, Default)]
+pub struct Plan {
+    marks: BTreeMap<WorkerId, u64>,
+    ranks: BTreeMap<WorkerId, BTreeSet<DpRank>>,
+    workers: Vec<SavedWorker>,
+}
+
+impl Checked<'_> {
+    /// `(block, worker key)` entries in the image's shards (trunk blocks once per shard).
+    pub fn entries(&self) -> u64 {
+        self.image
+            .cores
+            .iter()
+            .flat_map(|c| c.nodes.iter())
+            .map(|n| u64::from(n.len.to_native()) * u64::from(n.holders.to_native()))
+            .sum()
+    }
+
+    /// What [`begin_restore`] and [`finish_restore`] need.
+    pub fn plan(&self) -> Plan {
+        let mut plan = Plan {
+            workers: self.meta.workers.clone(),
+            ..Plan::default()
+        };
+        for core in self.image.cores.iter() {
+            for m in core.marks.iter() {
+                if m.stream.to_native() == 0 {
+                    plan.marks
+                        .insert(WorkerId(m.worker.to_native()), m.seq.to_native());
+                }
+            }
+            for k in core.keys.iter() {
+                plan.ranks
+                    .entry(WorkerId(k.worker.to_native()))
+                    .or_default()
+                    .insert(DpRank(k.rank.to_native()));
+            }
+        }
+        plan
+    }
+}
+
+/// What a restore did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// API registrations re-registered.
+    pub registered: usize,
+    /// Workers whose blocks are kept (their streams resume from their marks).
+    pub kept: usize,
+    /// Workers cleared (no resumable stream, or not registered).
+    pub cleared: usize,
+}
+
+/// First half of a restore, right after the cores were started from the snapshot and
+/// before any subscription starts: every worker without a mark is cleared (its blocks
+/// came over QUIC or HTTP, whose numbering does not survive a restart), and every marked
+/// worker gets its resume point (invariant 1).
+pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
+    let mut out = Restored::default();
+    for &worker in plan.ranks.keys() {
+        if plan.marks.contains_key(&worker) {
+            continue;
+        }
+        hub.forget_index(worker)?;
+        out.cleared += 1;
+        tracing::info!(worker = %worker,
+            "restored blocks dropped: its events do not come over a stream that can resume (ZMQ)");
+    }
+    let mut resume = lock(&hub.persisted().resume);
+    for (&worker, &last_seq) in &plan.marks {
+        let ranks = plan
+            .ranks
+            .get(&worker)
+            .map_or_else(Vec::new, |r| r.iter().copied().collect());
+        resume.insert(worker, Resume { last_seq, ranks });
+    }
+    Ok(out)
+}
+
+/// Second half, once the configured workers are registered and subscribed: the snapshot's
+/// API workers that the configuration does not name are registered again (`on_register`
+/// subscribes them; they take their resume points), and marked workers that nobody
+/// registers any more are forgotten.
+pub fn finish_restore(
+    hub: &Hub,
+    plan: &Plan,
+    mut done: Restored,
+    on_register: &dyn Fn(&Registration),
+) -> Result<Restored> {
+    for w in &plan.workers {
+        let reg = w.registration()?;
+        if hub.registered(reg.worker) {
+            // The configuration names it now: its settings win.
+            continue;
+        }
+        hub.register(reg.clone())?;
+        hub.persisted().note_api_worker(reg.worker);
+        on_register(&reg);
+        done.registered += 1;
+    }
+    for &worker in plan.marks.keys() {
+        if hub.registered(worker) {
+            if plan.ranks.contains_key(&worker) {
+                done.kept += 1;
+            }
+            continue;
+        }
+        lock(&hub.persisted().resume).remove(&worker);
+        if plan.ranks.contains_key(&worker) {
+            hub.forget_index(worker)?;
+            done.cleared += 1;
+            tracing::info!(worker = %worker, "restored blocks dropped: no longer registered");
+        }
+    }
+    let p = hub.persisted();
+    p.restored_workers.store(done.kept as u64, Relaxed);
+    p.restore_cleared.store(done.cleared as u64, Relaxed);
+    Ok(done)
+}
+
+/// Takes a snapshot every `interval` until the task is dropped (on a thread of the
+/// blocking pool: see [`StateDir::save`]).
+pub async fn snapshot_every(
+    hub: std::sync::Arc<Hub>,
+    dir: StateDir,
+    policy: String,
+    interval: std::time::Duration,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let _ = save_now(&hub, &dir, &policy).await;
+    }
+}
+
+/// Takes one snapshot now, off the async threads; logs the outcome and says whether it
+/// was written.
+pub async fn save_now(hub: &std::sync::Arc<Hub>, dir: &StateDir, policy: &str) -> bool {
+    let (hub, dir, policy) = (hub.clone(), dir.clone(), policy.to_owned());
+    match tokio::task::spawn_blocking(move || dir.save(&hub, &policy)).await {
+        Ok(Ok(w)) => {
+            tracing::info!(
+                bytes = w.bytes,
+                seconds = w.seconds,
+                io = w.backend.as_str(),
+                "snapshot written"
+            );
+            true
+        }
+        Ok(Err(_)) => false, // logged and counted by `save`
+        Err(e) => {
+            tracing::warn!("snapshot task failed: {e}");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_workers_round_trip() {
+        let reg = Registration {
+            dp_ranks: vec![DpRank(0), DpRank(3)],
+            url: Some("http://w:8000".into()),
+            zmq: Some("tcp://w:5557".into()),
+            replay: Some("tcp://w:5558".into()),
+            role: Some(WorkerRole::Prefill),
+            bootstrap_port: Some(8998),
+            api_key: Some("k".into()),
+            model: Some("m".into()),
+            ..Registration::new(WorkerId(7))
+        };
+        let saved = SavedWorker::of(&reg);
+        let json = serde_json::to_string(&saved).unwrap();
+        let back: SavedWorker = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.registration().unwrap(), reg);
+    }
+
+    #[test]
+    fn resume_points_are_handed_out_once() {
+        let p = Persisted::default();
+        lock(&p.resume).insert(
+            WorkerId(1),
+            Resume {
+                last_seq: 9,
+                ranks: vec![DpRank(0)],
+            },
+        );
+        assert_eq!(p.take_resume(WorkerId(1)).map(|r| r.last_seq), Some(9));
+        assert_eq!(p.take_resume(WorkerId(1)), None);
+    }
+}
