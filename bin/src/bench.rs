@@ -157,7 +157,7 @@ fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
     let plan = AnchorPlan::generate(spec)?;
     let (indexer, args) = (b.indexer, &b.args);
     let opts = anchor::AnchorOptions {
-        release_memory: Some(release_allocator_memory),
+        release_memory: Some(crate::release_allocator_memory),
         ..args.anchor_options()
     };
     let report = anchor::run(&mut || indexer.build_anchor(args), &plan, &opts)?;
@@ -170,14 +170,6 @@ fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
         anyhow::bail!("self-checks failed: {}", report.problems.join("; "));
     }
     Ok(())
-}
-
-/// Has the global allocator (mimalloc, see `main.rs`) return the free memory it holds to
-/// the OS, so that resident-memory readings count what is live.
-fn release_allocator_memory() {
-    // SAFETY: `mi_collect` only walks mimalloc's own heaps; it may be called at any time from
-    // any thread and touches no memory the program owns.
-    unsafe { libmimalloc_sys::mi_collect(true) }
 }
 
 /// `kvengine bench replay` flags.

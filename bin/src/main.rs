@@ -32,6 +32,15 @@ use mimalloc::MiMalloc;
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
 
+/// Has the global allocator return the calling thread's free memory to the OS (and purge
+/// what every thread gave back): for resident-memory readings, and for the router's cores
+/// once the index shrank (`transport::cores::set_memory_release`).
+fn release_allocator_memory() {
+    // SAFETY: `mi_collect` only walks mimalloc's own heaps; it may be called at any time from
+    // any thread and touches no memory the program owns.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 /// kvengine: a KV-cache-aware router for LLM inference clusters.
 #[derive(Debug, Parser)]
 #[command(
@@ -77,6 +86,7 @@ fn main() -> ExitCode {
             }
         }
     }
+    transport::cores::set_memory_release(release_allocator_memory);
     let cli = Cli::parse();
     let result = match cli.command {
         None => serve::run(&cli.serve),

@@ -141,6 +141,22 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_MAX_ACTIVE_REQUESTS_PER_WORKER",
           default_value_t = engine::sched::config::DEFAULT_MAX_ACTIVE_PER_KEY)]
     pub max_active_requests_per_worker: u64,
+    /// The most requests active (routed, not freed) in this router at once, over every
+    /// worker and model; past it routing answers 503 `overloaded` with Retry-After. 0: no
+    /// limit.
+    #[arg(long, env = "KVENGINE_MAX_ACTIVE_REQUESTS",
+          default_value_t = transport::bounds::DEFAULT_MAX_ACTIVE_REQUESTS as u64)]
+    pub max_active_requests: u64,
+    /// The most blocks (engine hashes) the index keeps for one worker rank; a store past it
+    /// is refused whole (`worker_full`) and the rank reported degraded. 0: no limit.
+    #[arg(long, env = "KVENGINE_MAX_BLOCKS_PER_WORKER",
+          default_value_t = engine::directories::DEFAULT_MAX_BLOCKS_PER_KEY as u64)]
+    pub max_blocks_per_worker: u64,
+    /// The most heap bytes the index and the workers' directories may take; while over it
+    /// (checked every health-check round), stores are refused (`index_full`), removals still
+    /// apply. 0: no budget.
+    #[arg(long, env = "KVENGINE_MAX_INDEX_BYTES", default_value_t = 0)]
+    pub max_index_bytes: u64,
 
     /// Subscribe to a worker's KV events: `ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`
     /// (repeatable; the env var takes a `;`-separated list).
@@ -273,6 +289,17 @@ impl ServeArgs {
 }
 
 impl ServeArgs {
+    /// The bounds of `--max-active-requests`, `--max-blocks-per-worker`, `--max-index-bytes`
+    /// (0: none).
+    fn limits(&self) -> transport::bounds::Limits {
+        let some = |n: u64| (n > 0).then(|| usize::try_from(n).unwrap_or(usize::MAX));
+        transport::bounds::Limits {
+            max_index_bytes: (self.max_index_bytes > 0).then_some(self.max_index_bytes),
+            max_active_requests: some(self.max_active_requests),
+            max_blocks_per_key: some(self.max_blocks_per_worker),
+        }
+    }
+
     /// Whether the router runs without KV events (`--no-kv-events`, or `--kv-events=false`
     /// / `KVENGINE_KV_EVENTS=false`).
     pub fn approximate(&self) -> bool {
@@ -396,6 +423,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         ring_capacity: args.ring_capacity as usize,
         pin_cores: !args.no_pin,
         call_timeout: Duration::from_millis(args.engine_timeout_ms),
+        max_blocks_per_key: args.limits().max_blocks_per_key,
         ..RuntimeConfig::default()
     };
     let summaries = match args.http_threads {
@@ -436,6 +464,7 @@ fn print_pinning(no_pin: bool, pinned: &[Option<usize>]) {
 }
 
 fn hub_for(args: &ServeArgs, hub: Hub) -> Result<Arc<Hub>> {
+    let hub = hub.with_limits(args.limits());
     Ok(Arc::new(if args.approximate() {
         hub.without_kv_events(ApproxConfig::default())?
     } else {

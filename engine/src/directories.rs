@@ -18,6 +18,12 @@
 //!    removal are counted one by one and skipped, the known ones applied.
 //! 3. A worker key with an empty directory has no directory, and the map gives its memory
 //!    back once no worker key is left.
+//! 4. No worker key's directory holds more engine hashes than its cap
+//!    ([`Directories::with_max_blocks_per_key`]; none by default): a store of `n` blocks to a
+//!    directory of `len` entries is refused as a whole ([`EngineError::WorkerFull`]) when
+//!    `len + n` exceeds the cap, before anything happens (invariant 1). The rule counts the
+//!    store's blocks, not the new entries they would make (a block stored again adds a copy,
+//!    not an entry), so it is decided without a lookup; removals and clears always apply.
 //!
 //! # Concurrency
 //! Single writer: owned by the thread that decodes these workers' events.
@@ -64,6 +70,11 @@ pub trait BlockStore<R> {
     fn remove(&mut self, key: WorkerKey, blocks: &[R]);
 }
 
+/// The cap on one worker key's engine hashes that `kvengine` applies unless told otherwise
+/// (`--max-blocks-per-worker`): 4,194,304 blocks, 64 Mi tokens at 16 tokens a block, more
+/// than any GPU's KV cache holds. The library's own default is no cap.
+pub const DEFAULT_MAX_BLOCKS_PER_KEY: usize = 1 << 22;
+
 /// Every worker key's directory.
 #[derive(Debug)]
 pub struct Directories<R> {
@@ -71,6 +82,8 @@ pub struct Directories<R> {
     rejects: RejectCounts,
     seqs: Vec<SeqHash>,
     refs: Vec<R>,
+    /// The most engine hashes one worker key may hold (invariant 4).
+    max_per_key: usize,
 }
 
 impl<R> Default for Directories<R> {
@@ -80,6 +93,7 @@ impl<R> Default for Directories<R> {
             rejects: RejectCounts::default(),
             seqs: Vec::new(),
             refs: Vec::new(),
+            max_per_key: usize::MAX,
         }
     }
 }
@@ -88,6 +102,18 @@ impl<R: BlockRef> Directories<R> {
     /// No worker keys.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Caps each worker key's directory at `max` engine hashes (`None`: no cap; see
+    /// invariant 4).
+    pub fn with_max_blocks_per_key(mut self, max: Option<usize>) -> Self {
+        self.max_per_key = max.unwrap_or(usize::MAX);
+        self
+    }
+
+    /// The cap on each worker key's engine hashes (`None`: no cap).
+    pub fn max_blocks_per_key(&self) -> Option<usize> {
+        (self.max_per_key != usize::MAX).then_some(self.max_per_key)
     }
 
     /// Applies one event of `key` to `store`. A refused event is counted and changes
@@ -113,9 +139,9 @@ impl<R: BlockRef> Directories<R> {
     }
 
     /// Stores a chain of blocks under `parent` for `key`; returns how many were added.
-    /// Refused as a whole if `parent` is unknown for `key` or an engine hash is already
-    /// stored for `key` under another prefix. Does not count refusals (see
-    /// [`Directories::apply`]).
+    /// Refused as a whole if `parent` is unknown for `key`, the store would pass `key`'s
+    /// cap (invariant 4) or an engine hash is already stored for `key` under another
+    /// prefix. Does not count refusals (see [`Directories::apply`]).
     pub fn store(
         &mut self,
         key: WorkerKey,
@@ -138,6 +164,14 @@ impl<R: BlockRef> Directories<R> {
         };
         if blocks.is_empty() {
             return Ok(0);
+        }
+        let held = self.engine_hashes(key);
+        if held.saturating_add(blocks.len()) > self.max_per_key {
+            return Err(EngineError::WorkerFull {
+                worker: key,
+                blocks: blocks.len(),
+                limit: self.max_per_key,
+            });
         }
         let mut prev = match (parent, parent_ref) {
             (Some(p), Some(r)) => Some(store.seq_of(r).ok_or(unknown(p))?),
@@ -300,5 +334,76 @@ impl<R: BlockRef> Directories<R> {
             + self.seqs.capacity() * size_of::<SeqHash>()
             + self.refs.capacity() * size_of::<R>();
         (entries, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::error::{EngineError, RejectReason};
+    use crate::event::{KvEvent, StoredBlock};
+    use crate::ids::{EngineHash, TokensHash, WorkerKey};
+    use crate::kv_index::KvIndex;
+
+    fn chain(parent: Option<u64>, hashes: &[u64]) -> KvEvent {
+        KvEvent::Stored {
+            parent: parent.map(EngineHash),
+            blocks: hashes
+                .iter()
+                .map(|&h| StoredBlock {
+                    engine_hash: EngineHash(h),
+                    tokens_hash: TokensHash(h * 7),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_store_past_the_cap_is_refused_whole_and_counted() {
+        let mut ix = KvIndex::new().with_max_blocks_per_key(Some(4));
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(1, 1));
+        ix.apply(a, &chain(None, &[1, 2, 3])).unwrap();
+        let before = ix.stats();
+        let refused = ix.apply(a, &chain(Some(3), &[4, 5]));
+        assert_eq!(
+            refused,
+            Err(EngineError::WorkerFull {
+                worker: a,
+                blocks: 2,
+                limit: 4
+            })
+        );
+        assert_eq!(ix.stats(), before, "a refused store changes nothing");
+        assert_eq!(ix.rejects().get(RejectReason::WorkerFull), 1);
+        // Exactly up to the cap is fine; another rank has its own cap.
+        ix.apply(a, &chain(Some(3), &[4])).unwrap();
+        ix.apply(b, &chain(None, &[1, 2, 3, 4])).unwrap();
+        // At the cap even a block stored again is refused: the rule counts blocks.
+        assert!(ix.apply(a, &chain(None, &[1])).is_err());
+        // Removals still apply and make room.
+        ix.apply(
+            a,
+            &KvEvent::Removed {
+                blocks: vec![EngineHash(4)],
+            },
+        )
+        .unwrap();
+        ix.apply(a, &chain(Some(3), &[5])).unwrap();
+        assert_eq!(ix.rejects().get(RejectReason::WorkerFull), 2);
+        assert_eq!(ix.cached_blocks(a), 4);
+    }
+
+    #[test]
+    fn no_cap_by_default() {
+        let dirs = super::Directories::<crate::index::Pos>::new();
+        assert_eq!(dirs.max_blocks_per_key(), None);
+        assert_eq!(
+            dirs.with_max_blocks_per_key(Some(9)).max_blocks_per_key(),
+            Some(9)
+        );
+        let mut ix = KvIndex::new();
+        let hashes: Vec<u64> = (1..=1000).collect();
+        ix.apply(WorkerKey::new(1, 0), &chain(None, &hashes))
+            .unwrap();
+        assert_eq!(ix.cached_blocks(WorkerKey::new(1, 0)), 1000);
     }
 }

@@ -75,9 +75,21 @@ pub enum EngineError {
     /// directory and its index (never expected; counted where it happens).
     #[error("a block position that is not live")]
     UnknownPosition,
-    /// An index has no room for more blocks (its run or node id space is exhausted).
+    /// An index has no room for more blocks: its run or node id space is exhausted, or the
+    /// router's memory budget (`--max-index-bytes`) is spent.
     #[error("the index has no room for more blocks")]
     IndexFull,
+    /// A store would take a worker key's directory past its cap of engine hashes
+    /// (`--max-blocks-per-worker`); it was refused as a whole.
+    #[error("worker {worker}: storing {blocks} more blocks would pass its cap of {limit}")]
+    WorkerFull {
+        /// Who sent the store.
+        worker: WorkerKey,
+        /// Blocks in the refused store.
+        blocks: usize,
+        /// The cap.
+        limit: usize,
+    },
     /// The sharded runtime has stopped (a shard thread is gone); nothing more can apply.
     #[error("the runtime has stopped")]
     RuntimeStopped,
@@ -119,18 +131,24 @@ pub enum RejectReason {
     UnknownWorker,
     /// See [`EngineError::BlockSizeMismatch`].
     BlockSizeMismatch,
+    /// See [`EngineError::WorkerFull`].
+    WorkerFull,
+    /// See [`EngineError::IndexFull`].
+    IndexFull,
     /// Any other refusal.
     Other,
 }
 
 impl RejectReason {
     /// Every reason, in counter order.
-    pub const ALL: [RejectReason; 6] = [
+    pub const ALL: [RejectReason; 8] = [
         RejectReason::UnknownParent,
         RejectReason::UnknownBlock,
         RejectReason::EngineHashConflict,
         RejectReason::UnknownWorker,
         RejectReason::BlockSizeMismatch,
+        RejectReason::WorkerFull,
+        RejectReason::IndexFull,
         RejectReason::Other,
     ];
 
@@ -142,6 +160,8 @@ impl RejectReason {
             RejectReason::EngineHashConflict => "engine_hash_conflict",
             RejectReason::UnknownWorker => "unknown_worker",
             RejectReason::BlockSizeMismatch => "block_size_mismatch",
+            RejectReason::WorkerFull => "worker_full",
+            RejectReason::IndexFull => "index_full",
             RejectReason::Other => "other",
         }
     }
@@ -160,6 +180,8 @@ impl EngineError {
             EngineError::EngineHashConflict { .. } => RejectReason::EngineHashConflict,
             EngineError::UnknownWorker { .. } => RejectReason::UnknownWorker,
             EngineError::BlockSizeMismatch { .. } => RejectReason::BlockSizeMismatch,
+            EngineError::WorkerFull { .. } => RejectReason::WorkerFull,
+            EngineError::IndexFull => RejectReason::IndexFull,
             _ => RejectReason::Other,
         }
     }

@@ -92,6 +92,13 @@ impl KvIndex {
         Self::default()
     }
 
+    /// Caps each worker key at `max` engine hashes (`None`: no cap); a store past it is
+    /// refused as a whole (see [`Directories::with_max_blocks_per_key`]).
+    pub fn with_max_blocks_per_key(mut self, max: Option<usize>) -> Self {
+        self.dirs = self.dirs.with_max_blocks_per_key(max);
+        self
+    }
+
     /// Applies one event of `key`. A refused event is counted and changes nothing.
     pub fn apply(&mut self, key: WorkerKey, event: &KvEvent) -> Result<Applied> {
         self.dirs.apply(key, event, &mut self.tree)
@@ -99,8 +106,8 @@ impl KvIndex {
 
     /// Stores a chain of blocks under `parent` for `key`; returns how many were added.
     ///
-    /// Refused as a whole (and counted) if `parent` is unknown for `key` or an engine hash
-    /// is already stored for `key` under another prefix.
+    /// Refused as a whole (and counted) if `parent` is unknown for `key`, the store would
+    /// pass `key`'s cap, or an engine hash is already stored for `key` under another prefix.
     pub fn apply_stored(
         &mut self,
         key: WorkerKey,

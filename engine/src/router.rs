@@ -10,7 +10,8 @@
 //! 2. Generated names (`kvr-N`) and request ids never repeat within one router.
 //! 3. In approximate mode every routing decision is recorded as a prediction of what the
 //!    chosen worker now caches, and overlaps come from those predictions.
-//! 4. A caller's name is at most [`MAX_REQUEST_ID_BYTES`] long.
+//! 4. A caller's name is at most [`MAX_REQUEST_ID_BYTES`] long and holds no control
+//!    character ([`check_request_id`]); every call naming a request checks it first.
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -64,6 +65,21 @@ pub enum NameError {
     Unknown(String),
     /// The name is longer than [`MAX_REQUEST_ID_BYTES`] (its length).
     TooLong(usize),
+    /// The name holds a control character (its byte offset): it would end up in logs and
+    /// headers, where one could forge a line.
+    ControlCharacter(usize),
+}
+
+/// Whether `name` may name a request (invariant 4): at most [`MAX_REQUEST_ID_BYTES`] bytes
+/// and no control character (`char::is_control`: C0, DEL and C1).
+pub fn check_request_id(name: &str) -> std::result::Result<(), NameError> {
+    if name.len() > MAX_REQUEST_ID_BYTES {
+        return Err(NameError::TooLong(name.len()));
+    }
+    match name.char_indices().find(|(_, c)| c.is_control()) {
+        Some((at, _)) => Err(NameError::ControlCharacter(at)),
+        None => Ok(()),
+    }
 }
 
 /// See the module docs.
@@ -188,13 +204,11 @@ impl Router {
         matches: &Matches,
         custom: Option<&mut dyn Policy>,
     ) -> std::result::Result<Routed, RouteError> {
-        for id in self.scheduler.expire(now) {
-            self.forget(id);
+        self.expire(now);
+        if let Some(n) = &call.request_id {
+            check_request_id(n).map_err(RouteError::Name)?;
         }
         let name = match &call.request_id {
-            Some(n) if n.len() > MAX_REQUEST_ID_BYTES => {
-                return Err(RouteError::Name(NameError::TooLong(n.len())));
-            }
             Some(n) if self.ids.contains_key(n) => {
                 return Err(RouteError::Name(NameError::Duplicate(n.clone())));
             }
@@ -233,6 +247,7 @@ impl Router {
     }
 
     fn id(&self, name: &str) -> std::result::Result<RequestId, RouteError> {
+        check_request_id(name).map_err(RouteError::Name)?;
         self.ids
             .get(name)
             .copied()
@@ -271,6 +286,14 @@ impl Router {
     /// Requests active over all workers.
     pub fn active_requests(&self) -> usize {
         self.scheduler.active_requests()
+    }
+
+    /// Frees (and forgets) the requests whose timeout has passed by `now`; routing does
+    /// this first anyway.
+    pub fn expire(&mut self, now: Instant) {
+        for id in self.scheduler.expire(now) {
+            self.forget(id);
+        }
     }
 }
 
@@ -345,9 +368,39 @@ mod tests {
         assert_eq!(r.active_requests(), before);
         let longest = RouteCall {
             request_id: Some("x".repeat(MAX_REQUEST_ID_BYTES)),
-            ..long
+            ..long.clone()
         };
         r.route(now, &longest, &[], &Matches::default()).unwrap();
+        // Control characters are refused wherever an id is named; printable Unicode is not.
+        for (bad, at) in [("a\nb", 1), ("\u{7f}", 0), ("x\u{85}", 1), ("\0", 0)] {
+            let call = RouteCall {
+                request_id: Some(bad.into()),
+                ..long.clone()
+            };
+            let refused = Err(RouteError::Name(NameError::ControlCharacter(at)));
+            assert_eq!(r.route(now, &call, &[], &Matches::default()), refused);
+            assert_eq!(
+                r.finish(bad),
+                Err(RouteError::Name(NameError::ControlCharacter(at)))
+            );
+            assert_eq!(
+                r.prefilled(bad),
+                Err(RouteError::Name(NameError::ControlCharacter(at)))
+            );
+        }
+        assert_eq!(r.active_requests(), before + 1);
+        assert_eq!(
+            r.finish(&"y".repeat(MAX_REQUEST_ID_BYTES + 1)),
+            Err(RouteError::Name(NameError::TooLong(
+                MAX_REQUEST_ID_BYTES + 1
+            )))
+        );
+        let unicode = RouteCall {
+            request_id: Some("r\u{e9}q \u{1f600}".into()),
+            ..long
+        };
+        r.route(now, &unicode, &[], &Matches::default()).unwrap();
+        r.finish("r\u{e9}q \u{1f600}").unwrap();
         // Removing the worker forgets its requests.
         r.remove_worker(WorkerId(1), true);
         assert_eq!(r.active_requests(), 0);

@@ -5,7 +5,8 @@
 //! worker removals and dp ranks; after every operation every query, every per-worker block
 //! count, the entry count and the refusal counters are compared. The same operations run
 //! against the single-shard `KvIndex` and against the sharded engine (`ShardedIndex`) with
-//! 1, 2, 3 and 8 shards and several replication depths.
+//! 1, 2, 3 and 8 shards and several replication depths; the `capped` variants cap each
+//! worker key's directory (`--max-blocks-per-worker`) low enough that stores are refused.
 
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::seq_hash;
@@ -35,6 +36,10 @@ struct Model {
     unknown_parent: u64,
     unknown_block: u64,
     conflicts: u64,
+    /// The most engine hashes a worker key may hold: a store whose blocks would take the
+    /// directory's entries past it is refused as a whole (counted blocks, not new entries).
+    cap: Option<usize>,
+    worker_full: u64,
 }
 
 impl Model {
@@ -50,6 +55,10 @@ impl Model {
                 }
             },
         };
+        if self.cap.is_some_and(|cap| w.dir.len() + blocks.len() > cap) {
+            self.worker_full += 1;
+            return false;
+        }
         for &(e, t) in blocks {
             let s = seq_hash(prev, TokensHash(t));
             match w.dir.get_mut(&e) {
@@ -292,12 +301,13 @@ struct Threaded {
 }
 
 impl Threaded {
-    fn start(policy: FixedDepth) -> Self {
+    fn start(policy: FixedDepth, cap: Option<usize>) -> Self {
         let config = RuntimeConfig {
             ring_capacity: 2,
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 1,
+            max_blocks_per_key: cap,
             ..RuntimeConfig::default()
         };
         let mut st = engine::runtime::start(policy, config).unwrap();
@@ -391,8 +401,11 @@ fn check(ix: &dyn Indexer, model: &Model, q: &[SeqHash]) {
     assert_eq!(ix.find_matches(q), model.matches(q), "query {q:?}");
 }
 
-fn run(mut ix: Box<dyn Indexer>, ops: Vec<Op>) {
-    let mut model = Model::default();
+fn run(mut ix: Box<dyn Indexer>, ops: Vec<Op>, cap: Option<usize>) {
+    let mut model = Model {
+        cap,
+        ..Model::default()
+    };
     // seq -> parent seq, for every seq ever stored (a seq names its whole prefix).
     let mut parents: HashMap<u64, Option<u64>> = HashMap::new();
     let mut known: Vec<u64> = Vec::new();
@@ -542,6 +555,10 @@ fn run(mut ix: Box<dyn Indexer>, ops: Vec<Op>) {
             ix.rejects().get(RejectReason::EngineHashConflict),
             model.conflicts
         );
+        assert_eq!(
+            ix.rejects().get(RejectReason::WorkerFull),
+            model.worker_full
+        );
     }
     // Everyone removes everything: back to the empty footprint.
     for k in model.workers.keys() {
@@ -566,7 +583,27 @@ proptest! {
 
     #[test]
     fn index_equals_reference_model(ops in proptest::collection::vec(op(), 1..120)) {
-        run(Box::new(KvIndex::new()), ops);
+        run(Box::new(KvIndex::new()), ops, None);
+    }
+
+    #[test]
+    fn capped_index_equals_reference_model(
+        cap in 1usize..16,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        run(Box::new(KvIndex::new().with_max_blocks_per_key(Some(cap))), ops, Some(cap));
+    }
+
+    #[test]
+    fn capped_sharded_index_equals_reference_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3)],
+        depth in 0u32..3,
+        cap in 1usize..16,
+        ops in proptest::collection::vec(op(), 1..120),
+    ) {
+        let policy = FixedDepth::new(shards, depth).unwrap();
+        let ix = ShardedIndex::new(policy).with_max_blocks_per_key(Some(cap));
+        run(Box::new(Sharded { ix, policy }), ops, Some(cap));
     }
 
     #[test]
@@ -576,7 +613,7 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         let policy = FixedDepth::new(shards, depth).unwrap();
-        run(Box::new(Sharded { ix: ShardedIndex::new(policy), policy }), ops);
+        run(Box::new(Sharded { ix: ShardedIndex::new(policy), policy }), ops, None);
     }
 }
 
@@ -591,7 +628,21 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..60),
     ) {
         let policy = FixedDepth::new(shards, depth).unwrap();
-        run(Box::new(Threaded::start(policy)), ops);
+        run(Box::new(Threaded::start(policy, None)), ops, None);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn capped_threaded_runtime_equals_reference_model(
+        shards in prop_oneof![Just(1usize), Just(2), Just(3)],
+        cap in 1usize..16,
+        ops in proptest::collection::vec(op(), 1..60),
+    ) {
+        let policy = FixedDepth::new(shards, 1).unwrap();
+        run(Box::new(Threaded::start(policy, Some(cap))), ops, Some(cap));
     }
 }
 
@@ -607,6 +658,6 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..120),
     ) {
         let policy = FixedDepth::new(shards, depth).unwrap();
-        run(Box::new(Threaded::start(policy)), ops);
+        run(Box::new(Threaded::start(policy, None)), ops, None);
     }
 }

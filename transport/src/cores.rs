@@ -15,6 +15,10 @@
 //!    (the hub takes none), so a core waiting for another is never waiting for itself.
 //! 3. [`drive`] ends when the core has ended; [`finish`] runs what is left of the core on
 //!    the thread once its runtime is gone, and returns the core's figures.
+//! 4. After [`request_memory_release`], every core thread runs the release function
+//!    ([`set_memory_release`]) once, the next time it is idle: allocators such as mimalloc
+//!    keep freed pages with the thread that freed them, and a core frees its own shard's
+//!    memory, so only the core's thread can hand those pages back.
 
 use engine::runtime::{CoreHost, CoreSummary, Lookup};
 use engine::sharding::choice::Sharding;
@@ -22,7 +26,8 @@ use engine::{EngineError, Matches, SeqHash, WorkerId};
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -33,7 +38,14 @@ const IDLE_YIELDS: u32 = 64;
 /// Longest park: bounds the cost of a missed wake-up (none is expected).
 const PARK: Duration = Duration::from_millis(20);
 
+/// Returns the calling thread's free memory to the OS (the binary's allocator's collect).
+static MEMORY_RELEASE: OnceLock<fn()> = OnceLock::new();
+/// Bumped by [`request_memory_release`]; each core thread releases once per bump.
+static RELEASE_EPOCH: AtomicU64 = AtomicU64::new(0);
+
 thread_local! {
+    /// The last [`RELEASE_EPOCH`] this thread released for.
+    static RELEASED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static HOST: RefCell<Option<CoreHost<Sharding>>> = const { RefCell::new(None) };
     /// Tasks waiting for another core's reply: woken by [`drive`] when replies arrive.
     static REPLY_WAITERS: RefCell<Vec<std::task::Waker>> = const { RefCell::new(Vec::new()) };
@@ -74,6 +86,37 @@ pub fn engine_call<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Sets the function that has the allocator return the calling thread's free memory to
+/// the OS (`kvengine` passes mimalloc's `mi_collect(true)`; the engine and this crate do
+/// not depend on an allocator). The first call wins.
+///
+/// `release` MUST be callable from any thread at any time; it runs between two steps of a
+/// core, so it should take at most a few milliseconds.
+pub fn set_memory_release(release: fn()) {
+    let _ = MEMORY_RELEASE.set(release);
+}
+
+/// Asks every core thread to return its free memory to the OS once, when next idle (the
+/// index shrank a lot: see [`crate::bounds`]); the calling thread does so at once. Nothing
+/// happens without [`set_memory_release`].
+pub fn request_memory_release() {
+    if let Some(release) = MEMORY_RELEASE.get() {
+        let epoch = RELEASE_EPOCH.fetch_add(1, Relaxed) + 1;
+        RELEASED.with(|r| r.set(epoch));
+        release();
+    }
+}
+
+/// Runs the release function if a release was asked for since this thread last ran it.
+fn release_if_asked() {
+    let epoch = RELEASE_EPOCH.load(Relaxed);
+    if RELEASED.with(|r| r.replace(epoch)) != epoch
+        && let Some(release) = MEMORY_RELEASE.get()
+    {
+        release();
+    }
+}
+
 /// Makes `host` this thread's core.
 pub fn install(host: CoreHost<Sharding>) {
     HOST.with(|h| *h.borrow_mut() = Some(host));
@@ -110,6 +153,7 @@ pub async fn drive() {
             tokio::task::yield_now().await;
             continue;
         }
+        release_if_asked();
         let _ = tokio::time::timeout(PARK, Parked { polled: false }).await;
         with_core(|c| c.awake());
         idle = 0;
@@ -185,4 +229,35 @@ impl Future for Parked {
 pub fn finish() -> Option<CoreSummary> {
     let host = HOST.with(|h| h.borrow_mut().take())?;
     Some(host.run_to_end())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static RELEASES: AtomicU64 = AtomicU64::new(0);
+
+    fn count_release() {
+        RELEASES.fetch_add(1, Relaxed);
+    }
+
+    #[test]
+    fn every_thread_releases_once_per_request() {
+        set_memory_release(count_release);
+        let before = RELEASES.load(Relaxed);
+        request_memory_release();
+        assert_eq!(RELEASES.load(Relaxed), before + 1, "the caller at once");
+        release_if_asked();
+        assert_eq!(
+            RELEASES.load(Relaxed),
+            before + 1,
+            "not twice on one thread"
+        );
+        let other = std::thread::spawn(|| {
+            release_if_asked();
+            release_if_asked();
+        });
+        other.join().unwrap();
+        assert_eq!(RELEASES.load(Relaxed), before + 2, "once on another thread");
+    }
 }

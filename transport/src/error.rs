@@ -83,6 +83,13 @@ pub enum TransportError {
     /// A request with this id is already active.
     #[error("request {0:?} is already active")]
     DuplicateRequest(String),
+    /// The router already carries its most active requests (`--max-active-requests`): try
+    /// again shortly.
+    #[error("the router is at its limit of {limit} active requests")]
+    Overloaded {
+        /// The limit.
+        limit: usize,
+    },
     /// A request or registration is invalid.
     #[error("invalid {name}: {reason}")]
     Invalid {
@@ -134,6 +141,9 @@ pub enum DropReason {
     UnsupportedVersion,
     /// A batch whose sequence number was already applied (replay overlap).
     DuplicateSeq,
+    /// A store refused because the index was over its memory budget (`--max-index-bytes`;
+    /// the engine counts its own `index_full` under the same label).
+    IndexFull,
     /// The engine refused an event (see [`RejectReason`]).
     Engine(RejectReason),
     /// Anything else.
@@ -155,6 +165,7 @@ impl DropReason {
             DropReason::Unauthorized => "unauthorized",
             DropReason::UnsupportedVersion => "unsupported_version",
             DropReason::DuplicateSeq => "duplicate_seq",
+            DropReason::IndexFull => "index_full",
             DropReason::Engine(r) => r.as_str(),
             DropReason::Other => "other",
         }
@@ -181,6 +192,7 @@ impl TransportError {
             | TransportError::UnknownRequest(_)
             | TransportError::UnknownModel(_)
             | TransportError::DuplicateRequest(_)
+            | TransportError::Overloaded { .. }
             | TransportError::Io { .. } => DropReason::Other,
         }
     }

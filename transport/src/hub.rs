@@ -12,6 +12,8 @@
 //! 4. Each served model has its own router and block size ([`crate::models`]); a worker's
 //!    events are converted at its model's block size and its keys are routed only by its
 //!    model's router.
+//! 5. The bounds of [`crate::bounds`] hold: while the index is over its memory budget no
+//!    store reaches the engine, and no route makes more requests active than the cap.
 //!
 //! # Concurrency
 //! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
@@ -26,15 +28,16 @@
 //! across an engine call (on a hosted core, a thread blocked on such a lock could be the
 //! core the call waits for).
 
+use crate::bounds::{Degraded, IndexBudget, Limits};
 use crate::cores;
-use crate::error::{Result, TransportError};
+use crate::error::{DropReason, Result, TransportError};
 use crate::metrics::Metrics;
 use crate::models::{DEFAULT_MODEL, ModelError, ModelSpec, Namespaces};
 use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
 use engine::hash::{lora_seed, seq_hashes};
-use engine::router::{NameError, RouteError};
+use engine::router::{NameError, RouteError, check_request_id};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
 use engine::sharding::choice::Sharding;
@@ -127,6 +130,8 @@ pub struct WorkerInfo {
     pub stream: Option<StreamState>,
     /// Per rank: active load from routed requests and the load it last reported.
     pub loads: Vec<(DpRank, Option<ActiveLoad>, Option<WorkerLoad>)>,
+    /// Ranks whose stores the bounds refused, and why ([`crate::bounds`]).
+    pub degraded: Vec<(DpRank, Degraded)>,
 }
 
 /// Where the router's subscription to a worker's ZMQ event stream stands.
@@ -160,6 +165,8 @@ struct WorkerEntry {
     stream: Option<StreamState>,
     /// Its model's block size (what its events are converted at).
     block_size: u32,
+    /// Ranks whose stores the bounds refused, and why.
+    degraded: BTreeSet<(DpRank, Degraded)>,
 }
 
 pub use engine::router::{RouteCall, Routed};
@@ -183,6 +190,10 @@ pub struct Hub {
     /// What a warm restart needs: where each restored stream resumes, and which workers
     /// were registered over the API (the snapshot keeps those).
     persisted: crate::state::Persisted,
+    /// Caps on memory and work ([`crate::bounds`]).
+    limits: Limits,
+    /// The index's memory budget and its last reading.
+    budget: IndexBudget,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -236,7 +247,26 @@ impl Hub {
             approximate: false,
             disaggregating: AtomicBool::new(false),
             persisted: crate::state::Persisted::default(),
+            limits: Limits::default(),
+            budget: IndexBudget::default(),
         })
+    }
+
+    /// Applies `limits` ([`crate::bounds`]; none by default).
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        self.budget = IndexBudget::new(limits.max_index_bytes);
+        self.limits = limits;
+        self
+    }
+
+    /// The bounds in force.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// The index's memory budget and its last reading.
+    pub fn index_budget(&self) -> &IndexBudget {
+        &self.budget
     }
 
     /// Switches to approximate mode (`--no-kv-events`): workers publish no KV events, so
@@ -413,6 +443,7 @@ impl Hub {
             events: 0,
             stream: None,
             block_size: default_block_size,
+            degraded: BTreeSet::new(),
         });
         let role = reg.role.unwrap_or(entry.registration.role());
         let model = reg
@@ -629,44 +660,67 @@ impl Hub {
                         )
                     })
                     .collect(),
+                degraded: e.degraded.iter().copied().collect(),
             })
             .collect()
     }
 
     // ----- events -----
 
-    fn count_events(&self, key: WorkerKey, events: &[KvEvent]) {
-        let (mut stored, mut removed) = (0u64, 0u64);
+    /// Counts the events of `key` handed to the engine. With `refuse_stores` (the index is
+    /// over its budget) its stores are not handed over: they are counted as `index_full`
+    /// drops and the rank is marked degraded, until a batch whose stores are handed over.
+    /// Returns how many stores were refused.
+    fn count_events(&self, key: WorkerKey, events: &[KvEvent], refuse_stores: bool) -> u64 {
+        let (mut stored, mut removed, mut stores) = (0u64, 0u64, 0u64);
         for e in events {
             match e {
-                KvEvent::Stored { blocks, .. } => stored += blocks.len() as u64,
+                KvEvent::Stored { blocks, .. } => {
+                    stores += 1;
+                    stored += blocks.len() as u64;
+                }
                 KvEvent::Removed { blocks } => removed += blocks.len() as u64,
                 KvEvent::Cleared => {}
             }
         }
+        let refused = if refuse_stores { stores } else { 0 };
+        let forwarded = (events.len() as u64).saturating_sub(refused);
         let m = &self.metrics;
-        m.events_forwarded.fetch_add(events.len() as u64, Relaxed);
-        m.blocks_stored.fetch_add(stored, Relaxed);
+        m.events_forwarded.fetch_add(forwarded, Relaxed);
+        m.blocks_stored
+            .fetch_add(if refuse_stores { 0 } else { stored }, Relaxed);
         m.blocks_removed.fetch_add(removed, Relaxed);
+        if refused > 0 {
+            let why = format!(
+                "worker {} rank {}: the index is over --max-index-bytes ({} bytes)",
+                key.worker,
+                key.dp_rank,
+                self.budget.bytes()
+            );
+            m.drop_input(DropReason::IndexFull, refused, &why);
+        }
         let mut registry = self.registry_write();
         if let Some(e) = registry.get_mut(&key.worker) {
-            e.events += events.len() as u64;
+            e.events += forwarded;
             e.resyncing.remove(&key.dp_rank);
+            let mark = (key.dp_rank, Degraded::IndexFull);
+            if refused > 0 {
+                e.degraded.insert(mark);
+            } else if stores > 0 {
+                e.degraded.remove(&mark);
+            }
         }
+        refused
     }
 
     /// Hands `events` of `key` to the engine without waiting for them to apply (the engine
-    /// counts its refusals). Fails for unregistered workers.
+    /// counts its refusals); its stores are refused while the index is over its budget
+    /// ([`crate::bounds`]). Fails for unregistered workers.
     pub fn ingest(&self, key: WorkerKey, events: Vec<KvEvent>) -> Result<()> {
         if events.is_empty() {
             return Ok(());
         }
-        self.refuse_events_if_approximate()?;
-        self.admit(key)?;
-        self.count_events(key, &events);
-        let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
-        self.on_ingest(key.worker, &mut |e| e.send(&batch))?;
-        Ok(())
+        self.hand_over(key, events, None)
     }
 
     /// Like [`Hub::ingest`] for batch `seq` of `key.worker`'s numbered stream (its ZMQ
@@ -674,16 +728,30 @@ impl Hub {
     /// exactly when it holds its number. Sent even with no events (the number is still
     /// taken).
     pub fn ingest_marked(&self, key: WorkerKey, events: Vec<KvEvent>, seq: u64) -> Result<()> {
+        self.hand_over(key, events, Some(seq))
+    }
+
+    fn hand_over(&self, key: WorkerKey, mut events: Vec<KvEvent>, seq: Option<u64>) -> Result<()> {
         self.refuse_events_if_approximate()?;
         self.admit(key)?;
-        self.count_events(key, &events);
+        if self.count_events(key, &events, self.budget.is_full()) > 0 {
+            events.retain(|e| !matches!(e, KvEvent::Stored { .. }));
+        }
+        if events.is_empty() && seq.is_none() {
+            return Ok(());
+        }
         let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
-        let mark = StreamMark {
-            worker: key.worker,
-            stream: 0,
-            seq,
-        };
-        self.on_ingest(key.worker, &mut |e| e.send_marked(&batch, mark))?;
+        match seq {
+            None => self.on_ingest(key.worker, &mut |e| e.send(&batch))?,
+            Some(seq) => {
+                let mark = StreamMark {
+                    worker: key.worker,
+                    stream: 0,
+                    seq,
+                };
+                self.on_ingest(key.worker, &mut |e| e.send_marked(&batch, mark))?;
+            }
+        }
         Ok(())
     }
 
@@ -711,8 +779,9 @@ impl Hub {
 
     /// Applies `events` of `key` one by one and waits for each result (the HTTP events
     /// endpoint reports them), then until every shard has its share: a query made after
-    /// this returns sees the batch. Fails only for unregistered workers or a stopped (or
-    /// timed-out) engine.
+    /// this returns sees the batch. While the index is over its budget each store is
+    /// refused with [`EngineError::IndexFull`] without reaching the engine. Fails only for
+    /// unregistered workers or a stopped (or timed-out) engine.
     pub fn apply(
         &self,
         key: WorkerKey,
@@ -720,13 +789,18 @@ impl Hub {
     ) -> Result<Vec<std::result::Result<Applied, EngineError>>> {
         self.refuse_events_if_approximate()?;
         self.admit(key)?;
-        self.count_events(key, events);
-        self.on_ingest(key.worker, &mut |engine| {
+        let full = self.budget.is_full();
+        self.count_events(key, events, full);
+        let out = self.on_ingest(key.worker, &mut |engine| {
             let mut out = Vec::with_capacity(events.len());
             for e in events {
+                if full && matches!(e, KvEvent::Stored { .. }) {
+                    out.push(Err(EngineError::IndexFull));
+                    continue;
+                }
                 match engine.apply(key, e) {
                     Err(e @ (EngineError::RuntimeStopped | EngineError::Timeout { .. })) => {
-                        return Err(e.into());
+                        return Err(TransportError::from(e));
                     }
                     r => out.push(r),
                 }
@@ -735,7 +809,16 @@ impl Hub {
             // query (on any core) sees it.
             engine.sync()?;
             Ok(out)
-        })
+        })?;
+        if out
+            .iter()
+            .any(|r| matches!(r, Err(EngineError::WorkerFull { .. })))
+            && let Some(e) = self.registry_write().get_mut(&key.worker)
+        {
+            // Until the next refresh of the cached-block totals finds it below its cap.
+            e.degraded.insert((key.dp_rank, Degraded::WorkerFull));
+        }
+        Ok(out)
     }
 
     /// Drops every block of `key` (a publisher restarted).
@@ -775,9 +858,30 @@ impl Hub {
         Ok(())
     }
 
-    /// Every core's figures (index size, refusals, queries).
+    /// Every core's figures (index size, refusals, queries). Each reading is also checked
+    /// against the index's memory budget ([`crate::bounds`]).
     pub fn core_stats(&self) -> Result<Vec<CoreSummary>> {
-        Ok(self.on_query(&mut |q| q.core_stats())?)
+        let stats = self.on_query(&mut |q| q.core_stats())?;
+        let bytes: usize = stats
+            .iter()
+            .map(|c| c.index.bytes.saturating_add(c.directory_bytes))
+            .sum();
+        let was_full = self.budget.is_full();
+        let reading = self.budget.observe(bytes as u64);
+        if reading.full != was_full {
+            match reading.full {
+                true => tracing::warn!(
+                    bytes,
+                    budget = self.budget.limit(),
+                    "the index is over --max-index-bytes: refusing stores until it is not"
+                ),
+                false => tracing::info!(bytes, "the index is within its budget again"),
+            }
+        }
+        if reading.release {
+            cores::request_memory_release();
+        }
+        Ok(stats)
     }
 
     /// Refreshes the per-key cached-block totals the scheduler breaks ties with (called
@@ -797,6 +901,18 @@ impl Hub {
         for key in keys {
             let n = self.on_ingest(key.worker, &mut |e| e.cached_blocks(key))?;
             fresh.push((key, n));
+        }
+        if self.limits.max_blocks_per_key.is_some() {
+            let mut registry = self.registry_write();
+            for &(k, n) in &fresh {
+                if let Some(e) = registry.get_mut(&k.worker) {
+                    let mark = (k.dp_rank, Degraded::WorkerFull);
+                    match self.limits.at_block_cap(n) {
+                        true => e.degraded.insert(mark),
+                        false => e.degraded.remove(&mark),
+                    };
+                }
+            }
         }
         let mut routing = lock(&self.routing);
         let mut by_model: BTreeMap<String, Vec<(WorkerKey, u64)>> = BTreeMap::new();
@@ -915,6 +1031,15 @@ impl Hub {
     ) -> Result<Routed> {
         let routed = {
             let mut routing = lock(&self.routing);
+            if let Some(limit) = self.limits.max_active_requests
+                && routing.active_requests() >= limit
+            {
+                routing.expire(now);
+                if routing.active_requests() >= limit {
+                    self.metrics.overloaded.fetch_add(1, Relaxed);
+                    return Err(TransportError::Overloaded { limit });
+                }
+            }
             // Ids are unique across models (the namespaces' invariant 2): named ones are
             // checked here, generated ones never repeat.
             let named;
@@ -956,6 +1081,7 @@ impl Hub {
 
     /// Marks a routed request prefilled (its first token streamed).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
+        check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         lock(&self.routing)
             .with_request(request_id, |r| r.prefilled(request_id))
             .map_err(refused)
@@ -963,6 +1089,7 @@ impl Hub {
 
     /// Frees a routed request (finished or cancelled).
     pub fn finish(&self, request_id: &str) -> Result<()> {
+        check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         lock(&self.routing)
             .with_request(request_id, |r| r.finish(request_id))
             .map_err(refused)
@@ -1012,6 +1139,10 @@ fn refused(e: RouteError) -> TransportError {
                 "{n} bytes is longer than the limit of {} bytes",
                 engine::router::MAX_REQUEST_ID_BYTES
             ),
+        },
+        RouteError::Name(NameError::ControlCharacter(at)) => TransportError::Invalid {
+            name: "request_id",
+            reason: format!("holds a control character (at byte {at})"),
         },
         RouteError::Engine(e) => e.into(),
     }

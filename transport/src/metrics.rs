@@ -23,7 +23,7 @@ pub const OVERLAP_BUCKETS: [f64; 12] = [
 ];
 
 /// Transport-level drop reasons, in counter order (engine refusals are read from the engine).
-pub const TRANSPORT_DROPS: [DropReason; 12] = [
+pub const TRANSPORT_DROPS: [DropReason; 13] = [
     DropReason::MalformedMsgpack,
     DropReason::MalformedFrame,
     DropReason::MalformedJson,
@@ -35,6 +35,7 @@ pub const TRANSPORT_DROPS: [DropReason; 12] = [
     DropReason::Unauthorized,
     DropReason::UnsupportedVersion,
     DropReason::DuplicateSeq,
+    DropReason::IndexFull,
     DropReason::Other,
 ];
 
@@ -157,6 +158,8 @@ pub struct Metrics {
     /// Front door: answers per (model, HTTP status). Models are the configured or
     /// registered ones (clients cannot add labels: an unknown name is [`NO_MODEL`]).
     statuses: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
+    /// Routing calls refused because the router carried `--max-active-requests`.
+    pub overloaded: AtomicU64,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -195,6 +198,7 @@ impl Default for Metrics {
             retries: AtomicU64::new(0),
             engine_unresponsive: AtomicU64::new(0),
             statuses: Mutex::new(std::collections::BTreeMap::new()),
+            overloaded: AtomicU64::new(0),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),

@@ -291,6 +291,13 @@ impl Namespaces {
             .map(|ns| ns.router.active_requests())
             .sum()
     }
+
+    /// Frees the requests of every namespace whose timeout has passed by `now`.
+    pub fn expire(&mut self, now: std::time::Instant) {
+        for ns in self.by_model.values_mut() {
+            ns.router.expire(now);
+        }
+    }
 }
 
 #[cfg(test)]

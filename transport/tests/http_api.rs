@@ -676,7 +676,7 @@ async fn load_reports_are_validated_and_shown() {
     );
 }
 
-const METRICS: [&str; 27] = [
+const METRICS: [&str; 33] = [
     "kvengine_events_applied_total",
     "kvengine_events_rejected_total",
     "kvengine_block_events_total",
@@ -704,6 +704,12 @@ const METRICS: [&str; 27] = [
     "process_cpu_seconds_total",
     "process_open_fds",
     "process_start_time_seconds",
+    "kvengine_index_heap_bytes",
+    "kvengine_index_budget_bytes",
+    "kvengine_index_full",
+    "kvengine_stores_refused_total{reason=\"index_full\"}",
+    "kvengine_workers_degraded{reason=\"worker_full\"}",
+    "kvengine_routes_overloaded_total",
 ];
 
 fn value_of(text: &str, series: &str) -> f64 {

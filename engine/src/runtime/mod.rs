@@ -84,6 +84,9 @@ pub struct RuntimeConfig {
     /// The longest [`IngestHandle::sync`] waits (it waits for everything sent before it to
     /// apply, so it may legitimately take longer than one call).
     pub sync_timeout: std::time::Duration,
+    /// The most engine hashes one worker key's directory may hold (`None`: no cap); a store
+    /// past it is refused as a whole (`crate::directories`, invariant 4).
+    pub max_blocks_per_key: Option<usize>,
 }
 
 impl Default for RuntimeConfig {
@@ -95,6 +98,7 @@ impl Default for RuntimeConfig {
             query_handles: 1,
             call_timeout: std::time::Duration::from_secs(5),
             sync_timeout: std::time::Duration::from_secs(60),
+            max_blocks_per_key: None,
         }
     }
 }
@@ -369,7 +373,8 @@ fn build<P: ShardPolicy + Clone>(
             let cpu = cpus.get(k).copied();
             let core = Core {
                 shard: Shard::new(ShardId(k as u16)),
-                ingest: Ingest::new(policy.clone()),
+                ingest: Ingest::new(policy.clone())
+                    .with_max_blocks_per_key(config.max_blocks_per_key),
                 outbox: Outbox::new(cores),
                 clients_in: cin,
                 clients_out: cout,

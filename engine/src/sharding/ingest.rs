@@ -323,6 +323,13 @@ impl<P: ShardPolicy> Ingest<P> {
         }
     }
 
+    /// Caps each worker key at `max` engine hashes (`None`: no cap); a store past it is
+    /// refused as a whole (see [`Directories::with_max_blocks_per_key`]).
+    pub fn with_max_blocks_per_key(mut self, max: Option<usize>) -> Self {
+        self.dirs = self.dirs.with_max_blocks_per_key(max);
+        self
+    }
+
     /// The sharding policy.
     pub fn policy(&self) -> &P {
         &self.policy

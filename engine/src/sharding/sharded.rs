@@ -52,6 +52,13 @@ impl<P: ShardPolicy> ShardedIndex<P> {
         }
     }
 
+    /// Caps each worker key at `max` engine hashes (`None`: no cap), as the threaded
+    /// runtime's [`RuntimeConfig::max_blocks_per_key`](crate::runtime::RuntimeConfig) does.
+    pub fn with_max_blocks_per_key(mut self, max: Option<usize>) -> Self {
+        self.ingest = self.ingest.with_max_blocks_per_key(max);
+        self
+    }
+
     fn deliver(&mut self) {
         let mut hubs = Vec::new();
         for shard in &mut self.shards {

@@ -6,8 +6,8 @@
 //!
 //! Status codes: 400 for any bad input (syntax, schema or value), 404 for an unknown worker,
 //! request or path, 405 for a wrong method, 409 for a duplicate request id, 413 for a body
-//! over the limit, 503 when no worker can take a request or the engine stopped. A 500 would
-//! be a bug.
+//! over the limit, 503 when no worker can take a request, the router carries its most active
+//! requests (`overloaded`, with `Retry-After`) or the engine stopped. A 500 would be a bug.
 
 use crate::error::TransportError;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -135,7 +135,8 @@ impl From<EngineError> for ApiError {
             }
             EngineError::UnknownParent { .. }
             | EngineError::UnknownBlock { .. }
-            | EngineError::EngineHashConflict { .. } => {
+            | EngineError::EngineHashConflict { .. }
+            | EngineError::WorkerFull { .. } => {
                 Self::new(StatusCode::BAD_REQUEST, "rejected", message)
             }
         }
@@ -163,6 +164,9 @@ impl From<TransportError> for ApiError {
             }
             TransportError::DuplicateRequest(_) => {
                 Self::new(StatusCode::CONFLICT, "duplicate_request", message)
+            }
+            TransportError::Overloaded { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, OVERLOADED, message)
             }
             TransportError::Oversized { .. } => {
                 Self::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
@@ -208,7 +212,7 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        if self.status == StatusCode::TOO_MANY_REQUESTS || self.code == OVERLOADED {
             // Active requests free within seconds; a client should not hammer meanwhile.
             r.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -219,8 +223,12 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// `Retry-After` of a 429 (every worker at its active-request limit).
+/// `Retry-After` of a 429 (every worker at its active-request limit) and of a 503
+/// `overloaded` (the router at `--max-active-requests`).
 pub const RETRY_AFTER_SECS: &str = "1";
+
+/// The code of a route refused at `--max-active-requests`.
+pub const OVERLOADED: &str = "overloaded";
 
 /// OpenAI's error `type` for `status`.
 pub fn kind_of(status: StatusCode) -> &'static str {

@@ -16,7 +16,8 @@
 //! the first success after that puts it back. A healthy worker's `{url}/metrics` page is
 //! read in the same round and its ranks' load recorded ([`super::scrape`]), as if the
 //! worker had called `POST /v1/load`. Each round also refreshes the cached-block totals the
-//! scheduler breaks ties with.
+//! scheduler breaks ties with, and reads the cores' figures, which checks the index against
+//! its memory budget ([`crate::bounds`]).
 
 use super::AppState;
 use super::errors::json;
@@ -82,6 +83,11 @@ struct EngineHealth {
     /// Every core answered a stats query within the engine's deadline.
     responsive: bool,
     cores: usize,
+    /// Heap bytes of the index and directories at the last reading.
+    index_bytes: u64,
+    /// The index is over `--max-index-bytes`: stores are refused (not a reason to be unready:
+    /// routing works, with fewer cache hits).
+    index_full: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -95,6 +101,8 @@ struct WorkersHealth {
     config_errors: usize,
     /// Whose ZMQ event stream is not connected yet (the router cannot see their caches).
     streams_connecting: usize,
+    /// With a rank whose stores the bounds refused ([`crate::bounds::Degraded`]).
+    degraded: usize,
 }
 
 /// Assesses whether `hub` can route (see the module docs).
@@ -104,6 +112,8 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         Ok(cores) => EngineHealth {
             responsive: true,
             cores: cores.len(),
+            index_bytes: hub.index_budget().bytes(),
+            index_full: hub.index_budget().is_full(),
         },
         Err(e) => {
             hub.metrics().engine_unresponsive.fetch_add(1, Relaxed);
@@ -111,6 +121,8 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
             EngineHealth {
                 responsive: false,
                 cores: 0,
+                index_bytes: hub.index_budget().bytes(),
+                index_full: hub.index_budget().is_full(),
             }
         }
     };
@@ -124,6 +136,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
             .iter()
             .filter(|w| w.stream == Some(StreamState::Connecting))
             .count(),
+        degraded: all.iter().filter(|w| !w.degraded.is_empty()).count(),
     };
     // A worker serves requests once it passes health checks and, if the router subscribes
     // to its KV events, once that stream is up (before, kv routing is blind to its cache).
@@ -348,6 +361,10 @@ pub async fn health_loop(
         }
         if let Err(e) = crate::cores::engine_call(|| hub.refresh_cached_blocks()) {
             tracing::debug!("refreshing cached blocks: {e}");
+        }
+        // The index against its memory budget (crate::bounds).
+        if let Err(e) = crate::cores::engine_call(|| hub.core_stats()) {
+            tracing::debug!("reading the cores' figures: {e}");
         }
     }
 }

@@ -216,6 +216,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         "Prefix queries the shards answered",
         counter(cores.iter().map(|c| c.queries).sum()),
     );
+    register_bounds(&mut reg, hub, cores);
 
     let decisions = Family::<Labels1, Counter>::default();
     for (mode, n) in m.decisions() {
@@ -400,6 +401,71 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
     let mut out = String::with_capacity(8 << 10);
     prometheus_client::encoding::text::encode(&mut out, &reg)?;
     Ok(out)
+}
+
+/// The bounds of [`crate::bounds`]: the index's memory against its budget, refused stores,
+/// degraded ranks, routes refused at the active-request cap.
+fn register_bounds(reg: &mut Registry, hub: &Hub, cores: &[CoreSummary]) {
+    let budget = hub.index_budget();
+    reg.register(
+        "kvengine_index_heap_bytes",
+        "Heap bytes of every shard's index and the workers' directories",
+        gauge(
+            cores
+                .iter()
+                .map(|c| c.index.bytes.saturating_add(c.directory_bytes) as u64)
+                .sum(),
+        ),
+    );
+    reg.register(
+        "kvengine_index_budget_bytes",
+        "--max-index-bytes (0: no budget)",
+        gauge(budget.limit().unwrap_or(0)),
+    );
+    reg.register(
+        "kvengine_index_full",
+        "1 while the index is over --max-index-bytes and stores are refused",
+        gauge(u64::from(budget.is_full())),
+    );
+    let refused = Family::<Labels1, Counter>::default();
+    let worker_full: u64 = cores
+        .iter()
+        .map(|c| c.rejects.get(engine::RejectReason::WorkerFull))
+        .sum();
+    let index_full = hub.metrics().dropped(crate::error::DropReason::IndexFull);
+    for (reason, n) in [("index_full", index_full), ("worker_full", worker_full)] {
+        refused
+            .get_or_create(&[("reason", reason.to_owned())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_stores_refused",
+        "Stored events refused by the bounds: the index over --max-index-bytes (index_full) \
+         or a rank at --max-blocks-per-worker (worker_full)",
+        refused,
+    );
+    let degraded = Family::<Labels1, Gauge>::default();
+    let workers = hub.workers();
+    for reason in crate::bounds::Degraded::ALL {
+        let n = workers
+            .iter()
+            .flat_map(|w| &w.degraded)
+            .filter(|(_, r)| *r == reason)
+            .count();
+        degraded
+            .get_or_create(&[("reason", reason.as_str().to_owned())])
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    reg.register(
+        "kvengine_workers_degraded",
+        "Worker ranks whose stores the bounds refused, by reason",
+        degraded,
+    );
+    reg.register(
+        "kvengine_routes_overloaded",
+        "Routing calls refused (503 overloaded) at --max-active-requests",
+        counter(hub.metrics().overloaded.load(Relaxed)),
+    );
 }
 
 pub(super) async fn metrics(State(st): State<AppState>) -> Response {

@@ -42,6 +42,15 @@ pub(super) struct WorkerJson {
     config_error: Option<String>,
     events: u64,
     loads: Vec<LoadJson>,
+    /// Ranks whose stores the bounds refused (`index_full`, `worker_full`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    degraded: Vec<DegradedJson>,
+}
+
+#[derive(Serialize)]
+pub(super) struct DegradedJson {
+    dp_rank: u32,
+    reason: &'static str,
 }
 
 impl From<WorkerInfo> for WorkerJson {
@@ -63,6 +72,14 @@ impl From<WorkerInfo> for WorkerJson {
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
             config_error: w.config_error,
             events: w.events,
+            degraded: w
+                .degraded
+                .iter()
+                .map(|&(rank, why)| DegradedJson {
+                    dp_rank: rank.0,
+                    reason: why.as_str(),
+                })
+                .collect(),
             loads: w
                 .loads
                 .into_iter()

@@ -84,16 +84,23 @@ impl OpenAiError {
             TransportError::Engine(EngineError::AtCapacity { .. }) => {
                 (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error")
             }
+            TransportError::Overloaded { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
+            }
             TransportError::Engine(EngineError::InvalidArgument { .. })
             | TransportError::Invalid { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        };
+        let code = match &e {
+            TransportError::Overloaded { .. } => Some(crate::http::errors::OVERLOADED),
+            _ => None,
         };
         Self {
             status,
             kind,
             message: e.to_string(),
             param: None,
-            code: None,
+            code,
         }
     }
 }
@@ -101,7 +108,9 @@ impl OpenAiError {
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        if self.status == StatusCode::TOO_MANY_REQUESTS
+            || self.code == Some(crate::http::errors::OVERLOADED)
+        {
             r.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from_static(crate::http::errors::RETRY_AFTER_SECS),
@@ -121,4 +130,25 @@ pub fn openai_error(status: StatusCode, kind: &'static str, message: &str) -> Re
         code: None,
     }
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overloaded_router_answers_503_with_retry_after() {
+        let e = OpenAiError::from_routing(TransportError::Overloaded { limit: 5 });
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.kind, "service_unavailable");
+        assert_eq!(e.code, Some("overloaded"));
+        let r = e.into_response();
+        assert_eq!(r.headers()[axum::http::header::RETRY_AFTER], "1");
+        let invalid = OpenAiError::from_routing(TransportError::Invalid {
+            name: "request_id",
+            reason: "holds a control character (at byte 0)".into(),
+        });
+        assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+        assert_eq!(invalid.code, None);
+    }
 }
