@@ -88,6 +88,7 @@ pub fn run(cfg: &IngestConfig) -> Result<IngestReport> {
                 worker_id: w as u64 + 1,
                 dp_ranks: vec![0],
                 block_size,
+                instance: 0,
             })
             .await?;
             publishers.push(p);

@@ -102,6 +102,7 @@ pub fn run(args: &PublishArgs) -> Result<()> {
                 worker_id: worker,
                 dp_ranks: ranks,
                 block_size: args.kv_cache_block_size,
+                instance: 0,
             })
             .await
             .with_context(|| format!("connecting as worker {worker}"))?;

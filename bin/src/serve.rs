@@ -902,10 +902,18 @@ async fn reload_on_sighup(
         }
         let now: std::collections::BTreeSet<u64> = workers.iter().map(|w| w.id).collect();
         for &gone in known.difference(&now) {
-            unsubscribe(&subs, WorkerId(gone), None);
-            match cores::engine_call(|| hub.remove_worker(WorkerId(gone))) {
-                Ok(_) => println!("kvengine: worker {gone} left the config file; removed"),
-                Err(e) => tracing::error!("removing worker {gone}: {e}"),
+            // On its home core, streams first: none of its batches lands after it
+            // (transport::cores::on_home).
+            let (hub, subs) = (hub.clone(), subs.clone());
+            let removed = cores::on_home(Some(&spawner), WorkerId(gone), move || {
+                unsubscribe(&subs, WorkerId(gone), None);
+                hub.remove_worker(WorkerId(gone))
+            })
+            .await;
+            match removed {
+                Some(Ok(_)) => println!("kvengine: worker {gone} left the config file; removed"),
+                Some(Err(e)) => tracing::error!("removing worker {gone}: {e}"),
+                None => tracing::error!("removing worker {gone}: the router is stopping"),
             }
         }
         println!(
@@ -1099,6 +1107,7 @@ async fn serve(
             on_remove: Some(on_remove),
             admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
             worker_hosts: args.worker_hosts.clone(),
+            homes: Some(spawner.clone()),
         },
     )
     .merge(openai_router(

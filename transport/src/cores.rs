@@ -72,6 +72,29 @@ impl Homes {
     }
 }
 
+/// Runs `f` on `worker`'s home core thread, where its event streams (ZMQ subscription,
+/// QUIC publisher) run, and waits for it; inline when there is no such thread (`homes`
+/// `None`, the caller is already there, or the home runtime is gone). What `f` does is then
+/// ordered with those streams' batches: a batch is decoded and handed to the engine in one
+/// poll, with no await between the registry check and the send, so `f` runs between two
+/// batches, and what it sends goes over the same ring as they do (the engine applies in
+/// ring order). A worker's removal runs here, so no batch of its lands after it (issue 12).
+/// `None`: the home runtime shut down under the call (the router is stopping).
+pub async fn on_home<T: Send + 'static>(
+    homes: Option<&Homes>,
+    worker: WorkerId,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
+    let home = homes.and_then(|h| h.home(worker)).cloned();
+    let here = tokio::runtime::Handle::try_current().ok().map(|h| h.id());
+    match home {
+        // `None` only if the home runtime shut down under the call (the router is
+        // stopping).
+        Some(rt) if Some(rt.id()) != here => rt.spawn(async move { engine_call(f) }).await.ok(),
+        _ => Some(engine_call(f)),
+    }
+}
+
 /// Runs `f`, a synchronous engine call (it may wait briefly for a core), from async code:
 /// in place on a core thread (the call steps this thread's core while it waits, so nothing
 /// waits for this thread) and on any single-threaded runtime; through `block_in_place` on

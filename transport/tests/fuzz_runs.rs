@@ -268,6 +268,7 @@ fn native_frames() -> Vec<Vec<u8>> {
         dp_ranks: vec![0, 1],
         block_size: 16,
         token: "secret".into(),
+        instance: 0,
     };
     encode_client_frame(&hello, &mut buf).unwrap();
     out.push(buf.to_vec());

@@ -71,6 +71,7 @@ impl Raw {
                 dp_ranks: vec![0],
                 block_size: BS as u32,
                 token: TOKEN.into(),
+                instance: 0,
             },
             &mut buf,
         )

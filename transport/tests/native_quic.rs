@@ -41,6 +41,7 @@ impl Env {
             worker_id: worker,
             dp_ranks: ranks.to_vec(),
             block_size: BS as u32,
+            instance: 0,
         }
     }
 }
@@ -336,13 +337,15 @@ async fn a_wrong_version_is_refused() {
             dp_ranks: vec![],
             block_size: BS as u32,
             token: TOKEN.into(),
+            instance: 0,
         },
     )
     .await;
     let ServerFrame::Refused { reason } = answer else {
         panic!("{answer:?}")
     };
-    assert!(reason.starts_with("unsupported version 2"), "{reason}");
+    let expected = format!("unsupported version {}", PROTOCOL_VERSION + 1);
+    assert!(reason.starts_with(&expected), "{reason}");
     assert_eq!(env.hub.metrics().dropped(DropReason::UnsupportedVersion), 1);
     assert!(env.hub.workers().is_empty());
     // And a correct raw hello is acknowledged.
@@ -354,6 +357,7 @@ async fn a_wrong_version_is_refused() {
             dp_ranks: vec![],
             block_size: BS as u32,
             token: TOKEN.into(),
+            instance: 0,
         },
     )
     .await;
@@ -531,6 +535,64 @@ async fn a_gap_resyncs_the_rank_and_a_lower_seq_restarts_it() {
     );
     assert_eq!(overlaps(&env.hub, &c), vec![(key(5, 0), 2)]);
     assert_eq!(overlaps(&env.hub, &d), vec![(key(5, 1), 3)]);
+    drop(hub);
+    env.shutdown().await;
+}
+
+/// Issue 12: a publisher's fences outlive its connection. The same instance reconnecting
+/// goes on in order (nothing cleared); batches lost between two of its connections are a
+/// gap (the rank resyncs); another instance for the worker is a restart, cleared at its
+/// hello.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_outlive_reconnects_and_a_new_instance_is_a_restart() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let env = env(2).await;
+    let (a, b, c, d) = (
+        prompt(10, 3, 0),
+        prompt(11, 3, 0),
+        prompt(12, 3, 0),
+        prompt(13, 3, 0),
+    );
+    let hub = env.hub.clone();
+    let mut p = Publisher::connect(env.publisher(6, &[0])).await.unwrap();
+    let instance = p.instance();
+    assert_ne!(instance, 0, "an instance is drawn when none is given");
+    p.send(0, &[native_store(&a, 0, 3)]).await.unwrap();
+    wait_for("a", || overlaps(&hub, &a) == vec![(key(6, 0), 3)]).await;
+    // The connection is lost; the same process reconnects and goes on numbering.
+    let mut p = p.reconnect().await.unwrap();
+    assert_eq!(p.instance(), instance);
+    assert_eq!(p.send(0, &[native_store(&b, 0, 3)]).await.unwrap(), 1);
+    wait_for("b", || overlaps(&hub, &b) == vec![(key(6, 0), 3)]).await;
+    assert_eq!(
+        overlaps(&hub, &a),
+        vec![(key(6, 0), 3)],
+        "kept across the reconnect"
+    );
+    assert_eq!(hub.metrics().resyncs.load(Relaxed), 0);
+    assert_eq!(hub.metrics().restarts.load(Relaxed), 0);
+    // Batches 2..5 went with a lost connection: the next one shows the gap.
+    let mut p = p.reconnect().await.unwrap();
+    p.send_with_seq(0, 5, &[native_store(&c, 0, 3)])
+        .await
+        .unwrap();
+    wait_for("c", || overlaps(&hub, &c) == vec![(key(6, 0), 3)]).await;
+    assert_eq!(hub.metrics().resyncs.load(Relaxed), 1);
+    assert!(overlaps(&hub, &a).is_empty() && overlaps(&hub, &b).is_empty());
+    p.finish().await.unwrap();
+    // The worker's publisher restarts: a new instance; its old blocks go at its hello.
+    let mut q = Publisher::connect(env.publisher(6, &[0])).await.unwrap();
+    assert_ne!(q.instance(), instance);
+    assert_eq!(hub.metrics().restarts.load(Relaxed), 1);
+    hub.sync().unwrap();
+    assert!(
+        overlaps(&hub, &c).is_empty(),
+        "cleared at the new instance's hello"
+    );
+    assert_eq!(q.send(0, &[native_store(&d, 0, 3)]).await.unwrap(), 0);
+    q.finish().await.unwrap();
+    hub.sync().unwrap();
+    assert_eq!(overlaps(&hub, &d), vec![(key(6, 0), 3)]);
     drop(hub);
     env.shutdown().await;
 }

@@ -63,6 +63,9 @@ pub struct HttpConfig {
     /// The hosts `POST /v1/workers` may name in `url`, `zmq` and `replay`: exact names or
     /// addresses, or `*.suffix`; empty: any host.
     pub worker_hosts: Vec<String>,
+    /// The cores' runtimes: a worker is removed on its home core, after its streams stop,
+    /// so none of its batches lands after the removal ([`crate::cores::on_home`]).
+    pub homes: Option<crate::cores::Homes>,
 }
 
 impl Default for HttpConfig {
@@ -73,6 +76,7 @@ impl Default for HttpConfig {
             on_remove: None,
             admin_token: None,
             worker_hosts: Vec::new(),
+            homes: None,
         }
     }
 }

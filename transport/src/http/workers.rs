@@ -288,7 +288,19 @@ pub(super) async fn remove(
         .parse::<u64>()
         .map(WorkerId)
         .map_err(|_| ApiError::invalid(format!("worker id {id:?} is not a u64")))?;
-    match st.hub.remove_worker(worker)? {
+    // On the worker's home core: its streams stop first (the hook ends its
+    // subscriptions), then it leaves the registry and the index, all between two of its
+    // batches and behind them on the engine's ring, so none lands after the removal.
+    let (hub, hook) = (st.hub.clone(), st.cfg.on_remove.clone());
+    let removed = crate::cores::on_home(st.cfg.homes.as_ref(), worker, move || {
+        if let Some(hook) = &hook {
+            hook(worker);
+        }
+        hub.remove_worker(worker)
+    })
+    .await
+    .ok_or_else(|| ApiError::from(engine::EngineError::RuntimeStopped))??;
+    match removed {
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "unknown_worker",
@@ -296,9 +308,6 @@ pub(super) async fn remove(
         )),
         Some(_) => {
             st.forget_fences(worker);
-            if let Some(hook) = &st.cfg.on_remove {
-                hook(worker);
-            }
             tracing::info!(worker = worker.0, "worker removed over HTTP");
             Ok(json(StatusCode::OK, &Removed { removed: true }))
         }

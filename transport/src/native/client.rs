@@ -11,6 +11,7 @@
 //!     worker_id: 7,
 //!     dp_ranks: vec![0],
 //!     block_size: 16,
+//!     instance: 0,
 //! })
 //! .await?;
 //! p.send(0, &[NativeEvent::Cleared]).await?;
@@ -22,6 +23,8 @@
 //! 1. Per dp rank, [`Publisher::send`] numbers batches 0, 1, 2, ...; after
 //!    [`Publisher::send_with_seq`] it continues from that number plus one.
 //! 2. A batch is serialized into one reused buffer straight from the borrowed events.
+//! 3. A publisher has one non-zero instance id for its whole life; [`Publisher::reconnect`]
+//!    keeps it and the numbering.
 
 use super::frame::{self, FrameBuf, LEN_BYTES, MAX_FRAME_BYTES};
 use super::schema::{ClientFrame, PROTOCOL_VERSION, ServerFrame};
@@ -49,6 +52,11 @@ pub struct PublisherConfig {
     pub dp_ranks: Vec<u32>,
     /// Tokens per block (must equal the router's).
     pub block_size: u32,
+    /// This process's identity across reconnects (see the hello's `instance`); 0: one is
+    /// drawn at random at connect. A publisher that reconnects with
+    /// [`Publisher::reconnect`] keeps it and its numbering, so the server tells a lost batch
+    /// (a gap) and a restarted publisher (a new instance) apart from a reconnect.
+    pub instance: u64,
 }
 
 /// The server's final answer: everything it received was handed to the index.
@@ -71,6 +79,7 @@ pub struct Publisher {
     server_block_size: u32,
     next_seq: HashMap<u32, u64>,
     buf: FrameBuf,
+    cfg: PublisherConfig,
 }
 
 fn io(context: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> TransportError {
@@ -131,7 +140,28 @@ impl Publisher {
     /// Connects, sends the hello and waits for the server's answer. A refusal closes the
     /// connection and returns [`TransportError::Unauthorized`],
     /// [`TransportError::UnsupportedVersion`] or [`TransportError::Invalid`].
-    pub async fn connect(cfg: PublisherConfig) -> Result<Publisher> {
+    pub async fn connect(mut cfg: PublisherConfig) -> Result<Publisher> {
+        if cfg.instance == 0 {
+            cfg.instance = random_instance()?;
+        }
+        Self::open(cfg, HashMap::new()).await
+    }
+
+    /// A new connection for the same process: same instance, numbering going on where this
+    /// one stopped (after a lost connection; the server keeps each rank's fence, so batches
+    /// lost with the old connection show up as a gap).
+    pub async fn reconnect(self) -> Result<Publisher> {
+        self.conn
+            .close(VarInt::from_u32(super::server::CLOSE_DONE), b"reconnect");
+        Self::open(self.cfg, self.next_seq).await
+    }
+
+    /// This process's instance (see [`PublisherConfig::instance`]).
+    pub fn instance(&self) -> u64 {
+        self.cfg.instance
+    }
+
+    async fn open(cfg: PublisherConfig, next_seq: HashMap<u32, u64>) -> Result<Publisher> {
         let client = tls::client_config(&cfg.trust)?;
         let bind: SocketAddr = if cfg.server.is_ipv4() {
             SocketAddr::from(([0, 0, 0, 0], 0))
@@ -155,9 +185,10 @@ impl Publisher {
         let hello = ClientFrame::Hello {
             version: PROTOCOL_VERSION,
             worker_id: cfg.worker_id,
-            dp_ranks: cfg.dp_ranks,
+            dp_ranks: cfg.dp_ranks.clone(),
             block_size: cfg.block_size,
-            token: cfg.token,
+            token: cfg.token.clone(),
+            instance: cfg.instance,
         };
         frame::encode_client_frame(&hello, &mut buf)?;
         write(&mut send, &buf).await?;
@@ -172,8 +203,9 @@ impl Publisher {
                 recv,
                 worker_id: cfg.worker_id,
                 server_block_size: block_size,
-                next_seq: HashMap::new(),
+                next_seq,
                 buf,
+                cfg,
             }),
             ServerFrame::HelloAck { version, .. } => {
                 conn.close(VarInt::from_u32(super::server::CLOSE_PROTOCOL), b"version");
@@ -234,6 +266,21 @@ impl Publisher {
                 name: "done",
                 reason: format!("expected done, the server sent {other:?}"),
             }),
+        }
+    }
+}
+
+/// A non-zero instance id from the OS's random source.
+fn random_instance() -> Result<u64> {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 8];
+    loop {
+        ring::rand::SystemRandom::new()
+            .fill(&mut bytes)
+            .map_err(|_| io("drawing an instance id", "no random source"))?;
+        let id = u64::from_le_bytes(bytes);
+        if id != 0 {
+            return Ok(id);
         }
     }
 }

@@ -194,6 +194,7 @@ mod tests {
             dp_ranks: vec![0, 1],
             block_size: 16,
             token: "secret".into(),
+            instance: 0,
         };
         let borrowed = ClientFrameRef::Hello {
             version: 1,
@@ -201,6 +202,7 @@ mod tests {
             dp_ranks: &[0, 1],
             block_size: 16,
             token: "secret",
+            instance: 0,
         };
         let mut a = FrameBuf::new();
         encode_client_frame(&owned, &mut a).unwrap();

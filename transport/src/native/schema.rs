@@ -14,8 +14,9 @@ use engine::event::{KvEvent, StoredBlock};
 use engine::{EngineHash, TokensHash};
 use rkyv::{Archive, Deserialize, Serialize};
 
-/// The protocol version a hello carries; a server refuses any other.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The protocol version a hello carries; a server refuses any other. Version 2 added the
+/// hello's `instance` (fences that persist across reconnects).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The TLS ALPN protocol id.
 pub const ALPN: &[u8] = b"kvengine/1";
@@ -36,6 +37,11 @@ pub enum ClientFrame {
         block_size: u32,
         /// The ingest token the server was configured with.
         token: String,
+        /// The publishing process's identity: drawn at random when it starts and kept
+        /// across its reconnects, so the server keeps each rank's fence from one connection
+        /// to the next (a gap is then detected across a reconnect, and a new instance is a
+        /// restart). 0: none (fences last one connection).
+        instance: u64,
     },
     /// A numbered batch of one rank's events.
     Batch(EventBatch),
@@ -143,6 +149,7 @@ pub(crate) enum ClientFrameRef<'a> {
         block_size: u32,
         #[rkyv(with = rkyv::with::AsString)]
         token: &'a str,
+        instance: u64,
     },
     Batch(EventBatchRef<'a>),
 }

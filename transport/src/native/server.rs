@@ -4,10 +4,14 @@
 //! # Invariants
 //! 1. Nothing from a connection reaches the hub before its hello is accepted (version,
 //!    token, block size).
-//! 2. Per connection and dp rank, batches pass an [`EventStream`] (the fencing ZMQ and HTTP
-//!    share): a gap clears the rank and marks it resyncing (QUIC has no replay), a lower
-//!    number that is not a retry of the last batch (a publisher restart) clears it; then the
-//!    batch applies. A reconnect starts with fresh streams.
+//! 2. Per publisher instance and dp rank, batches pass an [`EventStream`] (the fencing ZMQ
+//!    and HTTP share): a gap clears the rank and marks it resyncing (QUIC has no replay), a
+//!    lower number that is not a retry of the last batch (a publisher restart) clears it;
+//!    then the batch applies. The streams outlive the connection: a reconnect of the same
+//!    instance (the hello's `instance`) goes on with them, so batches lost between two
+//!    connections are a gap; a hello with another instance for the worker is a restart,
+//!    and the ranks the old instance published are cleared before it is acknowledged.
+//!    Instance 0 keeps fences for one connection only.
 //! 3. A frame that fails validation is counted and skipped; the length prefix delimits it,
 //!    so the stream stays usable. Only a declared length over the limit (the stream can no
 //!    longer be trusted to be delimited sensibly) or a broken hello closes the connection.
@@ -112,6 +116,63 @@ struct Shared {
     token: String,
     max_frame: usize,
     homes: Option<Homes>,
+    /// Per worker: the instance publishing for it and its ranks' fences (invariant 2).
+    fences: std::sync::Mutex<HashMap<WorkerId, Arc<std::sync::Mutex<Fences>>>>,
+}
+
+/// One publisher instance's fences, per dp rank.
+#[derive(Debug, Default)]
+struct Fences {
+    instance: u64,
+    streams: HashMap<u32, EventStream>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Shared {
+    /// The fences a connection of `instance` for `worker` goes on with (invariant 2). A new
+    /// instance replaces the old one's, whose ranks are cleared first (a restart).
+    fn fences_for(&self, worker: WorkerId, instance: u64) -> Arc<std::sync::Mutex<Fences>> {
+        if instance == 0 {
+            return Arc::default();
+        }
+        let (fences, restarted) = {
+            let mut all = lock(&self.fences);
+            let entry = all.entry(worker).or_insert_with(|| {
+                Arc::new(std::sync::Mutex::new(Fences {
+                    instance,
+                    ..Fences::default()
+                }))
+            });
+            let old = {
+                let mut f = lock(entry);
+                if f.instance == instance {
+                    None
+                } else {
+                    let ranks: Vec<u32> = f.streams.keys().copied().collect();
+                    *f = Fences {
+                        instance,
+                        ..Fences::default()
+                    };
+                    Some(ranks)
+                }
+            };
+            (entry.clone(), old)
+        };
+        if let Some(ranks) = restarted.filter(|r| !r.is_empty()) {
+            let keys = ranks.into_iter().map(|r| WorkerKey {
+                worker,
+                dp_rank: DpRank(r),
+            });
+            let why = format_args!("worker {worker}: a new publisher instance {instance:#x}");
+            // A failed clear is logged by `clear_keys`; the new instance's batches still
+            // apply (its first stores start sequences of their own).
+            let _ = engine_call(|| clear_keys(&self.hub, keys, ClearKind::Restart, &why));
+        }
+        fences
+    }
 }
 
 fn io(
@@ -152,6 +213,7 @@ pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServ
         token: cfg.token,
         max_frame: cfg.max_frame_bytes,
         homes: cfg.homes,
+        fences: std::sync::Mutex::new(HashMap::new()),
     });
     tokio::spawn(accept_loop(endpoint.clone(), shared));
     tracing::info!(%local_addr, %fingerprint, "native QUIC ingest listening");
@@ -270,6 +332,7 @@ fn close_too_large(conn: &Connection, hub: &Hub, n: usize, limit: usize) {
 /// The accepted hello.
 struct Hello {
     worker: WorkerId,
+    instance: u64,
 }
 
 async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()> {
@@ -310,6 +373,8 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
             return refuse(conn, &mut send, &mut out, message).await;
         }
     };
+    // A restarted publisher's old blocks are cleared before it is acknowledged.
+    let fences = shared.fences_for(hello.worker, hello.instance);
     write_frame(
         &mut send,
         &mut out,
@@ -329,7 +394,7 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
         recv,
         buf,
         out,
-        hello.worker,
+        (hello.worker, fences),
         shared.clone(),
     );
     match shared.homes.as_ref().and_then(|h| h.home(hello.worker)) {
@@ -348,7 +413,7 @@ async fn serve_batches(
     mut recv: RecvStream,
     mut buf: FrameBuf,
     mut out: FrameBuf,
-    worker: WorkerId,
+    (worker, fences): (WorkerId, Arc<std::sync::Mutex<Fences>>),
     shared: Arc<Shared>,
 ) -> Result<()> {
     let conn = &conn;
@@ -356,7 +421,7 @@ async fn serve_batches(
     // ----- batches -----
     let mut state = Stream {
         worker,
-        streams: HashMap::new(),
+        fences,
         batches: 0,
         events: 0,
     };
@@ -420,6 +485,7 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
         dp_ranks,
         block_size,
         token,
+        instance,
     } = frame
     else {
         return Err((
@@ -463,13 +529,16 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
     }
     engine_call(|| hub.register(registration))
         .map_err(|e| (DropReason::Other, format!("registration failed: {e}")))?;
-    Ok(Hello { worker })
+    Ok(Hello {
+        worker,
+        instance: instance.to_native(),
+    })
 }
 
 /// One accepted stream's position.
 struct Stream {
     worker: WorkerId,
-    streams: HashMap<u32, EventStream>,
+    fences: Arc<std::sync::Mutex<Fences>>,
     batches: u64,
     events: u64,
 }
@@ -499,7 +568,7 @@ impl Stream {
         frame::batch_events(batch, hub.block_size_of(self.worker), &mut events, |e| {
             metrics.drop_input(e.reason(), 1, &format_args!("worker {key}: {e}"))
         });
-        let action = self
+        let action = lock(&self.fences)
             .streams
             .entry(dp_rank)
             .or_insert_with(|| EventStream::new(false))

@@ -4,7 +4,7 @@
 //! Taking a snapshot: the engine cuts every core consistently (`engine::snapshot`); the
 //! cut carries, per worker, the number of the last batch of its ZMQ stream that is in it
 //! (its *mark*). The transport adds the workers registered over the API (their
-//! registrations, as JSON) and writes the file atomically ([`file`], io_uring on Linux).
+//! registrations, as JSON) and writes the file atomically ([`mod@file`], io_uring on Linux).
 //!
 //! Restoring: the cores are rebuilt from the image (rayon, one task per core), then
 //! [`begin_restore`] and [`finish_restore`] decide, worker by worker, what may be kept:
