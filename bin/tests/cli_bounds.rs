@@ -8,9 +8,9 @@
 //! a first load/remove cycle (the allocator's arenas and the edge's buffers then exist), the
 //! second cycle is measured. RSS is read from `/proc/<pid>/status` (Linux only).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::Router;
 use std::time::{Duration, Instant};
 
 const WORKERS: u64 = 4;
@@ -23,75 +23,15 @@ const PREFIX_BLOCKS: u64 = 8;
 /// How close to the baseline RSS must come back (the issue's bound).
 const TOLERANCE: f64 = 0.05;
 
-struct Router {
-    child: Child,
-    http: String,
+/// What these tests ask of a router beyond [`common::Router`].
+trait Probe {
+    fn post_ok(&self, path: &str, body: &str);
+    fn rss(&self) -> u64;
+    fn settled_rss(&self, settle: Duration, target: u64) -> u64;
+    fn index_bytes(&self) -> u64;
 }
 
-impl Router {
-    fn start(args: &[&str]) -> Router {
-        Self::start_with_env(args, &[])
-    }
-
-    fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Router {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
-            .envs(env.iter().copied())
-            .args([
-                "--cores",
-                "2",
-                "--no-pin",
-                "--http-host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-            ])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(child.stdout.take().unwrap());
-        let mut out = String::new();
-        loop {
-            let mut line = String::new();
-            assert!(
-                reader.read_line(&mut line).unwrap() > 0,
-                "exited early: {out}"
-            );
-            out.push_str(&line);
-            if line.contains("Ctrl-C stops") {
-                break;
-            }
-        }
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = reader.read_to_string(&mut sink);
-        });
-        let http = out
-            .lines()
-            .find_map(|l| l.split("HTTP on http://").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap()
-            .to_owned();
-        Router { child, http }
-    }
-
-    fn call(&self, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(&self.http).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp[9..12].parse().unwrap();
-        let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        (status, body.to_owned())
-    }
-
+impl Probe for Router {
     fn post_ok(&self, path: &str, body: &str) {
         let (status, answer) = self.call("POST", path, body);
         assert_eq!(status, 200, "{path}: {answer}");
@@ -129,15 +69,6 @@ impl Router {
             .find_map(|l| l.strip_prefix("kvengine_index_heap_bytes "))
             .and_then(|v| v.trim().parse().ok())
             .unwrap()
-    }
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
     }
 }
 

@@ -4,96 +4,14 @@
 //! core); after the removal no block of the worker may be indexed, however its last batches
 //! raced the removal. Repeated, re-registering the worker each time.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::Router;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use transport::kv_events::{WireBatch, WireEvent};
 use transport::zmq::VllmPublisher;
-
-struct Router {
-    child: Child,
-    http: String,
-}
-
-impl Router {
-    fn start() -> Router {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
-            .args([
-                "--cores",
-                "2",
-                "--no-pin",
-                "--http-host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-                "--tokenizer",
-                "stand-in",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(child.stdout.take().unwrap());
-        let mut out = String::new();
-        loop {
-            let mut line = String::new();
-            assert!(reader.read_line(&mut line).unwrap() > 0, "exited: {out}");
-            out.push_str(&line);
-            if line.contains("Ctrl-C stops") {
-                break;
-            }
-        }
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = reader.read_to_string(&mut sink);
-        });
-        let http = out
-            .lines()
-            .find_map(|l| l.split("HTTP on http://").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap()
-            .to_owned();
-        Router { child, http }
-    }
-
-    fn call(&self, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut s = TcpStream::connect(&self.http).unwrap();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp[9..12].parse().unwrap();
-        let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        (status, body.to_owned())
-    }
-
-    /// Sum of every series of `name` on `/metrics`.
-    fn metric_sum(&self, name: &str) -> f64 {
-        let (_, text) = self.call("GET", "/metrics", "");
-        text.lines()
-            .filter(|l| {
-                l.starts_with(name)
-                    && matches!(l.as_bytes().get(name.len()), Some(b' ') | Some(b'{'))
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn store(n: u64) -> WireBatch {
     WireBatch {
@@ -138,7 +56,7 @@ fn a_removed_workers_racing_batches_leave_nothing_indexed() {
             }
         })
     };
-    let r = Router::start();
+    let r = Router::start(&["--tokenizer", "stand-in"]);
     let body = format!(r#"{{"worker_id": 7, "zmq": "{endpoint}"}}"#);
     for round in 0..8 {
         let (status, _) = r.call("POST", "/v1/workers", &body);

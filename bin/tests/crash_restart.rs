@@ -14,9 +14,9 @@ use engine::{SeqHash, TokensHash};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use common::Router;
 use std::time::{Duration, Instant};
 use transport::kv_events::{WireBatch, WireEvent};
 use transport::zmq::VllmPublisher;
@@ -24,139 +24,55 @@ use transport::zmq::VllmPublisher;
 const BS: usize = 16;
 const WORKERS: u64 = 3;
 
-struct Router {
-    child: Child,
-    http: String,
-    started_in: Duration,
-    out: String,
+/// A router on `state` subscribed to `publishers` (worker ids 1, 2, ...).
+fn start_router(state: &std::path::Path, publishers: &[(String, String)]) -> Router {
+    let state = state.to_string_lossy().into_owned();
+    let mut args: Vec<String> = [
+        "--tokenizer",
+        "stand-in",
+        "--snapshot-interval-s",
+        "1",
+        "--state-dir",
+        &state,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    for (i, (publish, replay)) in publishers.iter().enumerate() {
+        args.push("--zmq-worker".into());
+        args.push(format!("{}={publish},replay={replay}", i + 1));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Router::start(&args)
 }
 
-impl Router {
-    fn start(state: &std::path::Path, publishers: &[(String, String)]) -> Router {
-        let began = Instant::now();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvengine"));
-        cmd.args([
-            "--cores",
-            "2",
-            "--no-pin",
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--tokenizer",
-            "stand-in",
-            "--snapshot-interval-s",
-            "1",
-            "--state-dir",
-        ])
-        .arg(state);
-        for (i, (publish, replay)) in publishers.iter().enumerate() {
-            cmd.arg("--zmq-worker")
-                .arg(format!("{}={publish},replay={replay}", i + 1));
-        }
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(child.stdout.take().unwrap());
-        let mut out = String::new();
-        loop {
-            let mut line = String::new();
-            assert!(
-                reader.read_line(&mut line).unwrap() > 0,
-                "exited early: {out}"
-            );
-            out.push_str(&line);
-            if line.contains("Ctrl-C stops") {
-                break;
-            }
-        }
-        let started_in = began.elapsed();
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = reader.read_to_string(&mut sink);
-        });
-        let http = out
-            .lines()
-            .find_map(|l| l.split("HTTP on http://").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap()
-            .to_owned();
-        Router {
-            child,
-            http,
-            started_in,
-            out,
-        }
+/// Each worker's overlap (blocks) with `tokens`.
+fn overlaps(router: &Router, tokens: &[u32]) -> Option<BTreeMap<u64, u32>> {
+    let body = format!(
+        "{{\"token_ids\": [{}]}}",
+        tokens
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let (status, text) = router.try_call("POST", "/v1/overlap", &body)?;
+    if status != 200 {
+        return None;
     }
-
-    fn call(&self, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-        let mut s = TcpStream::connect(&self.http).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .ok()?;
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).ok()?;
-        let status = resp.get(9..12)?.parse().ok()?;
-        let (_, body) = resp.split_once("\r\n\r\n")?;
-        Some((status, body.to_owned()))
-    }
-
-    fn metric(&self, name: &str) -> Option<f64> {
-        let (_, text) = self.call("GET", "/metrics", "")?;
-        text.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-    }
-
-    /// Each worker's overlap (blocks) with `tokens`.
-    fn overlaps(&self, tokens: &[u32]) -> Option<BTreeMap<u64, u32>> {
-        let body = format!(
-            "{{\"token_ids\": [{}]}}",
-            tokens
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        );
-        let (status, text) = self.call("POST", "/v1/overlap", &body)?;
-        if status != 200 {
-            return None;
-        }
-        let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-        Some(
-            v["scores"]
-                .as_array()?
-                .iter()
-                .filter_map(|s| {
-                    Some((
-                        s["worker_id"].as_u64()?,
-                        s["overlap_blocks"].as_u64()? as u32,
-                    ))
-                })
-                .filter(|&(_, o)| o > 0)
-                .collect(),
-        )
-    }
-
-    fn kill9(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Router {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(
+        v["scores"]
+            .as_array()?
+            .iter()
+            .filter_map(|s| {
+                Some((
+                    s["worker_id"].as_u64()?,
+                    s["overlap_blocks"].as_u64()? as u32,
+                ))
+            })
+            .filter(|&(_, o)| o > 0)
+            .collect(),
+    )
 }
 
 /// One worker's cache as the model sees it: engine hash -> (its token path, copies).
@@ -295,7 +211,7 @@ fn killed_routers_restart_from_the_snapshot_with_nothing_lost_or_stale() {
     let mut rng = SmallRng::seed_from_u64(seed);
     let mut caches = vec![Cache::default(); WORKERS as usize];
     let mut paths = HashSet::new();
-    let mut router = Router::start(&state, &endpoints);
+    let mut router = start_router(&state, &endpoints);
     let mut restarts = Vec::new();
     let mut published = 0u64;
     for round in 0..4 {
@@ -322,7 +238,7 @@ fn killed_routers_restart_from_the_snapshot_with_nothing_lost_or_stale() {
                 published += 1;
             }
         }
-        router = Router::start(&state, &endpoints);
+        router = start_router(&state, &endpoints);
         assert!(
             router.out.contains("restored"),
             "round {round}: no snapshot restored:\n{}",
@@ -350,7 +266,7 @@ fn killed_routers_restart_from_the_snapshot_with_nothing_lost_or_stale() {
         }
         std::thread::sleep(Duration::from_millis(200));
         let first_wrong = all.iter().find_map(|path| {
-            let got = router.overlaps(path);
+            let got = overlaps(&router, path);
             let want = expected(&caches, path);
             (got.as_ref() != Some(&want)).then_some((path.len() / BS, got, want))
         });
@@ -361,7 +277,7 @@ fn killed_routers_restart_from_the_snapshot_with_nothing_lost_or_stale() {
         }
     };
     if mismatch.is_some()
-        && let Some((_, text)) = router.call("GET", "/metrics", "")
+        && let Some((_, text)) = router.try_call("GET", "/metrics", "")
     {
         let wanted = ["resync", "replayed", "rejected", "dropped", "restore"];
         for l in text

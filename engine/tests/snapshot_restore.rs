@@ -12,140 +12,19 @@
 //!   equal the model of exactly the batches up to each worker's mark: nothing applied
 //!   without its mark (stale after a replay), nothing marked but missing (lost).
 
-use engine::event::{KvEvent, StoredBlock};
-use engine::hash::{BASE_SEED, seq_hash, tokens_hash};
+mod model;
+
+use engine::event::KvEvent;
 use engine::runtime::{IngestHandle, QueryHandle, RuntimeConfig, Started, start_from};
 use engine::sharding::adaptive::Adaptive;
 use engine::snapshot::{self, StreamMark};
-use engine::{DpRank, EngineHash, Matches, SeqHash, WorkerId, WorkerKey};
+use engine::{WorkerId, WorkerKey};
+use model::{Model, Paths, event, key};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use rkyv::util::AlignedVec;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
-
-/// Per worker key: engine hash -> (seq_hash, copies); the multiset follows from it.
-#[derive(Default, Clone)]
-struct Model {
-    dirs: BTreeMap<WorkerKey, BTreeMap<u64, (u64, u32)>>,
-}
-
-impl Model {
-    fn apply(&mut self, key: WorkerKey, ev: &KvEvent) {
-        match ev {
-            KvEvent::Stored { parent, blocks } => {
-                let dir = self.dirs.entry(key).or_default();
-                let mut prev = match parent {
-                    None => None,
-                    Some(p) => match dir.get(&p.0) {
-                        Some(&(s, _)) => Some(SeqHash(s)),
-                        None => {
-                            if dir.is_empty() {
-                                self.dirs.remove(&key);
-                            }
-                            return;
-                        }
-                    },
-                };
-                for b in blocks {
-                    let s = seq_hash(prev, b.tokens_hash);
-                    dir.entry(b.engine_hash.0).or_insert((s.0, 0)).1 += 1;
-                    prev = Some(s);
-                }
-            }
-            KvEvent::Removed { blocks } => {
-                if let Some(dir) = self.dirs.get_mut(&key) {
-                    for e in blocks {
-                        if let Some(c) = dir.get_mut(&e.0) {
-                            c.1 -= 1;
-                            if c.1 == 0 {
-                                dir.remove(&e.0);
-                            }
-                        }
-                    }
-                    if dir.is_empty() {
-                        self.dirs.remove(&key);
-                    }
-                }
-            }
-            KvEvent::Cleared => {
-                self.dirs.remove(&key);
-            }
-        }
-    }
-
-    fn holds(&self, key: WorkerKey, seq: u64) -> bool {
-        self.dirs
-            .get(&key)
-            .is_some_and(|d| d.values().any(|&(s, _)| s == seq))
-    }
-
-    fn matches(&self, q: &[SeqHash]) -> Matches {
-        Matches::from_overlaps(self.dirs.keys().map(|&k| {
-            let o = q.iter().take_while(|s| self.holds(k, s.0)).count();
-            (k, o as u32)
-        }))
-    }
-}
-
-/// Every chain ever stored, by its last block: queries are real chains.
-#[derive(Default)]
-struct Paths(HashMap<u64, Vec<SeqHash>>);
-
-/// A random event for `key` given what it holds: tokens from a small alphabet, so workers
-/// share prefixes and blocks branch (hubs, promotions).
-fn event(rng: &mut SmallRng, model: &Model, paths: &mut Paths, key: WorkerKey) -> KvEvent {
-    let held: Vec<(u64, u64)> = model
-        .dirs
-        .get(&key)
-        .map(|d| d.iter().map(|(&e, &(s, _))| (e, s)).collect())
-        .unwrap_or_default();
-    let roll = rng.random_range(0..10);
-    if roll < 7 || held.is_empty() {
-        let parent = if held.is_empty() || rng.random_bool(0.3) {
-            None
-        } else {
-            Some(held[rng.random_range(0..held.len())])
-        };
-        let mut prev = parent.map(|(_, s)| SeqHash(s));
-        let mut path = prev
-            .and_then(|p| paths.0.get(&p.0).cloned())
-            .unwrap_or_default();
-        let blocks = (0..rng.random_range(1..6))
-            .map(|_| {
-                let t = tokens_hash(&[rng.random_range(0..3u32)], BASE_SEED);
-                let s = seq_hash(prev, t);
-                path.push(s);
-                paths.0.insert(s.0, path.clone());
-                prev = Some(s);
-                StoredBlock {
-                    engine_hash: EngineHash(s.0 ^ 0x5555),
-                    tokens_hash: t,
-                }
-            })
-            .collect();
-        KvEvent::Stored {
-            parent: parent.map(|(e, _)| EngineHash(e)),
-            blocks,
-        }
-    } else if roll < 9 {
-        let n = rng.random_range(1..4);
-        KvEvent::Removed {
-            blocks: (0..n)
-                .map(|_| EngineHash(held[rng.random_range(0..held.len())].0))
-                .collect(),
-        }
-    } else {
-        KvEvent::Cleared
-    }
-}
-
-fn key(w: u64, r: u32) -> WorkerKey {
-    WorkerKey {
-        worker: WorkerId(w),
-        dp_rank: DpRank(r),
-    }
-}
 
 fn config() -> RuntimeConfig {
     RuntimeConfig {
