@@ -16,6 +16,8 @@
 //! * [`report`]: the JSON report.
 //! * [`args`]: the command-line flags, for the CLI to flatten (`--anchor-size`,
 //!   `--anchor-queries` and `--repeat` apply to the anchor workloads only).
+//! * [`snapshot`]: warm restarts (`kvengine bench snapshot`): a big index cut, written,
+//!   read back and restored, phase by phase, against issue 12's 1 s per 10 M entries.
 //! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
 //!   a workload replayed open loop through the router onto simulated vLLM workers.
 //!
@@ -46,6 +48,7 @@ pub mod ingest_quic;
 pub mod ingest_zmq;
 pub mod replay;
 pub mod report;
+pub mod snapshot;
 pub mod workload;
 
 use anyhow::{Context, Result};

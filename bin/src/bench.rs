@@ -1,7 +1,7 @@
-//! `kvengine bench indexer`, `kvengine bench ingest` and `kvengine bench replay`: the
-//! indexer benchmark, the end-to-end ingest benchmarks over ZMQ and QUIC, and routing
-//! quality on simulated workers (workloads, phases and reports live in the
-//! `kvengine-benches` crate; this is wiring).
+//! `kvengine bench indexer`, `kvengine bench ingest`, `kvengine bench replay` and
+//! `kvengine bench snapshot`: the indexer benchmark, the end-to-end ingest benchmarks over
+//! ZMQ and QUIC, routing quality on simulated workers, and warm restarts (workloads,
+//! phases and reports live in the `kvengine-benches` crate; this is wiring).
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
@@ -32,6 +32,11 @@ pub enum BenchCommand {
     /// on prefill and decode workers against aggregated kv); prints a table and writes the
     /// figures as JSON (--json) and an SVG (--plot).
     Replay(ReplayBench),
+    /// Warm restart: build an index of --entries (block, worker) entries, then per repeat
+    /// time the snapshot cut, encode, file write, and the restart to serving (read, decode,
+    /// rebuild, first query); checks the restored engine; prints a JSON report (and writes
+    /// it with --json).
+    Snapshot(SnapshotBench),
     /// The machine's memory latency now (dependent random loads over 1, 4, 16 and 128 MB,
     /// ns per load), as JSON: recorded beside every figure, since it swings from day to day
     /// on a shared machine.
@@ -111,6 +116,55 @@ fn run_ingest(b: &IngestBench) -> Result<()> {
     Ok(())
 }
 
+/// `kvengine bench snapshot` flags.
+#[derive(Debug, Args)]
+pub struct SnapshotBench {
+    /// Index entries ((block, worker) pairs) to build.
+    #[arg(long, default_value_t = 10_000_000, env = "KVENGINE_BENCH_ENTRIES",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    entries: u64,
+    /// Engine cores.
+    #[arg(long, default_value_t = 2, env = "KVENGINE_BENCH_CORES",
+          value_parser = clap::value_parser!(u16).range(1..))]
+    cores: u16,
+    /// Workers (one dp rank each).
+    #[arg(long, default_value_t = 64, env = "KVENGINE_BENCH_WORKERS",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+    /// Timed repeats (min / median / max over them).
+    #[arg(long, default_value_t = 5, env = "KVENGINE_BENCH_REPEAT",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+    /// Directory for the snapshot file (deleted afterwards) [default: a temporary one].
+    #[arg(long, env = "KVENGINE_BENCH_DIR")]
+    dir: Option<PathBuf>,
+    /// Also write the report here.
+    #[arg(long, env = "KVENGINE_BENCH_JSON")]
+    json: Option<PathBuf>,
+}
+
+fn run_snapshot(b: &SnapshotBench) -> Result<()> {
+    use kvengine_benches::snapshot::{self, SnapshotConfig};
+    let report = snapshot::run(&SnapshotConfig {
+        entries: b.entries,
+        cores: usize::from(b.cores),
+        workers: b.workers as usize,
+        repeat: b.repeat as usize,
+        dir: b.dir.clone(),
+        release_memory: Some(crate::release_allocator_memory),
+        progress: true,
+        ..SnapshotConfig::default()
+    })?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(path) = &b.json {
+        kvengine_benches::write_json(&report, path)?;
+    }
+    if !report.problems().is_empty() {
+        anyhow::bail!("self-checks failed: {}", report.problems().join("; "));
+    }
+    Ok(())
+}
+
 /// `kvengine bench indexer` flags.
 #[derive(Debug, Args)]
 pub struct IndexerBench {
@@ -127,6 +181,7 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Indexer(b) => b,
         BenchCommand::Ingest(b) => return run_ingest(b),
         BenchCommand::Replay(b) => return run_replay(b),
+        BenchCommand::Snapshot(b) => return run_snapshot(b),
         BenchCommand::Memlat => {
             let m = kvengine_benches::calibrate::mem_latency();
             println!("{}", serde_json::to_string(&m)?);

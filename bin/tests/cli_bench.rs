@@ -160,3 +160,58 @@ fn bench_indexer_anchor_workload_repeats_and_reports_every_key() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--workers"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn bench_snapshot_restores_a_small_index_and_reports_every_phase() {
+    let dir = std::env::temp_dir().join(format!("kvengine-bench-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("snapshot.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+        .args(["bench", "snapshot", "--entries", "20000", "--repeat", "1"])
+        .args(["--cores", "2", "--workers", "16", "--dir"])
+        .arg(&dir)
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["bench"], "snapshot");
+    assert_eq!(r["cores"], 2);
+    assert_eq!(r["workers"], 16);
+    assert_eq!(r["repeat"], 1);
+    let entries = r["entries"].as_u64().unwrap();
+    assert!(entries >= 20_000, "{entries}");
+    assert_eq!(r["workload"]["distinct_entries"].as_u64(), Some(entries));
+    // Trunk blocks count once per shard in the trees.
+    assert!(r["shard_entries"].as_u64().unwrap() >= entries);
+    assert!(r["trunk_blocks"].as_u64().unwrap() > 0);
+    assert!(r["file_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(r["problems"].as_array().unwrap().len(), 0);
+    for key in [
+        "cut_s",
+        "encode_s",
+        "write_s",
+        "read_s",
+        "decode_s",
+        "rebuild_s",
+        "first_query_s",
+        "restart_to_serving_s",
+        "restart_s_per_10m_entries",
+    ] {
+        let range = r["range"][key].as_array().unwrap();
+        assert_eq!(range.len(), 3, "{key}");
+        assert!(range[1].as_f64().unwrap() > 0.0, "{key}");
+    }
+    let run = &r["runs"][0];
+    assert_eq!(run["query_mismatches"], 0);
+    assert_eq!(run["shard_mismatches"], 0);
+    assert!(r["mem_latency_ns_before"]["128MB"].as_f64().unwrap() > 0.0);
+    // The snapshot file is the run's own and is gone afterwards.
+    assert!(!dir.join("snapshot.kvs").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -26,8 +26,10 @@ impl ShardIndex {
         holders: &mut Vec<HolderRec>,
     ) {
         let mut queue: VecDeque<_> = self.root.iter().collect();
+        // Reserved up front: the cut freezes every core while this runs.
         nodes.reserve(self.nodes.len());
         seqs.reserve(self.stored);
+        holders.reserve(self.nodes.len());
         while let Some(id) = queue.pop_front() {
             let Some(n) = self.node(id) else { continue };
             let parent = match n.parent() {
