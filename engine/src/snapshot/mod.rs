@@ -40,6 +40,7 @@ pub use image::{
 use crate::error::{EngineError, Result};
 use crate::ids::WorkerId;
 use rkyv::rancor;
+use rkyv::util::AlignedVec;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// The layout version [`encode`] writes and [`decode`] accepts.
@@ -64,23 +65,27 @@ fn bad(reason: impl Into<String>) -> EngineError {
     EngineError::BadSnapshot(reason.into())
 }
 
-/// The file's bytes for `image`, with `meta` after it.
-pub fn encode(image: &EngineImage, meta: &[u8]) -> Result<Vec<u8>> {
-    let archive = rkyv::to_bytes::<rancor::Error>(image).map_err(|e| bad(e.to_string()))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + archive.len() + meta.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
-    out.extend_from_slice(&(archive.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(meta.len() as u64).to_le_bytes());
-    let sum_at = out.len();
-    out.extend_from_slice(&0u64.to_le_bytes());
-    out.extend_from_slice(&0u64.to_le_bytes());
-    out.extend_from_slice(&archive);
+/// The file's bytes for `image`, with `meta` after it. The archive is serialized straight
+/// after the header's room in one buffer (no copy of it afterwards: at 10 M entries it is
+/// about 280 MB).
+pub fn encode(image: &EngineImage, meta: &[u8]) -> Result<AlignedVec> {
+    let mut out = AlignedVec::<16>::new();
+    out.extend_from_slice(&[0u8; HEADER_LEN]);
+    // Positions inside the archive are relative to each other, and HEADER_LEN keeps the
+    // 16-byte alignment, so the archive reads in place from `HEADER_LEN` on.
+    let mut out = rkyv::api::high::to_bytes_in::<_, rancor::Error>(image, out)
+        .map_err(|e| bad(e.to_string()))?;
+    let archive_len = out.len() - HEADER_LEN;
     out.extend_from_slice(meta);
     let sum = xxh3_64(out.get(HEADER_LEN..).unwrap_or_default());
-    if let Some(s) = out.get_mut(sum_at..sum_at + 8) {
-        s.copy_from_slice(&sum.to_le_bytes());
+    let mut header = [0u8; HEADER_LEN];
+    header[..8].copy_from_slice(&MAGIC);
+    header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header[16..24].copy_from_slice(&(archive_len as u64).to_le_bytes());
+    header[24..32].copy_from_slice(&(meta.len() as u64).to_le_bytes());
+    header[32..40].copy_from_slice(&sum.to_le_bytes());
+    if let Some(h) = out.get_mut(..HEADER_LEN) {
+        h.copy_from_slice(&header);
     }
     Ok(out)
 }
@@ -131,7 +136,6 @@ pub fn decode(bytes: &[u8]) -> Result<(&ArchivedEngineImage, &[u8])> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rkyv::util::AlignedVec;
 
     fn sample() -> EngineImage {
         EngineImage {
@@ -185,6 +189,13 @@ mod tests {
     }
 
     #[test]
+    fn the_archive_starts_aligned_after_the_header() {
+        let bytes = encode(&sample(), b"").unwrap();
+        assert_eq!(bytes.as_ptr() as usize % 16, 0);
+        assert!(decode(&bytes).is_ok());
+    }
+
+    #[test]
     fn round_trips_image_and_meta() {
         let img = sample();
         let bytes = aligned(&encode(&img, b"{\"workers\":[]}").unwrap());
@@ -196,7 +207,7 @@ mod tests {
 
     #[test]
     fn refuses_damage_of_every_kind() {
-        let good = encode(&sample(), b"m").unwrap();
+        let good = encode(&sample(), b"m").unwrap().to_vec();
         let mut cases: Vec<Vec<u8>> = vec![Vec::new(), good[..HEADER_LEN - 1].to_vec()];
         cases.push(good[..good.len() - 1].to_vec());
         let mut flipped = good.clone();
@@ -223,7 +234,7 @@ mod tests {
     #[test]
     fn arbitrary_bytes_never_panic() {
         use rand::{Rng, SeedableRng};
-        let good = encode(&sample(), b"").unwrap();
+        let good = encode(&sample(), b"").unwrap().to_vec();
         let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
         for _ in 0..2_000 {
             let mut b = good.clone();

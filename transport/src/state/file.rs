@@ -37,11 +37,11 @@ impl Backend {
 }
 
 /// Writes `bytes` to `path` atomically (invariant 1), readable by the owner only.
-pub fn write_atomic(path: &Path, bytes: Vec<u8>) -> io::Result<Backend> {
+pub fn write_atomic<B: AsRef<[u8]>>(path: &Path, bytes: B) -> io::Result<Backend> {
     let tmp = path.with_extension("tmp");
     let file = create_private(&tmp)?;
     let mut abandoned = false;
-    let written = uring::write_all(&file, &bytes, &mut abandoned);
+    let written = uring::write_all(&file, bytes.as_ref(), &mut abandoned);
     if abandoned {
         // The kernel may still read it (invariant 2).
         std::mem::forget(bytes);
@@ -51,7 +51,7 @@ pub fn write_atomic(path: &Path, bytes: Vec<u8>) -> io::Result<Backend> {
     let backend = match written {
         Some(r) => r.map(|()| Backend::IoUring)?,
         None => {
-            std::io::Write::write_all(&mut &file, &bytes)?;
+            std::io::Write::write_all(&mut &file, bytes.as_ref())?;
             file.sync_all()?;
             Backend::Std
         }
@@ -319,7 +319,7 @@ mod tests {
         assert_eq!(&back[..], &bytes[..]);
         assert_eq!(back.as_ptr() as usize % 16, 0);
         // Overwriting replaces the whole file.
-        write_atomic(&path, b"short".to_vec()).unwrap();
+        write_atomic(&path, b"short").unwrap();
         assert_eq!(&read(&path).unwrap().0[..], b"short");
         assert!(!path.with_extension("tmp").exists());
         eprintln!("backends: write {w:?}, read {r:?}");
