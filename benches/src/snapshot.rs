@@ -109,7 +109,11 @@ impl Default for SnapshotConfig {
 /// One repeat's timings (seconds) and sizes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Phases {
-    /// `IngestHandle::snapshot`: the consistent cut (ingest pauses for it).
+    /// `IngestHandle::snapshot_buffers`: the image buffers sized and touched, on the
+    /// snapshot's own thread (ingest goes on).
+    pub buffers_s: f64,
+    /// `IngestHandle::snapshot_into`: the consistent cut, from the request to the image
+    /// (ingest pauses for at most this long).
     pub cut_s: f64,
     /// `snapshot::encode` (rkyv archive, checksum).
     pub encode_s: f64,
@@ -147,6 +151,7 @@ impl Phases {
     /// `(key, value)` in declaration order.
     pub fn pairs(&self) -> Vec<(&'static str, f64)> {
         vec![
+            ("buffers_s", self.buffers_s),
             ("cut_s", self.cut_s),
             ("encode_s", self.encode_s),
             ("write_s", self.write_s),
@@ -640,7 +645,12 @@ fn repeat_once(
         .context("the runtime has no ingest handle")?;
 
     let t = Instant::now();
-    let image = ingest.snapshot().context("taking the snapshot")?;
+    let buffers = ingest.snapshot_buffers().context("sizing the snapshot")?;
+    p.buffers_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let image = ingest
+        .snapshot_into(buffers)
+        .context("taking the snapshot")?;
     p.cut_s = t.elapsed().as_secs_f64();
     let trunk_blocks = image.trunk.members.len() as u64;
 

@@ -36,7 +36,7 @@ use crate::matches::Matches;
 use crate::ring::{Consumer, PopError, Producer, PushError};
 use crate::sharding::ShardPolicy;
 use crate::snapshot::StreamMark;
-use crate::snapshot::image::EngineImage;
+use crate::snapshot::image::{CoreImage, EngineImage};
 use hashbrown::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -312,10 +312,14 @@ impl Link {
     }
 
     /// See [`IngestHandle::snapshot`].
-    pub(crate) fn snapshot(&mut self, work: Work<'_>) -> Result<EngineImage> {
+    pub(crate) fn snapshot(
+        &mut self,
+        buffers: Vec<CoreImage>,
+        work: Work<'_>,
+    ) -> Result<EngineImage> {
         let tag = self.next_tag();
         let deadline = Deadline::after(self.sync_timeout);
-        self.send(0, tag, ToCore::Snapshot, deadline, work)?;
+        self.send(0, tag, ToCore::Snapshot(buffers), deadline, work)?;
         match self.recv(0, tag, deadline, work)? {
             FromCore::Snapshot(image) => Ok(*image),
             _ => Err(EngineError::RuntimeStopped),
@@ -494,7 +498,25 @@ impl IngestHandle {
     /// and the trunk (see `crate::snapshot`). Ingest pauses on each core only from its
     /// freeze to its image (a promotion round's freeze). Waits up to the sync timeout.
     pub fn snapshot(&mut self) -> Result<EngineImage> {
-        self.link.snapshot(&mut idle)
+        let buffers = self.snapshot_buffers()?;
+        self.snapshot_into(buffers)
+    }
+
+    /// Image buffers for [`IngestHandle::snapshot_into`], one per core, sized by the cores'
+    /// current figures and touched here, on the caller's thread, so that the frozen cores
+    /// copy into memory that takes no page fault.
+    pub fn snapshot_buffers(&mut self) -> Result<Vec<CoreImage>> {
+        Ok(self
+            .core_stats()?
+            .iter()
+            .map(|c| crate::snapshot::prepared(c.index.nodes, c.index.blocks, c.directory_entries))
+            .collect())
+    }
+
+    /// [`IngestHandle::snapshot`] into `buffers` (from [`IngestHandle::snapshot_buffers`]):
+    /// the call's duration bounds how long ingest paused.
+    pub fn snapshot_into(&mut self, buffers: Vec<CoreImage>) -> Result<EngineImage> {
+        self.link.snapshot(buffers, &mut idle)
     }
 
     /// Empties `key`'s cache; returns how many block copies it dropped.

@@ -52,8 +52,10 @@ pub(crate) enum ToCore {
     /// Reply with this core's figures.
     Stats,
     /// To the coordinator (core 0): reply `Snapshot` with the engine at a consistent cut
-    /// (a snapshot round, `promotion`).
-    Snapshot,
+    /// (a snapshot round, `promotion`), written into these buffers (one per core, in core
+    /// order; allocated and touched by the client, so the cores fill them without page
+    /// faults while they are frozen).
+    Snapshot(Vec<CoreImage>),
     /// Do nothing for this long, then reply `Count(0)`: a stuck core, for the tests of
     /// callers' deadlines.
     #[cfg(any(test, feature = "test-util"))]
@@ -91,6 +93,8 @@ pub(crate) enum PeerMsg {
         hubs: Arc<[(ShardId, SeqHash)]>,
         /// A snapshot round: every core images itself once drained (no hubs then).
         snapshot: bool,
+        /// The receiving core's image buffer (a snapshot round).
+        buffer: Option<Box<CoreImage>>,
     },
     /// Everything this core produced before it froze for `epoch` precedes this marker.
     Drained { epoch: u64 },

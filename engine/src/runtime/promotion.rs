@@ -55,6 +55,14 @@ const COORDINATOR: usize = 0;
 /// A round's hubs: (the shard exporting it, the block).
 type Hubs = Arc<[(ShardId, SeqHash)]>;
 
+/// A snapshot freeze put off until this core's event slice is done.
+#[derive(Debug)]
+struct Deferred {
+    epoch: u64,
+    hubs: Hubs,
+    buffer: Option<Box<CoreImage>>,
+}
+
 /// The round a core is frozen for.
 #[derive(Clone, Debug)]
 struct Round {
@@ -96,8 +104,10 @@ pub(crate) struct Promo {
     active: Option<Active>,
     /// Coordinator: clients waiting for a snapshot round to start (`(client, tag)`).
     snapshot_waiters: Vec<(usize, u64)>,
+    /// Coordinator: image buffers for the next snapshot round, by core.
+    snapshot_buffers: Vec<CoreImage>,
     /// A snapshot round's freeze that waits for this core's event slice to finish.
-    deferred: Option<(u64, Hubs)>,
+    deferred: Option<Deferred>,
     next_epoch: u64,
     /// Promotions this core published (coordinator) or grafted.
     pub(crate) rounds: u64,
@@ -165,9 +175,15 @@ impl<P: ShardPolicy> Core<P> {
                 epoch,
                 hubs,
                 snapshot,
+                buffer,
             } => {
                 if !st.closed_peers {
-                    self.freeze(st, epoch, hubs, snapshot);
+                    self.freeze(
+                        st,
+                        epoch,
+                        hubs,
+                        snapshot.then(|| buffer.unwrap_or_default()),
+                    );
                 }
             }
             PeerMsg::Drained { epoch } => {
@@ -201,12 +217,21 @@ impl<P: ShardPolicy> Core<P> {
 
     /// A client asks for a snapshot (coordinator only; another core answers nothing
     /// useful, and the client's call fails).
-    pub(crate) fn request_snapshot(&mut self, st: &mut State, client: usize, tag: u64) {
+    pub(crate) fn request_snapshot(
+        &mut self,
+        st: &mut State,
+        client: usize,
+        tag: u64,
+        buffers: Vec<CoreImage>,
+    ) {
         if !self.coordinator() {
             self.reply_count(client, tag);
             return;
         }
         st.promo.snapshot_waiters.push((client, tag));
+        if st.promo.snapshot_buffers.is_empty() {
+            st.promo.snapshot_buffers = buffers;
+        }
         self.maybe_start(st);
     }
 
@@ -225,12 +250,29 @@ impl<P: ShardPolicy> Core<P> {
                 ..Active::default()
             });
             let hubs: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
-            self.broadcast(st, || PeerMsg::Freeze {
-                epoch,
-                hubs: hubs.clone(),
-                snapshot: true,
-            });
-            self.freeze(st, epoch, hubs, true);
+            let mut buffers: Vec<Option<Box<CoreImage>>> =
+                std::mem::take(&mut st.promo.snapshot_buffers)
+                    .into_iter()
+                    .map(|b| Some(Box::new(b)))
+                    .collect();
+            let me = self.me().idx();
+            for p in 0..self.cores() {
+                if p != me && matches!(self.peers_out.get(p), Some(Some(_))) {
+                    let buffer = buffers.get_mut(p).and_then(Option::take);
+                    let msg = PeerMsg::Freeze {
+                        epoch,
+                        hubs: hubs.clone(),
+                        snapshot: true,
+                        buffer,
+                    };
+                    self.send_peer(st, p, msg);
+                }
+            }
+            let own = buffers
+                .get_mut(me)
+                .and_then(Option::take)
+                .unwrap_or_default();
+            self.freeze(st, epoch, hubs, Some(own));
             return;
         }
         let policy = self.ingest.policy();
@@ -251,21 +293,27 @@ impl<P: ShardPolicy> Core<P> {
             epoch,
             hubs: hubs.clone(),
             snapshot: false,
+            buffer: None,
         });
-        self.freeze(st, epoch, hubs, false);
+        self.freeze(st, epoch, hubs, None);
     }
 
     /// Freezes now, or (a snapshot round while an event slice is half applied) once the
-    /// slice is done: an image must not hold part of a marked batch.
+    /// slice is done: an image must not hold part of a marked batch. `snapshot`: a
+    /// snapshot round, with this core's image buffer.
     fn freeze(
         &mut self,
         st: &mut State,
         epoch: u64,
         hubs: Arc<[(ShardId, SeqHash)]>,
-        snapshot: bool,
+        snapshot: Option<Box<CoreImage>>,
     ) {
-        if snapshot && st.rest.is_some() {
-            st.promo.deferred = Some((epoch, hubs));
+        if snapshot.is_some() && st.rest.is_some() {
+            st.promo.deferred = Some(Deferred {
+                epoch,
+                hubs,
+                buffer: snapshot,
+            });
             return;
         }
         let mut shards: Vec<ShardId> = hubs.iter().map(|h| h.0).collect();
@@ -275,10 +323,10 @@ impl<P: ShardPolicy> Core<P> {
         st.promo.frozen = Some(Round {
             epoch,
             hubs,
-            snapshot,
-            image: None,
+            snapshot: snapshot.is_some(),
+            exported: !exports_here && snapshot.is_none(),
+            image: snapshot,
             exporters: shards.len(),
-            exported: !exports_here && !snapshot,
             grafts: 0,
             grafted: false,
         });
@@ -300,12 +348,17 @@ impl<P: ShardPolicy> Core<P> {
         if round.snapshot {
             // Every operation any core produced before it froze is applied here, and no
             // core takes events until the thaw: this core's part of the cut.
-            let mut image = CoreImage::default();
+            let mut image = st
+                .promo
+                .frozen
+                .as_mut()
+                .and_then(|r| r.image.take())
+                .unwrap_or_default();
             self.shard.image_into(&mut image);
             self.ingest.export(&mut image);
             if let Some(r) = st.promo.frozen.as_mut() {
                 r.exported = true;
-                r.image = Some(Box::new(image));
+                r.image = Some(image);
             }
             self.maybe_grafted(st);
             return;
@@ -388,26 +441,27 @@ impl<P: ShardPolicy> Core<P> {
         }
         let epoch = a.epoch;
         let promotions: Vec<Arc<[Promotion]>> = a.promotions.clone();
-        if !a.snapshot.is_empty() {
-            self.answer_snapshot(st);
-        }
         for p in promotions.iter().flat_map(|ps| ps.iter()) {
             self.ingest.policy_mut().promote(&p.seqs(), &p.pins, p.from);
             st.promo.rounds += 1;
         }
-        st.promo.active = None;
+        // Thawed first: answering moves the images (a clone only for a second waiter).
+        let done = st.promo.active.take();
         self.broadcast(st, || PeerMsg::Thaw { epoch });
         self.thaw(st, epoch);
+        if let Some(a) = done.filter(|a| !a.snapshot.is_empty()) {
+            self.answer_snapshot(a);
+        }
         self.maybe_start(st);
     }
 
     /// Coordinator, once every core sent its image: answers the round's waiters.
-    fn answer_snapshot(&mut self, st: &mut State) {
-        let Some(a) = st.promo.active.as_mut() else {
-            return;
-        };
-        let waiters = std::mem::take(&mut a.snapshot);
-        let mut images = std::mem::take(&mut a.images);
+    fn answer_snapshot(&mut self, round: Active) {
+        let Active {
+            snapshot: mut waiters,
+            mut images,
+            ..
+        } = round;
         images.sort_by_key(|(core, _)| *core);
         let image = EngineImage {
             shards: self.cores() as u32,
@@ -415,15 +469,20 @@ impl<P: ShardPolicy> Core<P> {
             trunk: self.ingest.policy().trunk_image(),
             cores: images.into_iter().map(|(_, img)| *img).collect(),
         };
+        let last = waiters.pop();
         for (client, tag) in waiters {
             self.reply_snapshot(client, tag, Box::new(image.clone()));
+        }
+        if let Some((client, tag)) = last {
+            self.reply_snapshot(client, tag, Box::new(image));
         }
     }
 
     /// After this core's event slice finished: the snapshot freeze it put off.
     pub(crate) fn freeze_deferred(&mut self, st: &mut State) {
-        if let Some((epoch, hubs)) = st.promo.deferred.take() {
-            self.freeze(st, epoch, hubs, true);
+        if let Some(d) = st.promo.deferred.take() {
+            let buffer = d.buffer.unwrap_or_default();
+            self.freeze(st, d.epoch, d.hubs, Some(buffer));
         }
     }
 

@@ -457,7 +457,7 @@ impl<P: ShardPolicy> Core<P> {
                 let s = self.summary(st);
                 self.reply(client, tag, FromCore::Stats(Box::new(s)));
             }
-            ToCore::Snapshot => self.request_snapshot(st, client, tag),
+            ToCore::Snapshot(buffers) => self.request_snapshot(st, client, tag, buffers),
             #[cfg(any(test, feature = "test-util"))]
             ToCore::Stall(d) => {
                 std::thread::sleep(d);

@@ -61,6 +61,36 @@ pub struct StreamMark {
     pub seq: u64,
 }
 
+/// An empty image with room for a core of about this size (nodes, blocks, directory
+/// entries), its memory already touched: a snapshot's requester builds these, so the
+/// frozen cores copy into memory that takes no page fault (measured at 10 M entries: the
+/// first cut into fresh memory took 0.5-1 s, the later ones 0.06-0.08 s).
+pub fn prepared(nodes: usize, blocks: usize, entries: usize) -> CoreImage {
+    // A little slack for what arrives between the sizing and the cut, and for blocks
+    // nobody holds that only carry structure.
+    let more = |n: usize| n + n / 8 + 16;
+    let mut image = CoreImage {
+        nodes: Vec::with_capacity(more(nodes)),
+        seqs: Vec::with_capacity(more(blocks)),
+        holders: Vec::with_capacity(more(nodes)),
+        keys: Vec::new(),
+        entries: Vec::with_capacity(more(entries)),
+        marks: Vec::new(),
+    };
+    touch(&mut image.nodes);
+    touch(&mut image.seqs);
+    touch(&mut image.holders);
+    touch(&mut image.entries);
+    image
+}
+
+/// Writes zeros over `v`'s spare capacity (its pages are then mapped), leaving it empty.
+fn touch<T>(v: &mut Vec<T>) {
+    for slot in v.spare_capacity_mut() {
+        *slot = std::mem::MaybeUninit::zeroed();
+    }
+}
+
 fn bad(reason: impl Into<String>) -> EngineError {
     EngineError::BadSnapshot(reason.into())
 }
