@@ -20,6 +20,9 @@
 //!   read back and restored, phase by phase, against issue 12's 1 s per 10 M entries.
 //! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
 //!   a workload replayed open loop through the router onto simulated vLLM workers.
+//! * [`soak`]: the soak and chaos harness (`kvengine bench soak`): the router as a child
+//!   process under traffic and injected faults, its index checked against the workers'
+//!   caches.
 //!
 //! ```no_run
 //! use kvengine_benches::driver::kv_index::KvIndexUnderTest;
@@ -49,6 +52,7 @@ pub mod ingest_zmq;
 pub mod replay;
 pub mod report;
 pub mod snapshot;
+pub mod soak;
 pub mod workload;
 
 use anyhow::{Context, Result};

@@ -37,6 +37,12 @@ pub enum BenchCommand {
     /// rebuild, first query); checks the restored engine; prints a JSON report (and writes
     /// it with --json).
     Snapshot(SnapshotBench),
+    /// Soak and chaos: the router as a child process under front-door traffic while
+    /// faults are injected (worker restarts, dropped batches, bursts, HTTP failures,
+    /// router SIGKILL + restart); the index is checked against the workers' caches at
+    /// checkpoints. Prints the headline figures; writes the report (--json) and an SVG of
+    /// RSS and route p99 over time (--plot).
+    Soak(kvengine_benches::soak::args::SoakArgs),
     /// The machine's memory latency now (dependent random loads over 1, 4, 16 and 128 MB,
     /// ns per load), as JSON: recorded beside every figure, since it swings from day to day
     /// on a shared machine.
@@ -182,6 +188,10 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Ingest(b) => return run_ingest(b),
         BenchCommand::Replay(b) => return run_replay(b),
         BenchCommand::Snapshot(b) => return run_snapshot(b),
+        BenchCommand::Soak(b) => {
+            let exe = std::env::current_exe().context("locating the kvengine binary")?;
+            return kvengine_benches::soak::args::cli(b, exe);
+        }
         BenchCommand::Memlat => {
             let m = kvengine_benches::calibrate::mem_latency();
             println!("{}", serde_json::to_string(&m)?);

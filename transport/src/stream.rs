@@ -13,7 +13,9 @@
 //!     `duplicate_seq`;
 //!   - a copy of a batch a replay just delivered, while the live stream catches up: skipped;
 //!   - anything else: the publisher restarted (vLLM numbers from 0 in each process). The
-//!     stream's ranks are cleared, then the batch applies.
+//!     stream's ranks are cleared, then the batch applies; where the source can replay and
+//!     the batch is not the new process's first, its earlier batches (sent while the
+//!     subscription reconnected) are replayed from 0 first.
 //!
 //! Until this module, HTTP took only `seq == 0` for a restart and any other lower number for
 //! a duplicate, so a publisher that restarted and reached seq 5 before its first batch was
@@ -59,6 +61,10 @@ pub enum Action {
     Replay {
         /// First missing number.
         from: u64,
+        /// The publisher restarted (its numbers went back): clear the stream's ranks
+        /// first, then replay the new process's batches from 0 (its first ones went out
+        /// while the subscription was reconnecting).
+        restarted: bool,
     },
 }
 
@@ -125,11 +131,24 @@ impl EventStream {
             Verdict::InOrder => Action::Apply,
             Verdict::Duplicate => Action::Skip,
             Verdict::Restarted if self.last == Some(batch) => Action::Skip,
+            Verdict::Restarted if self.can_replay && batch.seq > 0 => {
+                self.fence.reset();
+                self.last = None;
+                return Action::Replay {
+                    from: 0,
+                    restarted: true,
+                };
+            }
             Verdict::Restarted => {
                 self.fence.reset();
                 Action::ClearThenApply(ClearKind::Restart)
             }
-            Verdict::Gap { from } if self.can_replay => return Action::Replay { from },
+            Verdict::Gap { from } if self.can_replay => {
+                return Action::Replay {
+                    from,
+                    restarted: false,
+                };
+            }
             Verdict::Gap { .. } => Action::ClearThenApply(ClearKind::Resync),
         };
         if action != Action::Skip {
@@ -231,6 +250,32 @@ mod tests {
     }
 
     #[test]
+    fn a_restart_past_its_first_batch_replays_the_new_process_from_zero() {
+        let mut s = EventStream::new(true);
+        for seq in 0..10 {
+            assert_eq!(s.live(id(seq, seq)), Action::Apply);
+        }
+        // The new process's batch 4 (0..4 went out while the subscription reconnected).
+        let restart = Action::Replay {
+            from: 0,
+            restarted: true,
+        };
+        assert_eq!(s.live(id(4, 100)), restart);
+        for seq in 0..=4 {
+            assert_eq!(s.replayed(id(seq, 100 + seq)), Action::Apply);
+        }
+        assert_eq!(s.replay_ended(0, 4, true), None);
+        // The live copy the replay delivered is skipped; the stream goes on.
+        assert_eq!(s.live(id(4, 100)), Action::Skip);
+        assert_eq!(s.live(id(5, 105)), Action::Apply);
+        // Its very first batch needs no replay.
+        assert_eq!(
+            s.live(id(0, 200)),
+            Action::ClearThenApply(ClearKind::Restart)
+        );
+    }
+
+    #[test]
     fn a_gap_resyncs_without_replay_and_replays_with_it() {
         let mut s = EventStream::new(false);
         s.live(id(0, 0));
@@ -239,7 +284,13 @@ mod tests {
 
         let mut s = EventStream::new(true);
         s.live(id(0, 0));
-        assert_eq!(s.live(id(3, 3)), Action::Replay { from: 1 });
+        assert_eq!(
+            s.live(id(3, 3)),
+            Action::Replay {
+                from: 1,
+                restarted: false
+            }
+        );
         assert_eq!(
             s.next_expected(),
             Some(1),
@@ -260,14 +311,26 @@ mod tests {
     fn a_replay_that_falls_short_or_starts_late_resyncs() {
         let mut s = EventStream::new(true);
         s.live(id(0, 0));
-        assert_eq!(s.live(id(9, 9)), Action::Replay { from: 1 });
+        assert_eq!(
+            s.live(id(9, 9)),
+            Action::Replay {
+                from: 1,
+                restarted: false
+            }
+        );
         assert_eq!(s.replayed(id(1, 1)), Action::Apply);
         assert_eq!(s.replay_ended(1, 9, true), Some(ClearKind::Resync));
         assert_eq!(s.live(id(9, 9)), Action::Apply);
 
         let mut s = EventStream::new(true);
         s.live(id(0, 0));
-        assert_eq!(s.live(id(9, 9)), Action::Replay { from: 1 });
+        assert_eq!(
+            s.live(id(9, 9)),
+            Action::Replay {
+                from: 1,
+                restarted: false
+            }
+        );
         // The worker's buffer starts at 5: 1..5 are lost.
         assert_eq!(
             s.replayed(id(5, 5)),
@@ -281,7 +344,13 @@ mod tests {
 
         let mut s = EventStream::new(true);
         s.live(id(0, 0));
-        assert_eq!(s.live(id(3, 3)), Action::Replay { from: 1 });
+        assert_eq!(
+            s.live(id(3, 3)),
+            Action::Replay {
+                from: 1,
+                restarted: false
+            }
+        );
         assert_eq!(s.replay_ended(1, 3, false), Some(ClearKind::Resync));
         assert_eq!(s.live(id(3, 3)), Action::Apply);
     }

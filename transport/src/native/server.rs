@@ -582,7 +582,7 @@ impl Stream {
                     clear_keys(hub, [key], kind, &format_args!("worker {key}: batch {seq}"))?;
                 }
                 // QUIC has no replay: a stream made without one never asks for it.
-                Action::Replay { from } => {
+                Action::Replay { from, .. } => {
                     let why = format_args!("worker {key}: batches {from}..{seq}");
                     clear_keys(hub, [key], ClearKind::Resync, &why)?;
                 }

@@ -29,6 +29,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+/// Live batches a subscription handles before it lets the other tasks of its core thread
+/// run (an event burst measured 64 ms route p99 against 2 ms quiet without it).
+const YIELD_EVERY: u32 = 8;
+
 /// Subscription settings.
 #[derive(Clone, Copy, Debug)]
 pub struct SubscriberConfig {
@@ -156,6 +160,7 @@ impl Stream {
         if let Some(last) = resumed {
             self.catch_up(last.saturating_add(1)).await;
         }
+        let mut handled = 0u32;
         loop {
             let frames = match socket.recv().await {
                 Ok(m) => m.into_vec(),
@@ -166,7 +171,16 @@ impl Stream {
                 }
             };
             match split_live(&frames) {
-                Some((seq, payload)) => self.on_live(seq, payload).await,
+                Some((seq, payload)) => {
+                    self.on_live(seq, payload).await;
+                    // A backlog of buffered batches never makes the socket wait, so this
+                    // task would keep the core thread from its HTTP connections until the
+                    // backlog is gone: let them run between batches now and then.
+                    handled = handled.wrapping_add(1);
+                    if handled.is_multiple_of(YIELD_EVERY) {
+                        tokio::task::yield_now().await;
+                    }
+                }
                 None => self.hub.metrics().drop_input(
                     DropReason::MalformedMsgpack,
                     1,
@@ -183,7 +197,15 @@ impl Stream {
     async fn on_live(&mut self, seq: u64, payload: &Bytes) {
         let batch = BatchId::of(seq, payload);
         let mut action = self.stream.live(batch);
-        if let Action::Replay { from } = action {
+        let mut replayed = false;
+        if let Action::Replay { from, restarted } = action {
+            if restarted {
+                self.clear_ranks(
+                    ClearKind::Restart,
+                    &format_args!("seq {seq}: the publisher restarted"),
+                );
+            }
+            replayed = true;
             let delivered = match self.source.replay.clone() {
                 Some(endpoint) => match self.replay(&endpoint, from).await {
                     Ok(()) => true,
@@ -201,6 +223,8 @@ impl Stream {
         }
         match action {
             Action::Apply => {}
+            // The replay just delivered this very batch: nothing to count.
+            Action::Skip if replayed => return,
             Action::Skip => {
                 let why = format_args!("worker {}: seq {seq} already applied", self.source.worker);
                 skip_duplicate(&self.hub, 1, &why);
@@ -208,7 +232,7 @@ impl Stream {
             }
             Action::ClearThenApply(kind) => self.clear_ranks(kind, &format_args!("seq {seq}")),
             // After a replay the stream is caught up or starts afresh: never a second one.
-            Action::Replay { from } => {
+            Action::Replay { from, .. } => {
                 self.clear_ranks(ClearKind::Resync, &format_args!("batches {from}..{seq}"));
             }
         }
