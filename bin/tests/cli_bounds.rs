@@ -20,6 +20,10 @@ const SEQ_BLOCKS: u64 = 64;
 const SEQS_PER_POST: u64 = 100;
 /// Every sequence of a worker continues this shared prefix (a system prompt).
 const PREFIX_BLOCKS: u64 = 8;
+/// The RSS test measures a few MB against a ~50 MB baseline: the other test's router must
+/// not run beside it.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// How close to the baseline RSS must come back (the bound).
 const TOLERANCE: f64 = 0.05;
 
@@ -149,6 +153,9 @@ fn remove_all(r: &Router) {
 #[test]
 #[cfg(target_os = "linux")]
 fn rss_returns_to_its_baseline_after_every_worker_removes_its_blocks() {
+    let _alone = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let r = Router::start(&[
         "--kv-cache-block-size",
         "1",
@@ -203,6 +210,9 @@ fn rss_returns_to_its_baseline_after_every_worker_removes_its_blocks() {
 
 #[test]
 fn bound_flags_env_and_config_keys_reach_the_router() {
+    let _alone = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = std::env::temp_dir().join(format!("kvengine-bounds-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvengine.toml");
