@@ -41,12 +41,13 @@ pub fn escape(s: &str) -> String {
     out
 }
 
-fn finite(x: f64) -> f64 {
+/// `x` if finite and positive, else 0 (every coordinate written goes through this).
+pub(crate) fn finite(x: f64) -> f64 {
     if x.is_finite() { x.max(0.0) } else { 0.0 }
 }
 
 /// A "nice" axis maximum at or above `x` (1, 2 or 5 times a power of ten).
-fn nice_max(x: f64) -> f64 {
+pub(crate) fn nice_max(x: f64) -> f64 {
     let x = finite(x);
     if x <= 0.0 {
         return 1.0;

@@ -1,4 +1,4 @@
-//! The soak's SVG, written by hand like `replay::plot` (whose XML escaping it reuses): two
+//! The soak's SVG, written by hand like `replay::plot` (whose XML escaping and axis scaling it reuses): two
 //! panels over the run's time, the router's resident set (MB) and the route probes' p99
 //! (ms) per interval, with fault windows shaded (darker for a router restart), the end of
 //! the warm-up and each checkpoint as dashed lines.
@@ -8,7 +8,7 @@
 
 use super::faults::FaultKind;
 use super::report::SoakReport;
-use crate::replay::plot::escape;
+use crate::replay::plot::{escape, finite, nice_max};
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -19,24 +19,6 @@ const LEFT: f64 = 64.0;
 const RIGHT: f64 = 20.0;
 const TOP: f64 = 60.0;
 const GAP: f64 = 70.0;
-
-fn finite(x: f64) -> f64 {
-    if x.is_finite() { x.max(0.0) } else { 0.0 }
-}
-
-/// A "nice" axis maximum at or above `x` (1, 2 or 5 times a power of ten).
-fn nice_max(x: f64) -> f64 {
-    let x = finite(x);
-    if x <= 0.0 {
-        return 1.0;
-    }
-    let p = 10f64.powf(x.log10().floor());
-    [1.0, 2.0, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * p)
-        .find(|v| *v >= x)
-        .unwrap_or(10.0 * p)
-}
 
 struct Panel<'a> {
     title: &'a str,
