@@ -142,7 +142,14 @@ fn a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut() {
                     for _ in 0..600 {
                         let w = t as u64 + 2 * rng.random_range(0..3);
                         let k = key(w, rng.random_range(0..2));
-                        let batch: Vec<KvEvent> = (0..rng.random_range(1..4))
+                        // Some batches longer than a handle's send chunk (64 events): a
+                        // cut must not fall between their chunks.
+                        let len = if rng.random_bool(0.1) {
+                            rng.random_range(65..200)
+                        } else {
+                            rng.random_range(1..4)
+                        };
+                        let batch: Vec<KvEvent> = (0..len)
                             .map(|_| {
                                 let ev = event(&mut rng, &model, &mut paths, k);
                                 model.apply(k, &ev);

@@ -281,10 +281,21 @@ impl Link {
         // Reused across batches: this is the ingest hot path.
         let mut homes = std::mem::take(&mut self.homes);
         homes.resize(cores, false);
+        // A marked batch goes whole, as one slice: its home core records the mark when the
+        // slice is done and puts a snapshot's freeze off until then, so an image holds all
+        // of the batch or none of it. Split into chunks, a snapshot could cut between two
+        // of them, and the batch, replayed whole after a restart from that image, would
+        // apply its first chunk twice. (Per-round work stays bounded: a core applies a
+        // long slice over several rounds, shard_loop invariant 4.)
+        let chunk = if mark.is_some() {
+            events.len().max(1)
+        } else {
+            SEND_CHUNK
+        };
         let mut start = 0;
         let mut mark_sent = false;
         while start < events.len() {
-            let end = (start + SEND_CHUNK).min(events.len());
+            let end = (start + chunk).min(events.len());
             homes.iter_mut().for_each(|h| *h = false);
             for (key, _) in events.get(start..end).unwrap_or_default() {
                 if let Some(h) = homes.get_mut(home_core(key.worker, cores).idx()) {
