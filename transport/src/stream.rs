@@ -3,7 +3,14 @@
 //! clears and applies, using [`clear_keys`] and [`skip_duplicate`] for the shared effects.
 //!
 //! # Semantics (every transport)
-//! * The first batch, or the next number: apply.
+//! * The first batch a new subscription sees, where the source can replay (ZMQ) and the
+//!   batch is not the publisher's first (seq above 0): replay from 0 first. A subscription
+//!   misses the batches published before it took effect (ZMQ's slow joiner: the router
+//!   starting with its workers lost their first blocks, and every store under them was
+//!   refused as `unknown_parent`); the worker's replay buffer holds them. A buffer that no
+//!   longer reaches back to 0 (a worker that ran long before the router) gives what it
+//!   holds, with nothing to clear.
+//! * The first batch otherwise, or the next number: apply.
 //! * A number above the next one (a gap): replay the missing batches where the source has a
 //!   replay endpoint (ZMQ); otherwise, or when the replay cannot cover the gap, clear the
 //!   stream's ranks and mark them resyncing, then apply.
@@ -94,6 +101,9 @@ pub struct EventStream {
     fence: Fence,
     can_replay: bool,
     last: Option<BatchId>,
+    /// A new subscription that has classified nothing yet (its first batch may ask for a
+    /// replay from 0). Never set again: after a clear the stream starts afresh without one.
+    fresh: bool,
 }
 
 impl EventStream {
@@ -101,6 +111,7 @@ impl EventStream {
     pub fn new(can_replay: bool) -> Self {
         Self {
             can_replay,
+            fresh: can_replay,
             ..Self::default()
         }
     }
@@ -109,6 +120,7 @@ impl EventStream {
     /// number is `last + 1`, and anything else is a gap or a restart.
     pub fn resume(can_replay: bool, last: u64) -> Self {
         let mut s = Self::new(can_replay);
+        s.fresh = false;
         s.fence.accept(last);
         s
     }
@@ -127,6 +139,14 @@ impl EventStream {
     /// Classifies a live batch and, unless the answer is [`Action::Replay`], takes its
     /// number.
     pub fn live(&mut self, batch: BatchId) -> Action {
+        if std::mem::take(&mut self.fresh) && batch.seq > 0 && self.fence.next_expected().is_none()
+        {
+            // Its earlier batches went out before the subscription took effect.
+            return Action::Replay {
+                from: 0,
+                restarted: false,
+            };
+        }
         let action = match self.fence.check_live(batch.seq) {
             Verdict::InOrder => Action::Apply,
             Verdict::Duplicate => Action::Skip,
@@ -353,6 +373,47 @@ mod tests {
         );
         assert_eq!(s.replay_ended(1, 3, false), Some(ClearKind::Resync));
         assert_eq!(s.live(id(3, 3)), Action::Apply);
+    }
+
+    #[test]
+    fn a_new_subscription_replays_what_went_out_before_it_took_effect() {
+        let first = Action::Replay {
+            from: 0,
+            restarted: false,
+        };
+        // The buffer holds everything: 0..=6 replayed, the live 4..=6 are copies.
+        let mut s = EventStream::new(true);
+        assert_eq!(s.live(id(4, 4)), first);
+        for seq in 0..=6 {
+            assert_eq!(s.replayed(id(seq, seq)), Action::Apply);
+        }
+        assert_eq!(s.replay_ended(0, 4, true), None);
+        for seq in 4..=6 {
+            assert_eq!(s.live(id(seq, seq)), Action::Skip);
+        }
+        assert_eq!(s.live(id(7, 7)), Action::Apply);
+
+        // A worker that ran long before: its buffer starts at 900; nothing to clear.
+        let mut s = EventStream::new(true);
+        assert_eq!(s.live(id(1_000, 1_000)), first);
+        for seq in 900..=1_000 {
+            assert_eq!(s.replayed(id(seq, seq)), Action::Apply);
+        }
+        assert_eq!(s.replay_ended(0, 1_000, true), None);
+        assert_eq!(s.live(id(1_000, 1_000)), Action::Skip);
+        assert_eq!(s.live(id(1_001, 1_001)), Action::Apply);
+
+        // The replay fails: the stream starts from the live batch and never asks again.
+        let mut s = EventStream::new(true);
+        assert_eq!(s.live(id(4, 4)), first);
+        assert_eq!(s.replay_ended(0, 4, false), Some(ClearKind::Resync));
+        assert_eq!(s.live(id(4, 4)), Action::Apply);
+        assert_eq!(s.live(id(5, 5)), Action::Apply);
+
+        // The publisher's first batch, a source without replay, a resumed stream: no replay.
+        assert_eq!(EventStream::new(true).live(id(0, 0)), Action::Apply);
+        assert_eq!(EventStream::new(false).live(id(4, 4)), Action::Apply);
+        assert_eq!(EventStream::resume(true, 3).live(id(4, 4)), Action::Apply);
     }
 
     #[test]

@@ -19,6 +19,22 @@ pub struct Router {
     pub started_in: Duration,
 }
 
+/// Where a router's log goes: nowhere, or (debugging a test) appended to
+/// `$KVENGINE_TEST_ROUTER_LOGS/router.log`.
+fn stderr_sink() -> Stdio {
+    let Some(dir) = std::env::var_os("KVENGINE_TEST_ROUTER_LOGS") else {
+        return Stdio::null();
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = std::path::Path::new(&dir).join("router.log");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap();
+    Stdio::from(file)
+}
+
 impl Router {
     /// Starts a router with `KVENGINE_TEST_CORES` core threads (default 2; CI also runs
     /// some scenarios with 8, more than the machine's CPUs) and `args`.
@@ -43,7 +59,7 @@ impl Router {
             ])
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr_sink())
             .spawn()
             .unwrap();
         let mut reader = BufReader::new(child.stdout.take().unwrap());
