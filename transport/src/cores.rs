@@ -120,7 +120,8 @@ pub fn set_memory_release(release: fn()) {
 }
 
 /// Asks every core thread to return its free memory to the OS once, when next idle (the
-/// index shrank a lot: see [`crate::bounds`]); the calling thread does so at once. Nothing
+/// index shrank a lot, see [`crate::bounds`]; or a snapshot was taken, whose buffers are
+/// freed across threads); the calling thread does so at once. Nothing
 /// happens without [`set_memory_release`].
 pub fn request_memory_release() {
     if let Some(release) = MEMORY_RELEASE.get() {

@@ -487,7 +487,16 @@ pub async fn snapshot_every(
 /// was written.
 pub async fn save_now(hub: &std::sync::Arc<Hub>, dir: &StateDir, policy: &str) -> bool {
     let (hub, dir, policy) = (hub.clone(), dir.clone(), policy.to_owned());
-    match tokio::task::spawn_blocking(move || dir.save(&hub, &policy)).await {
+    let saved = tokio::task::spawn_blocking(move || {
+        let saved = dir.save(&hub, &policy);
+        // The image's buffers were allocated on this pool thread and freed by it and by the
+        // cores; the allocator keeps such pages (and a pool thread that exits abandons
+        // them) until asked. Every core releases once when next idle, this thread now: a
+        // process that snapshots every few seconds then stays at its working set.
+        crate::cores::request_memory_release();
+        saved
+    });
+    match saved.await {
         Ok(Ok(w)) => {
             tracing::info!(
                 bytes = w.bytes,
