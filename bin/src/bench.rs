@@ -157,7 +157,7 @@ fn run_snapshot(b: &SnapshotBench) -> Result<()> {
         workers: b.workers as usize,
         repeat: b.repeat as usize,
         dir: b.dir.clone(),
-        release_memory: Some(crate::release_allocator_memory),
+        release_memory: Some(crate::memory::release_allocator_memory),
         progress: true,
         ..SnapshotConfig::default()
     })?;
@@ -222,7 +222,7 @@ fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
     let plan = AnchorPlan::generate(spec)?;
     let (indexer, args) = (b.indexer, &b.args);
     let opts = anchor::AnchorOptions {
-        release_memory: Some(crate::release_allocator_memory),
+        release_memory: Some(crate::memory::release_allocator_memory),
         ..args.anchor_options()
     };
     let report = anchor::run(&mut || indexer.build_anchor(args), &plan, &opts)?;

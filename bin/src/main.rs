@@ -18,6 +18,7 @@ mod demo;
 mod disagg_args;
 mod dyn_env;
 mod logging;
+mod memory;
 mod publish;
 mod serve;
 mod signals;
@@ -27,19 +28,6 @@ mod warm;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use mimalloc::MiMalloc;
-
-#[global_allocator]
-static GLOBAL: MiMalloc = MiMalloc;
-
-/// Has the global allocator return the calling thread's free memory to the OS (and purge
-/// what every thread gave back): for resident-memory readings, and for the router's cores
-/// once the index shrank (`transport::cores::set_memory_release`).
-fn release_allocator_memory() {
-    // SAFETY: `mi_collect` only walks mimalloc's own heaps; it may be called at any time from
-    // any thread and touches no memory the program owns.
-    unsafe { libmimalloc_sys::mi_collect(true) }
-}
 
 /// kvengine: a KV-cache-aware router for LLM inference clusters.
 #[derive(Debug, Parser)]
@@ -55,6 +43,11 @@ struct Cli {
     serve: serve::ServeArgs,
     #[command(subcommand)]
     command: Option<Command>,
+    /// Let the kernel back this process's memory with transparent huge pages, as the system
+    /// allows. Off by default: huge pages make the resident set move in 2 MiB steps and keep
+    /// memory the allocator gave back (see docs/api.md, "Bounds").
+    #[arg(long, global = true, env = "KVENGINE_TRANSPARENT_HUGE_PAGES")]
+    transparent_huge_pages: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -86,8 +79,8 @@ fn main() -> ExitCode {
             }
         }
     }
-    transport::cores::set_memory_release(release_allocator_memory);
     let cli = Cli::parse();
+    memory::configure(cli.transparent_huge_pages);
     let result = match cli.command {
         None => serve::run(&cli.serve),
         Some(Command::Serve(args)) => serve::run(&args),

@@ -419,6 +419,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         "kvengine: {cores} core thread(s) up ({available} CPU(s) available); sharding {}",
         sharding.describe()
     );
+    println!("kvengine: {}", crate::memory::huge_pages().describe());
     let engine = RuntimeConfig {
         ring_capacity: args.ring_capacity as usize,
         pin_cores: !args.no_pin,
