@@ -15,11 +15,12 @@
 //! * **lost**: the router reports less than the worker caches; the blocks between the two
 //!   overlaps count (the router may hold some of them past a missing one, but cannot match
 //!   them: for routing they are lost). A lost block is *acknowledged* unless its chain (it
-//!   or an ancestor) was stored by a batch the router never received: after a worker
-//!   restart the router logs the first number it saw from the new process ("worker W: seq
-//!   N: the publisher restarted"), and batches `0..N` of that process were published
-//!   before its subscription reconnected and never replayed. Those are counted apart
-//!   (`lost_unreceived`).
+//!   or an ancestor) was stored by a batch the router says it never received: a batch
+//!   before the one at which it last cleared the worker and resynced ("worker W: batches
+//!   F..N not replayed: batches lost; clearing and resyncing", or "seq N" for a source
+//!   without replay), when that came after the last restart it detected. A restart alone
+//!   makes nothing unreceived: the router replays the new process from 0, and says so when
+//!   that fails. Those are counted apart (`lost_unreceived`).
 //!
 //! The index's total is also compared: `kvengine_directory_entries` above the engines'
 //! total means stale entries somewhere, even in chains no probe asked about; the
@@ -44,7 +45,6 @@ use engine::hash::{BASE_SEED, seq_hashes};
 use hyper::Method;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 /// Probes of a mismatching chain before its difference counts.
@@ -73,9 +73,9 @@ pub struct Ctx<'a> {
     pub log_dir: &'a Path,
 }
 
-/// Per worker, the first batch number of its current process the router received, from
-/// the routers' logs (0 for a worker never restarted, or whose restarts the logs do not
-/// mention exactly once each).
+/// Per worker, the first batch number of its current process from which the router holds
+/// everything, from the routers' logs: 0 unless the router cleared and resynced the worker
+/// after the last restart it detected (see the module docs).
 pub fn first_received(log_dir: &Path, workers: &[SoakWorker]) -> BTreeMap<u64, u64> {
     let mut logs: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(log_dir)
         .map(|d| {
@@ -89,37 +89,48 @@ pub fn first_received(log_dir: &Path, workers: &[SoakWorker]) -> BTreeMap<u64, u
         })
         .unwrap_or_default();
     logs.sort();
-    let mut seen: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    let mut first: BTreeMap<u64, u64> = workers.iter().map(|w| (w.id(), 0)).collect();
     for (_, path) in logs {
         let text = std::fs::read_to_string(path).unwrap_or_default();
-        for line in text
-            .lines()
-            .filter(|l| l.contains("the publisher restarted"))
-        {
-            let parsed = line.split("worker ").nth(1).and_then(|rest| {
-                let (id, rest) = rest.split_once(": seq ")?;
-                let (seq, _) = rest.split_once(':')?;
-                Some((id.trim().parse().ok()?, seq.trim().parse().ok()?))
-            });
-            if let Some((id, seq)) = parsed {
-                seen.entry(id).or_default().push(seq);
+        for (worker, from) in text.lines().filter_map(clear_in_log) {
+            if let Some(f) = first.get_mut(&worker) {
+                *f = from;
             }
         }
     }
-    workers
-        .iter()
-        .map(|w| {
-            let restarts = w.counters().restarts.load(Relaxed) as usize;
-            let lines = seen.get(&w.id()).map_or(&[][..], Vec::as_slice);
-            // The current process's line is the last one only if every restart has exactly
-            // one; anything else counts every loss as acknowledged.
-            let first = match lines.last() {
-                Some(&n) if restarts > 0 && lines.len() == restarts => n,
-                _ => 0,
-            };
-            (w.id(), first)
-        })
-        .collect()
+    first
+}
+
+/// A router log line that clears a worker: `(worker, the first batch the router holds
+/// after it)`. A restart: 0 (the new process is replayed from 0, or a resync line
+/// follows). A resync at batch N: N, or N + 1 when batch N itself could not be read.
+fn clear_in_log(line: &str) -> Option<(u64, u64)> {
+    let (restart, resync) = (
+        line.contains("the publisher restarted"),
+        line.contains("clearing and resyncing"),
+    );
+    if !restart && !resync {
+        return None;
+    }
+    let rest = line.split("worker ").nth(1)?;
+    let (id, rest) = rest.split_once(": ")?;
+    let worker = id.trim().parse().ok()?;
+    if restart {
+        return Some((worker, 0));
+    }
+    // "seq N..." or "batches F..N..."
+    let number = |s: &str| -> Option<u64> {
+        let digits: String = s.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().ok()
+    };
+    let n = if let Some(s) = rest.strip_prefix("seq ") {
+        number(s)?
+    } else {
+        let s = rest.strip_prefix("batches ")?;
+        number(s.split_once("..")?.1)?
+    };
+    let unread = rest.contains("could not be decoded");
+    Some((worker, n + u64::from(unread)))
 }
 
 /// Runs one checkpoint (see the module docs); the traffic is paused meanwhile.
@@ -391,4 +402,53 @@ async fn overlap(http: &Http, url: &str, path: &[u32]) -> Result<BTreeMap<u64, u
         *e = (*e).max(o);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clear_in_log;
+
+    #[test]
+    fn log_lines_that_clear_a_worker_name_what_the_router_still_holds() {
+        let at = "2026-11-24T18:42:53.219589Z  WARN transport::stream: ";
+        let line = |msg: &str| format!("{at}{msg}");
+        assert_eq!(
+            clear_in_log(&line(
+                "worker 1: seq 5: the publisher restarted; clearing its blocks"
+            )),
+            Some((1, 0)),
+            "a restart is replayed from 0"
+        );
+        assert_eq!(
+            clear_in_log(&line(
+                "worker 12: batches 0..17 not replayed: batches lost; clearing and resyncing"
+            )),
+            Some((12, 17))
+        );
+        assert_eq!(
+            clear_in_log(&line(
+                "worker 3: batches 4..9: batches lost; clearing and resyncing"
+            )),
+            Some((3, 9))
+        );
+        assert_eq!(
+            clear_in_log(&line(
+                "worker 3: seq 8 could not be decoded, nor replayed: batches lost; clearing and \
+                 resyncing"
+            )),
+            Some((3, 9)),
+            "the unreadable batch itself is unreceived"
+        );
+        assert_eq!(
+            clear_in_log(&line(
+                "worker 2: seq 40: batches lost; clearing and resyncing"
+            )),
+            Some((2, 40))
+        );
+        assert_eq!(
+            clear_in_log(&line("worker 2: seq 40 already applied")),
+            None
+        );
+        assert_eq!(clear_in_log("garbage: the publisher restarted"), None);
+    }
 }

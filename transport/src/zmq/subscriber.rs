@@ -200,10 +200,7 @@ impl Stream {
         let mut replayed = false;
         if let Action::Replay { from, restarted } = action {
             if restarted {
-                self.clear_ranks(
-                    ClearKind::Restart,
-                    &format_args!("seq {seq}: the publisher restarted"),
-                );
+                self.clear_ranks(ClearKind::Restart, &format_args!("seq {seq}"));
             }
             replayed = true;
             let delivered = match self.source.replay.clone() {

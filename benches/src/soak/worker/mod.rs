@@ -719,29 +719,32 @@ mod tests {
         assert_eq!(w.cached_blocks(), 0);
         // The listener is back once `restart` returns, but a loaded machine may take a
         // moment to accept: retry briefly (the failure seen in CI was a refused connect).
-        let mut status = 0;
-        for _ in 0..40 {
-            status = complete(&http, &w, 1).await;
-            if status == 200 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert_eq!(status, 200, "HTTP back on the same port");
+        assert_eq!(
+            complete_until_ok(&http, &w, Duration::from_secs(2)).await,
+            200,
+            "HTTP back on the same port"
+        );
 
         w.set_http(HttpMode::Fail500);
         assert_eq!(complete(&http, &w, 1).await, 500);
         w.set_http(HttpMode::Refuse);
         assert_eq!(complete(&http, &w, 1).await, 0);
         w.set_http(HttpMode::Serve);
-        let mut status = 0;
-        for _ in 0..100 {
-            status = complete(&http, &w, 1).await;
-            if status == 200 {
-                break;
+        assert_eq!(
+            complete_until_ok(&http, &w, Duration::from_secs(2)).await,
+            200
+        );
+    }
+
+    /// Completes a 1-token request until it answers 200 or `within` passes; the last status.
+    async fn complete_until_ok(http: &Http, w: &SoakWorker, within: Duration) -> u16 {
+        let end = std::time::Instant::now() + within;
+        loop {
+            let status = complete(http, w, 1).await;
+            if status == 200 || std::time::Instant::now() > end {
+                return status;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert_eq!(status, 200);
     }
 }
