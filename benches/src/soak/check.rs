@@ -411,44 +411,35 @@ mod tests {
     #[test]
     fn log_lines_that_clear_a_worker_name_what_the_router_still_holds() {
         let at = "2026-11-24T18:42:53.219589Z  WARN transport::stream: ";
-        let line = |msg: &str| format!("{at}{msg}");
-        assert_eq!(
-            clear_in_log(&line(
-                "worker 1: seq 5: the publisher restarted; clearing its blocks"
-            )),
-            Some((1, 0)),
-            "a restart is replayed from 0"
-        );
-        assert_eq!(
-            clear_in_log(&line(
-                "worker 12: batches 0..17 not replayed: batches lost; clearing and resyncing"
-            )),
-            Some((12, 17))
-        );
-        assert_eq!(
-            clear_in_log(&line(
-                "worker 3: batches 4..9: batches lost; clearing and resyncing"
-            )),
-            Some((3, 9))
-        );
-        assert_eq!(
-            clear_in_log(&line(
+        let cases = [
+            // A restart is replayed from 0.
+            (
+                "worker 1: seq 5: the publisher restarted; clearing its blocks",
+                Some((1, 0)),
+            ),
+            (
+                "worker 12: batches 0..17 not replayed: batches lost; clearing and resyncing",
+                Some((12, 17)),
+            ),
+            (
+                "worker 3: batches 4..9: batches lost; clearing and resyncing",
+                Some((3, 9)),
+            ),
+            // The unreadable batch itself is unreceived.
+            (
                 "worker 3: seq 8 could not be decoded, nor replayed: batches lost; clearing and \
-                 resyncing"
-            )),
-            Some((3, 9)),
-            "the unreadable batch itself is unreceived"
-        );
-        assert_eq!(
-            clear_in_log(&line(
-                "worker 2: seq 40: batches lost; clearing and resyncing"
-            )),
-            Some((2, 40))
-        );
-        assert_eq!(
-            clear_in_log(&line("worker 2: seq 40 already applied")),
-            None
-        );
+                 resyncing",
+                Some((3, 9)),
+            ),
+            (
+                "worker 2: seq 40: batches lost; clearing and resyncing",
+                Some((2, 40)),
+            ),
+            ("worker 2: seq 40 already applied", None),
+        ];
+        for (msg, want) in cases {
+            assert_eq!(clear_in_log(&format!("{at}{msg}")), want, "{msg}");
+        }
         assert_eq!(clear_in_log("garbage: the publisher restarted"), None);
     }
 }
