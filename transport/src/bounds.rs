@@ -120,8 +120,9 @@ pub struct IndexBudget {
 /// Readings after a large shrink that ask for a release again. A core gives back only the
 /// pages that are free when it collects; memory freed after the first release (another
 /// core's share of a removal still on its way, connection buffers) would otherwise stay
-/// with the allocator until the next large shrink: with one release per shrink,
-/// `bin/tests/cli_bounds.rs` ended above its baseline's 5% in two CI runs (+7.0%, +8.3%).
+/// with the allocator until the next large shrink. (These were added for
+/// `bin/tests/cli_bounds.rs`'s CI failures at +7.0% and +8.3%; the cause of those turned
+/// out to be transparent huge pages, now off in the binary: `bin/src/memory.rs`.)
 pub const FOLLOW_UP_RELEASES: u32 = 3;
 
 /// Shrinking by less than this never asks the allocator to give memory back.
