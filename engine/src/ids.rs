@@ -50,6 +50,11 @@ pub struct EngineHash(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
+/// One kvengine router process among replicas that route as one (chosen at start, so a
+/// restarted replica is a new one: what its previous life added expires with it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReplicaId(pub u64);
+
 macro_rules! display_inner {
     ($($t:ty),*) => {$(
         impl fmt::Display for $t {
@@ -60,6 +65,12 @@ macro_rules! display_inner {
     )*};
 }
 display_inner!(WorkerId, DpRank, TokensHash, SeqHash, EngineHash, RequestId);
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
 
 impl fmt::Display for WorkerKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

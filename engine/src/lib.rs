@@ -42,5 +42,5 @@ pub mod snapshot;
 mod sync;
 
 pub use error::{EngineError, RejectCounts, RejectReason, Result};
-pub use ids::{DpRank, EngineHash, RequestId, SeqHash, TokensHash, WorkerId, WorkerKey};
+pub use ids::{DpRank, EngineHash, ReplicaId, RequestId, SeqHash, TokensHash, WorkerId, WorkerKey};
 pub use matches::Matches;

@@ -12,6 +12,11 @@
 //!    chosen worker now caches, and overlaps come from those predictions.
 //! 4. A caller's name is at most [`MAX_REQUEST_ID_BYTES`] long and holds no control
 //!    character ([`check_request_id`]); every call naming a request checks it first.
+//! 5. A request a peer replica routed ([`Router::add_remote`]) is named by `(replica, name)`
+//!    and interned iff active, like a local one; the two name spaces never meet (a peer's
+//!    name can neither be finished locally nor block a local name). Its blocks count in
+//!    its worker's load exactly as a local request's would, so a block two replicas' requests
+//!    share counts once.
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -19,7 +24,7 @@
 
 use crate::approx::{ApproxConfig, ApproxIndex};
 use crate::error::{EngineError, Result};
-use crate::ids::{RequestId, SeqHash, WorkerId, WorkerKey};
+use crate::ids::{ReplicaId, RequestId, SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::sched::{
     ActiveLoad, Decision, Policy, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig,
@@ -89,8 +94,41 @@ pub struct Router {
     ids: HashMap<String, RequestId>,
     names: HashMap<RequestId, String>,
     next_id: u64,
+    remote: HashMap<(ReplicaId, String), RequestId>,
+    remote_names: HashMap<RequestId, (ReplicaId, String)>,
     cached: HashMap<WorkerKey, u64>,
     approx: Option<ApproxIndex>,
+}
+
+/// A request a peer replica routed ([`Router::add_remote`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteRequest<'a> {
+    /// The peer.
+    pub replica: ReplicaId,
+    /// Its name at the peer.
+    pub name: &'a str,
+    /// Where it runs.
+    pub key: WorkerKey,
+    /// Its prompt's full blocks.
+    pub blocks: &'a [SeqHash],
+    /// Its prompt's tokens.
+    pub input_tokens: u64,
+    /// Blocks the worker had cached when it was routed.
+    pub overlap_blocks: u32,
+}
+
+/// A request this router routed and has not freed, as a peer replica needs it to count the
+/// request's load ([`Router::local_requests`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalRequest {
+    /// Its name.
+    pub name: String,
+    /// Where it runs.
+    pub key: WorkerKey,
+    /// Its prompt's full blocks.
+    pub blocks: Vec<SeqHash>,
+    /// Prefill tokens it still adds (0 once prefilled).
+    pub pending_prefill_tokens: u64,
 }
 
 impl Router {
@@ -101,6 +139,8 @@ impl Router {
             ids: HashMap::new(),
             names: HashMap::new(),
             next_id: 0,
+            remote: HashMap::new(),
+            remote_names: HashMap::new(),
             cached: HashMap::new(),
             approx: approx.map(ApproxIndex::new).transpose()?,
         })
@@ -126,6 +166,7 @@ impl Router {
         let gone: Vec<RequestId> = self
             .names
             .keys()
+            .chain(self.remote_names.keys())
             .copied()
             .filter(|&id| !self.scheduler.is_active(id))
             .collect();
@@ -257,6 +298,8 @@ impl Router {
     fn forget(&mut self, id: RequestId) {
         if let Some(name) = self.names.remove(&id) {
             self.ids.remove(&name);
+        } else if let Some(name) = self.remote_names.remove(&id) {
+            self.remote.remove(&name);
         }
     }
 
@@ -273,17 +316,132 @@ impl Router {
         self.scheduler.free(id).map_err(RouteError::Engine)
     }
 
+    // ----- requests peer replicas routed -----
+
+    /// Records `request`, which a peer replica routed, as active from `now`, as if this
+    /// router had routed it (invariant 5). Returns false if it is already active (a peer's
+    /// state is sent again after a gap; the second copy changes nothing). Its key must be
+    /// in routing here.
+    pub fn add_remote(
+        &mut self,
+        now: Instant,
+        request: &RemoteRequest<'_>,
+    ) -> std::result::Result<bool, RouteError> {
+        check_request_id(request.name).map_err(RouteError::Name)?;
+        let scoped = (request.replica, request.name.to_owned());
+        if self.remote.contains_key(&scoped) {
+            return Ok(false);
+        }
+        let id = RequestId(self.next_id);
+        self.scheduler
+            .add_active(
+                now,
+                request.key,
+                id,
+                request.blocks,
+                request.input_tokens,
+                request.overlap_blocks,
+            )
+            .map_err(RouteError::Engine)?;
+        self.next_id += 1;
+        self.remote.insert(scoped.clone(), id);
+        self.remote_names.insert(id, scoped);
+        Ok(true)
+    }
+
+    fn remote_id(
+        &self,
+        replica: ReplicaId,
+        name: &str,
+    ) -> std::result::Result<RequestId, RouteError> {
+        check_request_id(name).map_err(RouteError::Name)?;
+        self.remote
+            .get(&(replica, name.to_owned()))
+            .copied()
+            .ok_or_else(|| RouteError::Name(NameError::Unknown(name.to_owned())))
+    }
+
+    /// Whether peer `replica`'s request `name` is active here.
+    pub fn is_remote_active(&self, replica: ReplicaId, name: &str) -> bool {
+        self.remote.contains_key(&(replica, name.to_owned()))
+    }
+
+    /// Marks peer `replica`'s request `name` prefilled.
+    pub fn prefilled_remote(
+        &mut self,
+        replica: ReplicaId,
+        name: &str,
+    ) -> std::result::Result<(), RouteError> {
+        let id = self.remote_id(replica, name)?;
+        self.scheduler.prefilled(id).map_err(RouteError::Engine)
+    }
+
+    /// Frees peer `replica`'s request `name`.
+    pub fn finish_remote(
+        &mut self,
+        replica: ReplicaId,
+        name: &str,
+    ) -> std::result::Result<(), RouteError> {
+        let id = self.remote_id(replica, name)?;
+        self.forget(id);
+        self.scheduler.free(id).map_err(RouteError::Engine)
+    }
+
+    /// Frees every request of peer `replica` (it is gone, or its state is about to be sent
+    /// again); returns how many.
+    pub fn forget_replica(&mut self, replica: ReplicaId) -> usize {
+        let ids: Vec<RequestId> = self
+            .remote
+            .iter()
+            .filter(|((r, _), _)| *r == replica)
+            .map(|(_, &id)| id)
+            .collect();
+        for &id in &ids {
+            self.forget(id);
+            // Expired ones are gone already; the rest are active.
+            let _ = self.scheduler.free(id);
+        }
+        ids.len()
+    }
+
+    /// Active requests this router routed.
+    pub fn routed_requests(&self) -> usize {
+        self.names.len()
+    }
+
+    /// Active requests peer replicas routed.
+    pub fn remote_requests(&self) -> usize {
+        self.remote.len()
+    }
+
+    /// Every request this router routed that is still active, for a peer that must learn
+    /// them (after a gap in what it received, or when it joins).
+    pub fn local_requests(&self) -> Vec<LocalRequest> {
+        self.names
+            .iter()
+            .filter_map(|(&id, name)| {
+                let (key, blocks, pending) = self.scheduler.active_request(id)?;
+                Some(LocalRequest {
+                    name: name.clone(),
+                    key,
+                    blocks: blocks.to_vec(),
+                    pending_prefill_tokens: pending,
+                })
+            })
+            .collect()
+    }
+
     /// Worker keys in routing (healthy ones: unhealthy workers are taken out).
     pub fn routable_workers(&self) -> usize {
         self.scheduler.worker_count()
     }
 
-    /// Whether request `name` is active.
+    /// Whether request `name` (routed here) is active.
     pub fn is_active(&self, name: &str) -> bool {
         self.ids.contains_key(name)
     }
 
-    /// Requests active over all workers.
+    /// Requests active over all workers (peer replicas' included).
     pub fn active_requests(&self) -> usize {
         self.scheduler.active_requests()
     }
@@ -405,6 +563,118 @@ mod tests {
         r.remove_worker(WorkerId(1), true);
         assert_eq!(r.active_requests(), 0);
         assert!(r.prefilled("a").is_err());
+    }
+
+    fn remote<'a>(
+        replica: ReplicaId,
+        name: &'a str,
+        key: WorkerKey,
+        blocks: &'a [SeqHash],
+        input_tokens: u64,
+    ) -> RemoteRequest<'a> {
+        RemoteRequest {
+            replica,
+            name,
+            key,
+            blocks,
+            input_tokens,
+            overlap_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn peer_requests_have_their_own_names_and_leave_with_their_replica_or_worker() {
+        let mut r = router();
+        let now = Instant::now();
+        let key = WorkerKey::new(1, 0);
+        let (a, b) = (ReplicaId(10), ReplicaId(11));
+        let blocks = [SeqHash(1), SeqHash(2)];
+        assert_eq!(
+            r.add_remote(now, &remote(a, "x", key, &blocks, 32)),
+            Ok(true)
+        );
+        assert_eq!(
+            r.add_remote(now, &remote(a, "x", key, &blocks, 32)),
+            Ok(false)
+        );
+        assert_eq!(
+            r.add_remote(now, &remote(b, "x", key, &blocks[..1], 16)),
+            Ok(true)
+        );
+        // A peer's name neither blocks nor answers to a local one.
+        let call = RouteCall {
+            request_id: Some("x".into()),
+            tokens: &[1; 32],
+            ..RouteCall::default()
+        };
+        r.route(now, &call, &blocks, &Matches::default()).unwrap();
+        assert_eq!(r.active_requests(), 3);
+        assert_eq!((r.routed_requests(), r.remote_requests()), (1, 2));
+        let load = r.active_load(key).unwrap();
+        assert_eq!(load.active_blocks, 2, "shared blocks count once");
+        assert_eq!(load.active_prefill_tokens, 32 + 16 + 32);
+        r.prefilled_remote(a, "x").unwrap();
+        assert_eq!(r.active_load(key).unwrap().active_prefill_tokens, 48);
+        r.finish("x").unwrap();
+        assert!(r.is_remote_active(a, "x") && r.is_remote_active(b, "x"));
+        assert_eq!(
+            r.local_requests(),
+            vec![],
+            "only this router's requests are its state"
+        );
+        // Unknown workers and names are refused, not recorded.
+        assert!(matches!(
+            r.add_remote(now, &remote(a, "y", WorkerKey::new(9, 0), &blocks, 1)),
+            Err(RouteError::Engine(EngineError::UnknownWorker { .. }))
+        ));
+        assert!(matches!(
+            r.add_remote(now, &remote(a, "bad\n", key, &blocks, 1)),
+            Err(RouteError::Name(NameError::ControlCharacter(3)))
+        ));
+        assert_eq!(
+            r.finish_remote(a, "nope"),
+            Err(RouteError::Name(NameError::Unknown("nope".into())))
+        );
+        assert_eq!(r.forget_replica(a), 1);
+        assert_eq!(r.remote_requests(), 1);
+        // A worker that leaves takes the peers' requests on it along.
+        r.remove_worker(WorkerId(1), false);
+        assert_eq!((r.active_requests(), r.remote_requests()), (0, 0));
+    }
+
+    #[test]
+    fn peer_requests_expire_like_local_ones() {
+        let config = SchedulerConfig {
+            mode: RouteMode::RoundRobin,
+            request_timeout: std::time::Duration::from_secs(5),
+            ..SchedulerConfig::default()
+        };
+        let mut r = Router::new(config, None).unwrap();
+        let key = WorkerKey::new(1, 0);
+        r.add_worker(key, WorkerRole::default()).unwrap();
+        let now = Instant::now();
+        r.add_remote(now, &remote(ReplicaId(1), "x", key, &[SeqHash(1)], 16))
+            .unwrap();
+        let call = RouteCall {
+            tokens: &[1; 16],
+            ..RouteCall::default()
+        };
+        let routed = r
+            .route(now, &call, &[SeqHash(1)], &Matches::default())
+            .unwrap();
+        assert_eq!(
+            r.local_requests(),
+            vec![LocalRequest {
+                name: routed.request_id,
+                key,
+                blocks: vec![SeqHash(1)],
+                pending_prefill_tokens: 16,
+            }]
+        );
+        r.expire(now + std::time::Duration::from_secs(5));
+        assert_eq!(r.active_requests(), 0);
+        assert!(!r.is_remote_active(ReplicaId(1), "x"));
+        assert!(r.local_requests().is_empty());
     }
 
     #[test]

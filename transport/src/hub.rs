@@ -33,6 +33,7 @@ use crate::cores;
 use crate::error::{DropReason, Result, TransportError};
 use crate::metrics::Metrics;
 use crate::models::{DEFAULT_MODEL, ModelError, ModelSpec, Namespaces};
+use crate::replicas::LoadSink;
 use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
@@ -45,7 +46,7 @@ use engine::snapshot::{EngineImage, StreamMark};
 use engine::{DpRank, EngineError, Matches, SeqHash, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Instant;
 
 /// How a hub is set up.
@@ -194,6 +195,8 @@ pub struct Hub {
     limits: Limits,
     /// The index's memory budget and its last reading.
     budget: IndexBudget,
+    /// Router replicas ([`crate::replicas`]): where this router's load events go.
+    replicas: OnceLock<Arc<dyn LoadSink>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -249,7 +252,24 @@ impl Hub {
             persisted: crate::state::Persisted::default(),
             limits: Limits::default(),
             budget: IndexBudget::default(),
+            replicas: OnceLock::new(),
         })
+    }
+
+    /// Shares this router's load with peer replicas through `sink` from now on (once;
+    /// false if a sink was set already).
+    pub fn set_replicas(&self, sink: Arc<dyn LoadSink>) -> bool {
+        self.replicas.set(sink).is_ok()
+    }
+
+    /// The replica sink, if this router is one of several replicas.
+    pub fn replicas(&self) -> Option<&Arc<dyn LoadSink>> {
+        self.replicas.get()
+    }
+
+    /// Runs `f` under the routing lock (the replica link applies peers' load with it).
+    pub(crate) fn with_routing<R>(&self, f: impl FnOnce(&mut Namespaces) -> R) -> R {
+        f(&mut lock(&self.routing))
     }
 
     /// Applies `limits` ([`crate::bounds`]; none by default).
@@ -1032,10 +1052,10 @@ impl Hub {
         let routed = {
             let mut routing = lock(&self.routing);
             if let Some(limit) = self.limits.max_active_requests
-                && routing.active_requests() >= limit
+                && routing.routed_requests() >= limit
             {
                 routing.expire(now);
-                if routing.active_requests() >= limit {
+                if routing.routed_requests() >= limit {
                     self.metrics.overloaded.fetch_add(1, Relaxed);
                     return Err(TransportError::Overloaded { limit });
                 }
@@ -1059,9 +1079,22 @@ impl Hub {
             let Some(ns) = routing.get_mut(model) else {
                 return Err(TransportError::UnknownModel(model.to_owned()));
             };
-            ns.router
+            let routed = ns
+                .router
                 .route_with(now, call, seqs, matches, custom)
-                .map_err(refused)?
+                .map_err(refused)?;
+            // Under the lock: peers see this replica's events in the order its state changed.
+            if let Some(sink) = self.replicas.get() {
+                let d = &routed.decision;
+                sink.added(
+                    &routed.request_id,
+                    d.worker,
+                    seqs,
+                    call.tokens.len() as u64,
+                    d.overlap_blocks,
+                );
+            }
+            routed
         };
         let decision = &routed.decision;
         self.metrics.decided(decision.mode);
@@ -1082,17 +1115,27 @@ impl Hub {
     /// Marks a routed request prefilled (its first token streamed).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
-        lock(&self.routing)
+        let mut routing = lock(&self.routing);
+        routing
             .with_request(request_id, |r| r.prefilled(request_id))
-            .map_err(refused)
+            .map_err(refused)?;
+        if let Some(sink) = self.replicas.get() {
+            sink.prefilled(request_id);
+        }
+        Ok(())
     }
 
     /// Frees a routed request (finished or cancelled).
     pub fn finish(&self, request_id: &str) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
-        lock(&self.routing)
+        let mut routing = lock(&self.routing);
+        routing
             .with_request(request_id, |r| r.finish(request_id))
-            .map_err(refused)
+            .map_err(refused)?;
+        if let Some(sink) = self.replicas.get() {
+            sink.freed(request_id);
+        }
+        Ok(())
     }
 
     /// Records the load a worker rank reported.

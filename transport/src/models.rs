@@ -172,6 +172,16 @@ impl Namespaces {
         self.by_model.iter_mut().map(|(k, v)| (k.as_str(), v))
     }
 
+    /// Every namespace's router.
+    pub fn routers(&self) -> impl Iterator<Item = &Router> {
+        self.by_model.values().map(|ns| &ns.router)
+    }
+
+    /// Every namespace's router, mutably.
+    pub fn routers_mut(&mut self) -> impl Iterator<Item = &mut Router> {
+        self.by_model.values_mut().map(|ns| &mut ns.router)
+    }
+
     /// Puts `worker` in `model`'s namespace (created with the router's block size if
     /// new). If it was in another one it leaves that one first (its keys, active
     /// requests, predictions and cached totals there are forgotten). Returns the router of
@@ -284,7 +294,16 @@ impl Namespaces {
         }
     }
 
-    /// Requests active over every namespace.
+    /// Requests this replica routed that are active, over every namespace (peers'
+    /// requests are theirs to bound).
+    pub fn routed_requests(&self) -> usize {
+        self.by_model
+            .values()
+            .map(|ns| ns.router.routed_requests())
+            .sum()
+    }
+
+    /// Requests active over every namespace (peer replicas' included).
     pub fn active_requests(&self) -> usize {
         self.by_model
             .values()

@@ -109,6 +109,13 @@ impl ActiveRequests {
         self.requests.contains_key(&id)
     }
 
+    /// `id`'s slot, blocks and the prefill tokens it still adds, if it is active.
+    pub(crate) fn get(&self, id: RequestId) -> Option<(WorkerSlot, &[SeqHash], u64)> {
+        self.requests
+            .get(&id)
+            .map(|a| (a.slot, &a.blocks[..], a.pending_prefill))
+    }
+
     /// The load on `slot` (zero for a slot with no requests).
     #[inline]
     pub(crate) fn load(&self, slot: WorkerSlot) -> ActiveLoad {

@@ -369,6 +369,14 @@ impl Scheduler {
         self.active.len()
     }
 
+    /// What `id` adds to its worker while active: its key, blocks and the prefill tokens
+    /// still pending (what a peer replica needs to track it).
+    pub fn active_request(&self, id: RequestId) -> Option<(WorkerKey, &[SeqHash], u64)> {
+        let (slot, blocks, pending) = self.active.get(id)?;
+        let key = self.workers.all().iter().find(|(_, s)| *s == slot)?.0;
+        Some((key, blocks, pending))
+    }
+
     /// Whether `id` is active.
     pub fn is_active(&self, id: RequestId) -> bool {
         self.active.contains(id)

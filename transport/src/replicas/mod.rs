@@ -1,0 +1,197 @@
+//! Router replicas (`--replica-nats`): several kvengine processes that route as one.
+//!
+//! Every replica keeps the whole index itself: it subscribes to every worker's KV events
+//! (ZMQ PUB fans out to each subscriber). What replicas must share is the load they add:
+//! each publishes the requests it routes, prefills and frees ([`wire::LoadEvent`]) on NATS,
+//! and applies its peers' as *remote requests* of its routers
+//! ([`engine::router::Router::add_remote`]), so every replica's cost function counts the
+//! whole cluster's active blocks and pending prefill, and a block two replicas' requests
+//! share still counts once.
+//!
+//! * [`wire`]: the frames on NATS and their decoding (a fuzz target reads it).
+//! * [`peers`]: membership, sans-IO: ordering, gaps, dead peers.
+//! * [`outbox`]: the hub's side: load events queued for the link, never blocking a route.
+//! * [`apply`]: a peer's events applied to the hub's routers.
+//! * [`link`]: the task that talks to NATS.
+//! * [`warm`]: snapshots in a JetStream object store, for a replica that starts.
+//!
+//! # Failure
+//! * A peer silent for `--replica-timeout-ms` is dead: what it added is freed.
+//! * A gap in a peer's frames (or a peer first heard mid-stream) asks it for its whole
+//!   state, which it sends as a `Reset` and its active requests; until then its requests
+//!   also expire after the router's request timeout.
+//! * NATS unreachable: the replica routes on its own load only (peers' load is dropped, not
+//!   trusted while unheard), counts the outage and shows it in `/ready`'s details; routing
+//!   never waits for NATS. On reconnecting it sends its state and asks for everyone's.
+//!
+//! # Invariants
+//! 1. The hub queues a request's events under its routing lock, so each replica publishes
+//!    them in the order its own state changed (an `Added` before its `Freed`).
+//! 2. Applying a peer's event is idempotent where a resent state can repeat it (an `Added`
+//!    already active, a `Prefilled` twice, a `Freed` of an unknown request change nothing).
+//! 3. Nothing a peer says is applied to the local requests: a remote request lives in its
+//!    own name space per replica.
+//!
+//! # Concurrency
+//! The hub calls [`LoadSink`] from any thread under its routing lock (a `try_send`, never
+//! a wait). One tokio task ([`link::run`]) owns the NATS client and the [`peers::Peers`]
+//! table; counters are atomics read by `/metrics` and `/ready`.
+
+pub(crate) mod apply;
+pub mod link;
+pub mod outbox;
+pub mod peers;
+pub mod warm;
+pub mod wire;
+
+use engine::ReplicaId;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::time::Duration;
+
+pub use link::{ReplicaLink, start};
+pub use outbox::Outbox;
+
+/// How a replica joins its peers.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    /// The NATS server(s), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster).
+    pub url: String,
+    /// Subject prefix shared by the replicas of one router deployment.
+    pub subject: String,
+    /// This replica's name (logs, `/v1/replicas`).
+    pub name: String,
+    /// Interval between heartbeats.
+    pub heartbeat: Duration,
+    /// A peer silent this long is dead and its load is dropped.
+    pub peer_timeout: Duration,
+    /// JetStream object-store bucket for snapshots (`None`: no warm start from peers).
+    pub snapshot_bucket: Option<String>,
+    /// Interval between snapshots put in the bucket (`None`: never put one).
+    pub snapshot_interval: Option<Duration>,
+}
+
+impl ReplicaConfig {
+    /// Defaults for `url`: prefix `kvengine`, heartbeats every second, peers dead after 5 s.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            subject: "kvengine".into(),
+            name: default_name(),
+            heartbeat: Duration::from_secs(1),
+            peer_timeout: Duration::from_secs(5),
+            snapshot_bucket: None,
+            snapshot_interval: None,
+        }
+    }
+
+    /// The subject of load frames.
+    pub fn load_subject(&self) -> String {
+        format!("{}.load", self.subject)
+    }
+
+    /// The subject of resync requests.
+    pub fn resync_subject(&self) -> String {
+        format!("{}.resync", self.subject)
+    }
+}
+
+/// `host-pid`: unique enough for logs; the id is what peers key on.
+fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "kvengine".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// A fresh replica id: a process that starts again is a new replica (what its previous
+/// life added expires with it), so the id is drawn from the clock, the pid and an address.
+pub fn new_replica_id() -> ReplicaId {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let local = 0u8;
+    let seed = [
+        nanos,
+        u64::from(std::process::id()),
+        std::ptr::addr_of!(local) as u64,
+    ];
+    let bytes: Vec<u8> = seed.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // 0 means "everyone" in a resync request.
+    ReplicaId(xxhash_rust::xxh3::xxh3_64(&bytes).max(1))
+}
+
+/// What the hub tells the replicas about its own requests (invariant 1: called under the
+/// routing lock, so it must not block).
+pub trait LoadSink: Send + Sync + std::fmt::Debug {
+    /// A request was routed to `key` with `overlap_blocks` cached.
+    fn added(
+        &self,
+        request: &str,
+        key: engine::WorkerKey,
+        blocks: &[engine::SeqHash],
+        input_tokens: u64,
+        overlap_blocks: u32,
+    );
+    /// A request's first token was produced.
+    fn prefilled(&self, request: &str);
+    /// A request finished or was cancelled.
+    fn freed(&self, request: &str);
+    /// Where the replica link stands, for `/ready` and `/metrics`.
+    fn status(&self) -> ReplicaStatus;
+}
+
+/// Counters of one replica's sync (all totals since start).
+#[derive(Debug, Default)]
+pub struct ReplicaStats {
+    /// Whether the link to NATS is up.
+    pub connected: AtomicBool,
+    /// Times the link to NATS went down.
+    pub outages: AtomicU64,
+    /// Peers known now.
+    pub peers: AtomicU64,
+    /// Frames published (events and heartbeats) ...
+    pub frames_sent: AtomicU64,
+    /// ... and their bytes.
+    pub bytes_sent: AtomicU64,
+    /// Load events published.
+    pub events_sent: AtomicU64,
+    /// Load events not published: the link was down or the queue full. Peers get the
+    /// replica's whole state instead once it can send.
+    pub events_dropped: AtomicU64,
+    /// Peers' frames received ...
+    pub frames_received: AtomicU64,
+    /// ... and their bytes.
+    pub bytes_received: AtomicU64,
+    /// Peers' load events applied.
+    pub events_applied: AtomicU64,
+    /// Peers' requests on a worker this replica does not route to (not applied).
+    pub unknown_worker: AtomicU64,
+    /// Peers' `Prefilled`/`Freed` for requests not active here (expired, or repeated by a
+    /// resent state): nothing to do.
+    pub unmatched: AtomicU64,
+    /// Peers' requests refused (a bad name); logged.
+    pub refused: AtomicU64,
+    /// Frames that could not be decoded; logged.
+    pub malformed: AtomicU64,
+    /// Gaps in peers' frames (each asks for the peer's state).
+    pub gaps: AtomicU64,
+    /// States this replica sent (each a `Reset` and its active requests).
+    pub states_sent: AtomicU64,
+    /// Peers found dead (their load dropped).
+    pub peers_expired: AtomicU64,
+    /// Nanoseconds the link spent encoding, decoding and applying (its CPU, on one thread).
+    pub busy_ns: AtomicU64,
+}
+
+/// Where the replica link stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ReplicaStatus {
+    /// Whether load is shared with peers now (false: local-only).
+    pub connected: bool,
+    /// Peers heard within the timeout.
+    pub peers: u64,
+    /// Times the link to NATS went down.
+    pub outages: u64,
+    /// Load events not published while the link was down or the queue full.
+    pub events_dropped: u64,
+}

@@ -1,0 +1,1 @@
+//! Warm start from peers: replicas put snapshots in a JetStream object store.
