@@ -49,6 +49,7 @@ pub mod harness;
 pub mod ingest;
 pub mod ingest_quic;
 pub mod ingest_zmq;
+pub mod nats;
 pub mod replay;
 pub mod report;
 pub mod snapshot;

@@ -20,6 +20,7 @@ mod dyn_env;
 mod logging;
 mod memory;
 mod publish;
+mod replicas;
 mod serve;
 mod signals;
 mod sim;

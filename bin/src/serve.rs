@@ -252,6 +252,8 @@ pub struct ServeArgs {
     pub sim_decode_workers: u16,
     #[command(flatten)]
     pub disagg: DisaggArgs,
+    #[command(flatten)]
+    pub replicas: crate::replicas::ReplicaArgs,
 }
 
 fn parse_mode(s: &str) -> Result<RouteMode, String> {
@@ -1076,6 +1078,8 @@ async fn serve(
             }
         })
     };
+    // After the configured workers are registered: peers' requests on them then apply.
+    let replica_link = crate::replicas::start(&hub, &args.replicas).await?;
     if let (Some(done), Some(w)) = (restoring, &warm)
         && let Some(plan) = &w.plan
     {
@@ -1172,6 +1176,9 @@ async fn serve(
     }
     if let Some(q) = quic {
         q.close();
+    }
+    if let Some(link) = replica_link {
+        link.shutdown().await;
     }
     for w in sims {
         w.shutdown().await;

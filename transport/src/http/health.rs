@@ -70,6 +70,10 @@ pub(crate) struct Assessment {
     workers: WorkersHealth,
     /// Per served model (none without named models): whether it has a healthy worker.
     models: Vec<ModelHealth>,
+    /// Router replicas (`--replica-nats`): whether peers' load is shared or the replica
+    /// routes on its own (NATS unreachable; not a reason to be unready).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replicas: Option<crate::replicas::ReplicaStatus>,
 }
 
 #[derive(Debug, Serialize)]
@@ -177,6 +181,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         engine,
         workers,
         models,
+        replicas: hub.replicas().map(|r| r.status()),
     }
 }
 

@@ -306,6 +306,9 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         counter(m.resyncs.load(Relaxed)),
     );
     register_state(&mut reg, hub.persisted());
+    if let Some(r) = hub.replicas() {
+        register_replicas(&mut reg, r.stats());
+    }
     reg.register(
         "kvengine_worker_load_scrapes",
         "Worker /metrics pages read for their load",
@@ -491,5 +494,104 @@ pub(super) async fn metrics(State(st): State<AppState>) -> Response {
             "could not encode the metrics",
         )
         .into_response(),
+    }
+}
+
+/// Router replicas' sync ([`crate::replicas`]).
+fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
+    let c = |a: &std::sync::atomic::AtomicU64| counter(a.load(Relaxed));
+    reg.register(
+        "kvengine_replica_connected",
+        "1 while the link to NATS is up (0: routing on this replica's own load)",
+        gauge(u64::from(s.connected.load(Relaxed))),
+    );
+    reg.register(
+        "kvengine_replica_peers",
+        "Peer replicas heard within the timeout",
+        gauge(s.peers.load(Relaxed)),
+    );
+    for (name, help, v) in [
+        (
+            "kvengine_replica_outages",
+            "Times the link to NATS went down",
+            &s.outages,
+        ),
+        (
+            "kvengine_replica_frames_sent",
+            "Frames published to peers",
+            &s.frames_sent,
+        ),
+        (
+            "kvengine_replica_sent_bytes",
+            "Bytes published to peers",
+            &s.bytes_sent,
+        ),
+        (
+            "kvengine_replica_events_sent",
+            "Load events published",
+            &s.events_sent,
+        ),
+        (
+            "kvengine_replica_events_dropped",
+            "Load events not published (link down or queue full; the state is sent instead)",
+            &s.events_dropped,
+        ),
+        (
+            "kvengine_replica_frames_received",
+            "Peers' frames received",
+            &s.frames_received,
+        ),
+        (
+            "kvengine_replica_received_bytes",
+            "Peers' frame bytes received",
+            &s.bytes_received,
+        ),
+        (
+            "kvengine_replica_events_applied",
+            "Peers' load events applied",
+            &s.events_applied,
+        ),
+        (
+            "kvengine_replica_unknown_worker",
+            "Peers' requests on workers this replica does not route to",
+            &s.unknown_worker,
+        ),
+        (
+            "kvengine_replica_unmatched",
+            "Peers' prefilled/freed events for requests not active here",
+            &s.unmatched,
+        ),
+        (
+            "kvengine_replica_refused",
+            "Peers' requests refused (bad names)",
+            &s.refused,
+        ),
+        (
+            "kvengine_replica_malformed",
+            "Frames that could not be decoded",
+            &s.malformed,
+        ),
+        (
+            "kvengine_replica_gaps",
+            "Gaps in peers' frames (each asks for a state)",
+            &s.gaps,
+        ),
+        (
+            "kvengine_replica_states_sent",
+            "Whole states this replica sent",
+            &s.states_sent,
+        ),
+        (
+            "kvengine_replica_peers_expired",
+            "Peers found dead (load dropped)",
+            &s.peers_expired,
+        ),
+        (
+            "kvengine_replica_busy_nanoseconds",
+            "Nanoseconds the sync spent encoding, decoding and applying (its CPU)",
+            &s.busy_ns,
+        ),
+    ] {
+        reg.register(name, help, c(v));
     }
 }

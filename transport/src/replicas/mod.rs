@@ -45,7 +45,7 @@ pub mod warm;
 pub mod wire;
 
 use engine::ReplicaId;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 pub use link::{ReplicaLink, start};
@@ -136,8 +136,20 @@ pub trait LoadSink: Send + Sync + std::fmt::Debug {
     fn prefilled(&self, request: &str);
     /// A request finished or was cancelled.
     fn freed(&self, request: &str);
-    /// Where the replica link stands, for `/ready` and `/metrics`.
-    fn status(&self) -> ReplicaStatus;
+    /// The sync's counters, for `/metrics`.
+    fn stats(&self) -> &ReplicaStats;
+    /// Where the replica link stands, for `/ready`.
+    fn status(&self) -> ReplicaStatus {
+        let s = self.stats();
+        let connected = s.connected.load(Relaxed);
+        ReplicaStatus {
+            load: if connected { "shared" } else { "local_only" },
+            connected,
+            peers: s.peers.load(Relaxed),
+            outages: s.outages.load(Relaxed),
+            events_dropped: s.events_dropped.load(Relaxed),
+        }
+    }
 }
 
 /// Counters of one replica's sync (all totals since start).
@@ -186,6 +198,8 @@ pub struct ReplicaStats {
 /// Where the replica link stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct ReplicaStatus {
+    /// `shared` (peers' load counts) or `local_only` (NATS unreachable).
+    pub load: &'static str,
     /// Whether load is shared with peers now (false: local-only).
     pub connected: bool,
     /// Peers heard within the timeout.

@@ -6,7 +6,7 @@
 //! lost.
 
 use super::wire::LoadEvent;
-use super::{LoadSink, ReplicaStats, ReplicaStatus};
+use super::{LoadSink, ReplicaStats};
 use engine::{SeqHash, WorkerKey};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -77,14 +77,8 @@ impl LoadSink for Outbox {
         });
     }
 
-    fn status(&self) -> ReplicaStatus {
-        let s = &self.shared.stats;
-        ReplicaStatus {
-            connected: s.connected.load(Relaxed),
-            peers: s.peers.load(Relaxed),
-            outages: s.outages.load(Relaxed),
-            events_dropped: s.events_dropped.load(Relaxed),
-        }
+    fn stats(&self) -> &ReplicaStats {
+        &self.shared.stats
     }
 }
 

@@ -1,0 +1,256 @@
+//! Router replicas on a real NATS server (issue 15): three `kvengine` processes in front of
+//! the same simulated workers, a client spreading requests over them, then a replica and
+//! NATS killed in turn. Every replica must count the whole cluster's load while NATS is up,
+//! drop a dead replica's load within its timeout, and keep routing on its own load while
+//! NATS is down.
+//!
+//! Needs `nats-server` (see `kvengine_benches::nats`); without one the test says why and
+//! passes, unless `KVENGINE_NATS_REQUIRED=1` (CI installs it and sets that).
+
+mod common;
+
+use common::Router;
+use kvengine_benches::nats::{INSTALL_HINT, NatsServer, find_binary};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `kvengine sim` process and its `--zmq-worker` flags.
+struct Sims {
+    child: Child,
+    flags: Vec<String>,
+}
+
+impl Sims {
+    fn start(workers: usize) -> Sims {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
+            .args(["--speedup", "1000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut text = String::new();
+        while !text.contains("Ctrl-C stops") {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "sim exited: {text}");
+            text.push_str(&line);
+        }
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = out.read_to_string(&mut sink);
+        });
+        let flags = text
+            .lines()
+            .filter_map(|l| l.split("--zmq-worker ").nth(1))
+            .map(|f| f.trim().to_owned())
+            .collect();
+        Sims { child, flags }
+    }
+}
+
+impl Drop for Sims {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nats_or_skip() -> Option<NatsServer> {
+    if find_binary().is_none() {
+        assert!(
+            std::env::var("KVENGINE_NATS_REQUIRED").as_deref() != Ok("1"),
+            "KVENGINE_NATS_REQUIRED=1 but no nats-server: {INSTALL_HINT}"
+        );
+        eprintln!("skipping the replica test: no nats-server ({INSTALL_HINT})");
+        return None;
+    }
+    Some(NatsServer::start().unwrap())
+}
+
+fn replica(nats: &str, name: &str, sims: &Sims) -> Router {
+    let mut args = vec![
+        "--replica-nats",
+        nats,
+        "--replica-name",
+        name,
+        "--replica-heartbeat-ms",
+        "100",
+        "--replica-timeout-ms",
+        "1000",
+        "--tokenizer",
+        "stand-in",
+    ];
+    for f in &sims.flags {
+        args.extend(["--zmq-worker", f.as_str()]);
+    }
+    Router::start(&args)
+}
+
+/// Every worker's active load as one replica counts it: `(series, value)` sorted.
+fn loads(r: &Router) -> Vec<(String, u64)> {
+    let (_, text) = r.call("GET", "/metrics", "");
+    let mut out: Vec<(String, u64)> = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("kvengine_worker_active_requests{")
+                || l.starts_with("kvengine_worker_active_blocks{")
+                || l.starts_with("kvengine_worker_active_prefill_tokens{")
+        })
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            Some((series.to_owned(), v.parse().ok()?))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn total_active(r: &Router) -> u64 {
+    loads(r)
+        .iter()
+        .filter(|(s, _)| s.starts_with("kvengine_worker_active_requests{"))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Waits up to `secs` for `check`; panics with `what` and the last state otherwise.
+fn eventually(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(e) if Instant::now() > deadline => panic!("{what}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+fn all_agree(rs: &[&Router], active: u64) -> Result<(), String> {
+    let first = loads(rs[0]);
+    for r in rs {
+        let l = loads(r);
+        let t = total_active(r);
+        if l != first || t != active {
+            return Err(format!(
+                "{} active ({active} expected); {l:?} vs {first:?}",
+                t
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Routes a prompt of `blocks` 16-token blocks (distinct per `i`, sharing a 2-block
+/// prefix) at `r`; returns its request id.
+fn route(r: &Router, i: usize, blocks: usize) -> String {
+    let tokens: Vec<String> = (0..blocks * 16)
+        .map(|t| if t < 32 { t } else { t + 1000 * i }.to_string())
+        .collect();
+    let body = format!(r#"{{"token_ids": [{}]}}"#, tokens.join(","));
+    let (status, answer) = r.call("POST", "/v1/route", &body);
+    assert_eq!(status, 200, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    v["request_id"].as_str().unwrap().to_owned()
+}
+
+fn ready_details(r: &Router) -> serde_json::Value {
+    let (status, body) = r.call("GET", "/ready", "");
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+#[test]
+fn replicas_share_load_and_survive_a_dead_replica_and_a_nats_outage() {
+    let Some(mut nats) = nats_or_skip() else {
+        return;
+    };
+    let url = nats.url();
+    let sims = Sims::start(3);
+    assert_eq!(sims.flags.len(), 3);
+    let a = replica(&url, "a", &sims);
+    let b = replica(&url, "b", &sims);
+    let c = replica(&url, "c", &sims);
+    eventually(20, "every replica ready, with 2 peers", || {
+        for r in [&a, &b, &c] {
+            let v = ready_details(r);
+            if v["replicas"]["peers"] != 2 || v["replicas"]["load"] != "shared" {
+                return Err(v["replicas"].to_string());
+            }
+        }
+        Ok(())
+    });
+
+    // A client spreads 30 requests over the replicas, round robin.
+    let rs = [&a, &b, &c];
+    let mut routed: Vec<(usize, String)> = Vec::new();
+    for i in 0..30 {
+        let at = i % 3;
+        routed.push((at, route(rs[at], i, 3 + i % 4)));
+    }
+    eventually(10, "every replica counts all 30 requests alike", || {
+        all_agree(&rs, 30)
+    });
+
+    // Prefill and finish some at the replica that routed them: the others follow.
+    for (at, id) in routed.iter().take(12) {
+        let path = format!("/v1/requests/{id}/prefilled");
+        assert_eq!(rs[*at].call("POST", &path, "").0 / 100, 2);
+    }
+    for (at, id) in routed.drain(..6) {
+        let path = format!("/v1/requests/{id}");
+        assert_eq!(rs[at].call("DELETE", &path, "").0 / 100, 2);
+    }
+    eventually(10, "frees and prefills reach every replica", || {
+        all_agree(&rs, 24)
+    });
+
+    // A replica dies: its 8 requests leave the others' load within its timeout.
+    let c_left = routed.iter().filter(|(at, _)| *at == 2).count() as u64;
+    assert_eq!(c_left, 8);
+    c.kill9();
+    let rs = [&a, &b];
+    eventually(10, "the dead replica's load is dropped", || {
+        all_agree(&rs, 24 - c_left)
+    });
+    routed.retain(|(at, _)| *at != 2);
+
+    // NATS dies: both keep routing, on their own load only, and say so.
+    nats.kill();
+    eventually(10, "NATS outage seen", || {
+        for r in rs {
+            let v = ready_details(r);
+            if v["replicas"]["load"] != "local_only" {
+                return Err(v["replicas"].to_string());
+            }
+        }
+        Ok(())
+    });
+    let own = |r: usize| routed.iter().filter(|(at, _)| *at == r).count() as u64;
+    eventually(5, "each replica counts only its own requests", || {
+        for (i, r) in rs.iter().enumerate() {
+            if total_active(r) != own(i) {
+                return Err(format!("replica {i}: {} != {}", total_active(r), own(i)));
+            }
+        }
+        Ok(())
+    });
+    for i in 100..104 {
+        let at = i % 2;
+        routed.push((at, route(rs[at], i, 3)));
+    }
+    assert!(a.metric("kvengine_replica_outages_total").unwrap() >= 1.0);
+
+    // NATS is back: states are exchanged and the replicas agree again, on everything,
+    // including what was routed during the outage.
+    nats.restart().unwrap();
+    let n = routed.len() as u64;
+    eventually(20, "the replicas agree again after NATS returns", || {
+        all_agree(&rs, n)
+    });
+    for r in rs {
+        assert_eq!(ready_details(r)["replicas"]["load"], "shared");
+        assert!(r.metric("kvengine_replica_states_sent_total").unwrap() >= 1.0);
+    }
+}
