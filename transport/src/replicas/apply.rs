@@ -221,4 +221,123 @@ mod tests {
         assert_eq!(mine, seen);
         assert_eq!(stats.events_applied.load(Relaxed), 3);
     }
+
+    mod model {
+        //! Randomised: one replica's requests come and go; a peer applying its events as
+        //! they come, and another that joins late from a state, count exactly its load.
+        use super::*;
+        use crate::replicas::LoadSink;
+        use crate::replicas::outbox::{Outbox, Shared};
+        use proptest::prelude::*;
+        use std::sync::Arc;
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Route {
+                prompt: u8,
+                len: u8,
+            },
+            Prefill(u8),
+            Finish(u8),
+            /// The late peer catches up from a state sent now; the link had published only
+            /// this many of the queued events when the state was cut (the rest, changes
+            /// from before the cut, go out after it).
+            Join(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                4 => (0u8..6, 1u8..6).prop_map(|(prompt, len)| Op::Route { prompt, len }),
+                2 => any::<u8>().prop_map(Op::Prefill),
+                3 => any::<u8>().prop_map(Op::Finish),
+                1 => any::<u8>().prop_map(Op::Join),
+            ]
+        }
+
+        fn two_workers() -> Namespaces {
+            let mut ns = spaces();
+            ns.router_of(WorkerId(1))
+                .unwrap()
+                .add_worker(WorkerKey::new(1, 1), engine::sched::WorkerRole::default())
+                .unwrap();
+            ns
+        }
+
+        fn view(ns: &mut Namespaces) -> Vec<Option<engine::sched::ActiveLoad>> {
+            let r = ns.router_of(WorkerId(1)).unwrap();
+            vec![
+                r.active_load(WorkerKey::new(1, 0)),
+                r.active_load(WorkerKey::new(1, 1)),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn peers_count_exactly_the_load_of_the_replica(ops in proptest::collection::vec(op(), 1..80)) {
+                let now = Instant::now();
+                let mut ours = two_workers();
+                let mut live = two_workers();
+                let mut late: Option<Namespaces> = None;
+                let shared = Arc::new(Shared::default());
+                let (outbox, mut rx) = Outbox::new(shared);
+                let stats = ReplicaStats::default();
+                let peer = ReplicaId(42);
+                let mut active: Vec<String> = Vec::new();
+                for op in ops {
+                    match op {
+                        Op::Route { prompt, len } => {
+                            // Prompts share prefixes: prompt p's blocks start with p % 3.
+                            let tokens: Vec<u32> = (0..u32::from(len) * 16)
+                                .map(|t| if t < 16 { u32::from(prompt % 3) } else { t + 100 * u32::from(prompt) })
+                                .collect();
+                            let seqs = engine::hash::seq_hashes(&tokens, 16, 0);
+                            let call = engine::router::RouteCall { tokens: &tokens, ..Default::default() };
+                            let r = ours.router_of(WorkerId(1)).unwrap();
+                            let routed = r.route(now, &call, &seqs, &engine::Matches::default()).unwrap();
+                            outbox.added(&routed.request_id, routed.decision.worker, &seqs, tokens.len() as u64, routed.decision.overlap_blocks);
+                            active.push(routed.request_id);
+                        }
+                        Op::Prefill(i) if !active.is_empty() => {
+                            let name = active[usize::from(i) % active.len()].clone();
+                            ours.with_request(&name, |r| r.prefilled(&name)).unwrap();
+                            outbox.prefilled(&name);
+                        }
+                        Op::Finish(i) if !active.is_empty() => {
+                            let name = active.swap_remove(usize::from(i) % active.len());
+                            ours.with_request(&name, |r| r.finish(&name)).unwrap();
+                            outbox.freed(&name);
+                        }
+                        Op::Join(published) => {
+                            let queued: Vec<LoadEvent> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+                            let (before, after) = queued.split_at(usize::from(published).min(queued.len()));
+                            let mut frames = vec![before.to_vec(), state_events(&ours), after.to_vec()];
+                            for f in &frames {
+                                apply_events(&mut live, peer, f, now, &stats);
+                            }
+                            // The late peer hears from the state on.
+                            frames.remove(0);
+                            let mut l = two_workers();
+                            for f in &frames {
+                                apply_events(&mut l, peer, f, now, &stats);
+                            }
+                            late = Some(l);
+                        }
+                        _ => {}
+                    }
+                    let queued: Vec<LoadEvent> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+                    apply_events(&mut live, peer, &queued, now, &stats);
+                    if let Some(l) = late.as_mut() {
+                        apply_events(l, peer, &queued, now, &stats);
+                    }
+                    let want = view(&mut ours);
+                    prop_assert_eq!(&view(&mut live), &want);
+                    if let Some(l) = late.as_mut() {
+                        prop_assert_eq!(&view(l), &want);
+                    }
+                }
+                prop_assert_eq!(stats.refused.load(Relaxed), 0);
+                prop_assert_eq!(stats.unknown_worker.load(Relaxed), 0);
+            }
+        }
+    }
 }
