@@ -1,6 +1,6 @@
 //! Fuzzing that runs on the stable toolchain, in the default test suite: every network
 //! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
-//! bodies, OpenAI request bodies) gets a fixed budget of inputs mutated from a corpus of
+//! bodies, OpenAI request bodies, router replicas' NATS frames) gets a fixed budget of inputs mutated from a corpus of
 //! valid ones (the recorded fixtures under `../shared/data` when present, and inputs built
 //! here with the encoders), on top of the cargo-fuzz targets in `fuzz/` (which need
 //! nightly).
@@ -410,5 +410,63 @@ fn openai_bodies_survive_mutation() {
             }
         }
         accepted
+    });
+}
+
+#[test]
+fn replica_frames_survive_mutation() {
+    use transport::replicas::wire::{
+        Body, Frame, LoadEvent, Resync, WIRE_VERSION, decode_frame, decode_resync, encode_frame,
+        encode_resync,
+    };
+    let events = Frame {
+        version: WIRE_VERSION,
+        replica: 0xabcdef,
+        seq: 9,
+        body: Body::Events(vec![
+            LoadEvent::Reset,
+            LoadEvent::Added {
+                request: "req-1".into(),
+                worker: 3,
+                dp_rank: 1,
+                input_tokens: 4096,
+                overlap_blocks: 12,
+                blocks: (0..40).collect(),
+            },
+            LoadEvent::Prefilled {
+                request: "req-1".into(),
+            },
+            LoadEvent::Freed {
+                request: "kvr-7".into(),
+            },
+        ]),
+    };
+    let heartbeat = Frame {
+        seq: 12,
+        body: Body::Heartbeat {
+            name: "router-a".into(),
+            active: 3,
+        },
+        ..events.clone()
+    };
+    let resync = Resync {
+        version: WIRE_VERSION,
+        from: 5,
+        target: 0,
+    };
+    let corpus = vec![
+        encode_frame(&events).unwrap().to_vec(),
+        encode_frame(&heartbeat).unwrap().to_vec(),
+        encode_resync(&resync).unwrap().to_vec(),
+    ];
+    run("replica frames", corpus, |data| {
+        let frame = decode_frame(data);
+        // What decodes must encode back to a frame that decodes to the same.
+        if let Ok(f) = &frame {
+            let again = decode_frame(&encode_frame(f).unwrap()).unwrap();
+            assert_eq!(&again, f);
+        }
+        let resync = decode_resync(data);
+        frame.is_ok() || resync.is_ok()
     });
 }
