@@ -5,8 +5,10 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::task::JoinHandle;
 use transport::hub::Hub;
 use transport::replicas::{ReplicaConfig, ReplicaLink};
+use transport::state::Loaded;
 
 /// Replica settings.
 #[derive(Debug, Args, Clone)]
@@ -32,7 +34,24 @@ pub struct ReplicaArgs {
     #[arg(long, env = "KVENGINE_REPLICA_TIMEOUT_MS", default_value_t = 5_000,
           value_parser = clap::value_parser!(u64).range(50..=3_600_000))]
     pub replica_timeout_ms: u64,
+    /// JetStream object-store bucket the replicas keep their latest snapshot in: a replica
+    /// that starts restores from it and replays each worker from the snapshot's marks
+    /// (same `--cores` and sharding flags needed). Empty: no warm start from peers.
+    #[arg(
+        long,
+        env = "KVENGINE_REPLICA_SNAPSHOT_BUCKET",
+        default_value = "kvengine-snapshots"
+    )]
+    pub replica_snapshot_bucket: String,
+    /// Seconds between the snapshots this replica puts in the bucket (0: never puts one,
+    /// only reads at start).
+    #[arg(long, env = "KVENGINE_REPLICA_SNAPSHOT_INTERVAL_S", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub replica_snapshot_interval_s: u64,
 }
+
+/// How long a starting replica waits for its peers' snapshot before starting cold.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ReplicaArgs {
     /// The link's configuration, if this router is a replica.
@@ -75,4 +94,60 @@ pub async fn start(hub: &Arc<Hub>, args: &ReplicaArgs) -> Result<Option<ReplicaL
         link.id()
     );
     Ok(Some(link))
+}
+
+impl ReplicaArgs {
+    fn bucket(&self) -> Option<&str> {
+        let bucket = self.replica_snapshot_bucket.as_str();
+        (self.replica_nats.as_deref().is_some_and(|u| !u.is_empty()) && !bucket.is_empty())
+            .then_some(bucket)
+    }
+}
+
+/// The peers' latest snapshot and the seconds it took to fetch, if this router is a
+/// replica and they have one (before the engine starts, so on a runtime of its own).
+/// Anything that goes wrong is said and means a cold start.
+pub fn fetch_snapshot(args: &ReplicaArgs) -> Option<(Loaded, f64)> {
+    let bucket = args.bucket()?;
+    let url = args.replica_nats.as_deref()?;
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvengine: warning: cannot fetch the peers' snapshot: {e}");
+            return None;
+        }
+    };
+    match runtime.block_on(transport::replicas::warm::fetch(url, bucket, FETCH_TIMEOUT)) {
+        Ok(Some((loaded, seconds))) => {
+            println!(
+                "kvengine: fetched the replicas' snapshot from bucket {bucket} ({} MB in {seconds:.3} s)",
+                loaded.len() >> 20
+            );
+            Some((loaded, seconds))
+        }
+        Ok(None) => {
+            println!("kvengine: no snapshot in bucket {bucket} yet; no warm start from peers");
+            None
+        }
+        Err(e) => {
+            eprintln!("kvengine: warning: no warm start from peers: {e}");
+            None
+        }
+    }
+}
+
+/// Starts putting this replica's snapshots in the bucket, if configured.
+pub fn put_snapshots(
+    hub: &Arc<Hub>,
+    link: &ReplicaLink,
+    args: &ReplicaArgs,
+    policy: &str,
+) -> Option<JoinHandle<()>> {
+    let bucket = args.bucket()?;
+    let every = (args.replica_snapshot_interval_s > 0)
+        .then(|| Duration::from_secs(args.replica_snapshot_interval_s))?;
+    Some(link.put_snapshots_every(hub.clone(), bucket.to_owned(), policy.to_owned(), every))
 }

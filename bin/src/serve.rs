@@ -490,6 +490,7 @@ fn run_on_cores(
     let policy = sharding.describe();
     let shards = engine::sharding::ShardPolicy::shards(&sharding);
     let (hosted, warm) = crate::warm::start_engine(
+        crate::replicas::fetch_snapshot(&args.replicas),
         args.state_dir.as_deref(),
         args.snapshot_interval_s,
         shards,
@@ -511,12 +512,13 @@ fn run_on_cores(
     let results: Vec<Result<CoreSummary>> = std::thread::scope(|scope| {
         let mut threads = Vec::with_capacity(cores);
         for (k, (host, listener)) in hosted.cores.into_iter().zip(listeners).enumerate() {
-            let (hub, stop, handle_tx, app_rx, tls) = (
+            let (hub, stop, handle_tx, app_rx, tls, policy) = (
                 hub.clone(),
                 stop.clone(),
                 handle_tx.clone(),
                 app_rx.clone(),
                 shared_tls.clone(),
+                policy.clone(),
             );
             let setup = if k == 0 {
                 app_tx
@@ -545,7 +547,7 @@ fn run_on_cores(
                             Some((app_tx, handles, warm)) => {
                                 let handles = collect_handles(handles, cores, args.no_pin)?;
                                 let share = Some(app_tx);
-                                let startup = Startup { tls, warm };
+                                let startup = Startup { tls, warm, policy };
                                 serve(hub, args, stop, listener, handles, share, startup).await
                             }
                             None => serve_share(listener, app_rx, stop, tls).await,
@@ -709,6 +711,7 @@ fn run_threaded(
     };
     let policy = sharding.describe();
     let ((hub, runtime), warm) = crate::warm::start_engine(
+        crate::replicas::fetch_snapshot(&args.replicas),
         args.state_dir.as_deref(),
         args.snapshot_interval_s,
         cores,
@@ -747,6 +750,7 @@ fn run_threaded(
             Startup {
                 tls: edge_tls(args)?,
                 warm,
+                policy: policy.clone(),
             },
         )
         .await
@@ -950,6 +954,8 @@ fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqS
 struct Startup {
     tls: Option<EdgeTls>,
     warm: Option<crate::warm::Warm>,
+    /// The sharding policy (snapshots record it).
+    policy: String,
 }
 
 async fn serve(
@@ -959,7 +965,7 @@ async fn serve(
     listener: tokio::net::TcpListener,
     spawner: Homes,
     share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
-    Startup { tls, warm }: Startup,
+    Startup { tls, warm, policy }: Startup,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
     // Before any subscription starts: restored workers get their resume points.
@@ -1091,15 +1097,17 @@ async fn serve(
         );
     }
     let snapshots = warm.as_ref().and_then(|w| {
-        w.interval.map(|every| {
-            tokio::spawn(transport::state::snapshot_every(
-                hub.clone(),
-                w.dir.clone(),
-                w.policy.clone(),
-                every,
-            ))
-        })
+        let (dir, every) = w.dir.as_ref().zip(w.interval)?;
+        Some(tokio::spawn(transport::state::snapshot_every(
+            hub.clone(),
+            dir.clone(),
+            w.policy.clone(),
+            every,
+        )))
     });
+    let peer_snapshots = replica_link
+        .as_ref()
+        .and_then(|link| crate::replicas::put_snapshots(&hub, link, &args.replicas, &policy));
     let on_remove = {
         let subs = subs.clone();
         Arc::new(move |worker: WorkerId| unsubscribe(&subs, worker, None))
@@ -1165,12 +1173,17 @@ async fn serve(
     {
         task.abort();
     }
-    if let Some(w) = &warm {
+    if let Some(p) = peer_snapshots {
+        p.abort();
+    }
+    if let Some(w) = &warm
+        && let Some(dir) = &w.dir
+    {
         // The subscriptions are stopped: this snapshot holds everything they applied.
-        if transport::state::save_now(&hub, &w.dir, &w.policy).await {
+        if transport::state::save_now(&hub, dir, &w.policy).await {
             println!(
                 "kvengine: snapshot written to {}",
-                w.dir.snapshot_path().display()
+                dir.snapshot_path().display()
             );
         }
     }

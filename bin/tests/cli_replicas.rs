@@ -15,9 +15,10 @@ use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A `kvengine sim` process and its `--zmq-worker` flags.
+/// A `kvengine sim` process, its workers' URLs and their `--zmq-worker` flags.
 struct Sims {
     child: Child,
+    urls: Vec<String>,
     flags: Vec<String>,
 }
 
@@ -41,12 +42,30 @@ impl Sims {
             let mut sink = String::new();
             let _ = out.read_to_string(&mut sink);
         });
-        let flags = text
+        let lines: Vec<&str> = text
             .lines()
+            .filter(|l| l.contains("--zmq-worker "))
+            .collect();
+        let flags = lines
+            .iter()
             .filter_map(|l| l.split("--zmq-worker ").nth(1))
             .map(|f| f.trim().to_owned())
             .collect();
-        Sims { child, flags }
+        let urls = lines
+            .iter()
+            .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("http://")))
+            .map(str::to_owned)
+            .collect();
+        Sims { child, urls, flags }
+    }
+
+    /// Has worker `w` serve a prompt (so it caches the prompt's blocks and says so).
+    fn serve(&self, w: usize, tokens: &[u32]) {
+        let addr = self.urls[w].strip_prefix("http://").unwrap();
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let body = format!(r#"{{"prompt": [{}], "max_tokens": 2}}"#, ids.join(","));
+        let (status, answer) = common::try_call(addr, "POST", "/v1/completions", &body).unwrap();
+        assert_eq!(status, 200, "{answer}");
     }
 }
 
@@ -253,4 +272,113 @@ fn replicas_share_load_and_survive_a_dead_replica_and_a_nats_outage() {
         assert_eq!(ready_details(r)["replicas"]["load"], "shared");
         assert!(r.metric("kvengine_replica_states_sent_total").unwrap() >= 1.0);
     }
+}
+
+fn prompt(i: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|t| t + 10_000 * i).collect()
+}
+
+fn overlap(r: &Router, tokens: &[u32]) -> serde_json::Value {
+    let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+    let (status, body) = r.call(
+        "POST",
+        "/v1/overlap",
+        &format!(r#"{{"token_ids": [{}]}}"#, ids.join(",")),
+    );
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["scores"].clone()
+}
+
+/// Waits until `r` indexes every prompt of `prompts`. A subscription that connected after
+/// a worker's last batch learns of the batches it missed (and replays them) at that
+/// worker's next batch, which a busy worker sends soon: each wait nudges both workers with
+/// a fresh prompt.
+fn indexed(r: &Router, sims: &Sims, prompts: &[Vec<u32>]) {
+    let mut nudge = 1_000;
+    eventually(20, "the workers' caches indexed", || {
+        let seen: Vec<_> = prompts.iter().map(|p| overlap(r, p)).collect();
+        if seen.iter().all(|s| s != &serde_json::json!([])) {
+            return Ok(());
+        }
+        for w in 0..sims.urls.len() {
+            nudge += 1;
+            sims.serve(w, &prompt(nudge, 1));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        Err(format!("{seen:?}"))
+    });
+}
+
+#[test]
+fn a_new_replica_starts_from_its_peers_snapshot_and_replays_from_its_marks() {
+    let Some(nats) = nats_or_skip() else {
+        return;
+    };
+    let url = nats.url();
+    let sims = Sims::start(2);
+    let mut args = vec![
+        "--replica-nats",
+        url.as_str(),
+        "--replica-snapshot-interval-s",
+        "1",
+        "--tokenizer",
+        "stand-in",
+    ];
+    for f in &sims.flags {
+        args.extend(["--zmq-worker", f.as_str()]);
+    }
+    let a = Router::start(&args);
+    assert!(
+        a.out
+            .contains("no snapshot in bucket kvengine-snapshots yet"),
+        "{}",
+        a.out
+    );
+    // The workers cache some prompts; A indexes them, then puts a snapshot.
+    let before: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 4 + i)).collect();
+    for (i, p) in before.iter().enumerate() {
+        sims.serve(i % 2, p);
+    }
+    indexed(&a, &sims, &before);
+    let puts = a
+        .metric("kvengine_replica_snapshots_put_total")
+        .unwrap_or(0.0);
+    eventually(20, "A puts a snapshot with them", || {
+        match a
+            .metric("kvengine_replica_snapshots_put_total")
+            .unwrap_or(0.0)
+            >= puts + 1.0
+        {
+            true => Ok(()),
+            false => Err("no new snapshot".into()),
+        }
+    });
+    // What the workers cache after the snapshot must reach B too: through the replay
+    // from the snapshot's marks, since B was not subscribed when it was published.
+    let after: Vec<Vec<u32>> = (10..13).map(|i| prompt(i, 3)).collect();
+    for (i, p) in after.iter().enumerate() {
+        sims.serve(i % 2, p);
+    }
+    indexed(&a, &sims, &after);
+    let b = Router::start(&args);
+    let restored = b
+        .out
+        .lines()
+        .find(|l| l.contains("from a peer replica's snapshot"))
+        .unwrap_or_else(|| panic!("B did not restore from the peers' snapshot: {}", b.out));
+    assert!(!restored.contains("restored 0 index"), "{restored}");
+    eventually(
+        20,
+        "B holds what A holds, before and after the snapshot",
+        || {
+            for p in before.iter().chain(&after) {
+                let (x, y) = (overlap(&a, p), overlap(&b, p));
+                if x != y {
+                    return Err(format!("A {x} vs B {y}"));
+                }
+            }
+            Ok(())
+        },
+    );
+    assert!(b.metric("kvengine_resyncs_total").unwrap_or(0.0) == 0.0);
 }

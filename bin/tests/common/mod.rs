@@ -98,26 +98,7 @@ impl Router {
     /// One HTTP/1.1 request; `None` if the router could not be reached or answered
     /// nonsense.
     pub fn try_call(&self, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-        let mut s = TcpStream::connect(&self.http).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .ok()?;
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).ok()?;
-        let status = resp.get(9..12)?.parse().ok()?;
-        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-        if head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked")
-        {
-            return Some((status, dechunk(body)));
-        }
-        Some((status, body.to_owned()))
+        try_call(&self.http, method, path, body)
     }
 
     /// One HTTP/1.1 request; returns (status, body).
@@ -150,6 +131,31 @@ impl Router {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// One HTTP/1.1 request to `addr` (`host:port`); `None` if it could not be reached or
+/// answered nonsense.
+pub fn try_call(addr: &str, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).ok()?;
+    let status = resp.get(9..12)?.parse().ok()?;
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Some((status, dechunk(body)));
+    }
+    Some((status, body.to_owned()))
 }
 
 /// The payload of a chunked HTTP/1.1 body.

@@ -587,6 +587,16 @@ fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
             &s.peers_expired,
         ),
         (
+            "kvengine_replica_snapshots_put",
+            "Snapshots put in the replicas' object store",
+            &s.snapshots_put,
+        ),
+        (
+            "kvengine_replica_snapshot_failures",
+            "Snapshots that could not be put in the object store",
+            &s.snapshot_failures,
+        ),
+        (
             "kvengine_replica_busy_nanoseconds",
             "Nanoseconds the sync spent encoding, decoding and applying (its CPU)",
             &s.busy_ns,

@@ -58,6 +58,25 @@ impl ReplicaLink {
         &self.client
     }
 
+    /// Puts a snapshot of `hub` (sharded under `policy`) in `bucket` every `interval`, for
+    /// replicas that start ([`super::warm`]); abort the task to stop.
+    pub fn put_snapshots_every(
+        &self,
+        hub: Arc<Hub>,
+        bucket: String,
+        policy: String,
+        interval: Duration,
+    ) -> JoinHandle<()> {
+        tokio::spawn(super::warm::put_every(
+            hub,
+            self.client.clone(),
+            bucket,
+            policy,
+            interval,
+            self.shared.clone(),
+        ))
+    }
+
     /// Stops the task (peers then find this replica dead after their timeout).
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);

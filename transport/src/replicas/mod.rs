@@ -64,10 +64,6 @@ pub struct ReplicaConfig {
     pub heartbeat: Duration,
     /// A peer silent this long is dead and its load is dropped.
     pub peer_timeout: Duration,
-    /// JetStream object-store bucket for snapshots (`None`: no warm start from peers).
-    pub snapshot_bucket: Option<String>,
-    /// Interval between snapshots put in the bucket (`None`: never put one).
-    pub snapshot_interval: Option<Duration>,
 }
 
 impl ReplicaConfig {
@@ -79,8 +75,6 @@ impl ReplicaConfig {
             name: default_name(),
             heartbeat: Duration::from_secs(1),
             peer_timeout: Duration::from_secs(5),
-            snapshot_bucket: None,
-            snapshot_interval: None,
         }
     }
 
@@ -193,6 +187,10 @@ pub struct ReplicaStats {
     pub peers_expired: AtomicU64,
     /// Nanoseconds the link spent encoding, decoding and applying (its CPU, on one thread).
     pub busy_ns: AtomicU64,
+    /// Snapshots put in the object store ([`warm`]) ...
+    pub snapshots_put: AtomicU64,
+    /// ... and the puts that failed (logged).
+    pub snapshot_failures: AtomicU64,
 }
 
 /// Where the replica link stands.

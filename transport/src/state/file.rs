@@ -24,6 +24,8 @@ pub enum Backend {
     IoUring,
     /// `std::fs` (no io_uring here).
     Std,
+    /// Not a file: received from a peer replica (NATS).
+    Network,
 }
 
 impl Backend {
@@ -32,6 +34,7 @@ impl Backend {
         match self {
             Backend::IoUring => "io_uring",
             Backend::Std => "std",
+            Backend::Network => "nats",
         }
     }
 }

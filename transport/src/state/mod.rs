@@ -231,28 +231,7 @@ impl StateDir {
     }
 
     fn save_inner(&self, hub: &Hub, policy: &str, started: Instant) -> Result<Written> {
-        let mut image = hub.snapshot_engine()?;
-        image.policy = policy.to_owned();
-        let registrations = hub.workers();
-        let api = hub.persisted().api_workers();
-        let meta = Meta {
-            version: META_VERSION,
-            taken_unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
-            policy: policy.to_owned(),
-            workers: registrations
-                .iter()
-                .filter(|w| api.contains(&w.registration.worker))
-                .map(|w| SavedWorker::of(&w.registration))
-                .collect(),
-        };
-        let meta = serde_json::to_vec(&meta).map_err(|e| TransportError::Invalid {
-            name: "snapshot meta",
-            reason: e.to_string(),
-        })?;
-        let bytes = snapshot::encode(&image, &meta)?;
-        drop(image);
+        let bytes = encode_snapshot(hub, policy)?;
         let len = bytes.len();
         let backend = file::write_atomic(&self.snapshot_path(), bytes)
             .map_err(|e| io_err("writing the snapshot", e))?;
@@ -281,6 +260,34 @@ impl StateDir {
     }
 }
 
+/// A snapshot of `hub`'s engine (taken under the sharding `policy`) and its API workers, as
+/// the bytes of a snapshot file (what [`StateDir::save`] writes and peer replicas put in
+/// their object store). Blocking: run it on a thread that is not a core's (see
+/// [`Hub::snapshot_engine`]).
+pub fn encode_snapshot(hub: &Hub, policy: &str) -> Result<AlignedVec> {
+    let mut image = hub.snapshot_engine()?;
+    image.policy = policy.to_owned();
+    let registrations = hub.workers();
+    let api = hub.persisted().api_workers();
+    let meta = Meta {
+        version: META_VERSION,
+        taken_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        policy: policy.to_owned(),
+        workers: registrations
+            .iter()
+            .filter(|w| api.contains(&w.registration.worker))
+            .map(|w| SavedWorker::of(&w.registration))
+            .collect(),
+    };
+    let meta = serde_json::to_vec(&meta).map_err(|e| TransportError::Invalid {
+        name: "snapshot meta",
+        reason: e.to_string(),
+    })?;
+    Ok(snapshot::encode(&image, &meta)?)
+}
+
 /// A snapshot file read into memory.
 #[derive(Debug)]
 pub struct Loaded {
@@ -306,6 +313,16 @@ impl std::fmt::Debug for Checked<'_> {
 }
 
 impl Loaded {
+    /// A snapshot received whole from elsewhere (a peer replica's, from NATS).
+    pub fn received(bytes: &[u8]) -> Self {
+        let mut aligned = AlignedVec::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        Self {
+            bytes: aligned,
+            backend: file::Backend::Network,
+        }
+    }
+
     /// File bytes.
     pub fn len(&self) -> usize {
         self.bytes.len()
