@@ -352,8 +352,10 @@ impl Link {
             }
         };
         let peer = ReplicaId(frame.replica);
-        if peer == self.id {
-            return; // our own, echoed
+        // Our own, echoed; or heard from the buffer after the link dropped, when peers'
+        // load is not trusted (their states come again when it is back).
+        if peer == self.id || !self.connected {
+            return;
         }
         self.stats().frames_received.fetch_add(1, Relaxed);
         self.stats()
