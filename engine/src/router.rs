@@ -16,7 +16,7 @@
 //!    and interned iff active, like a local one; the two name spaces never meet (a peer's
 //!    name can neither be finished locally nor block a local name). Its blocks count in
 //!    its worker's load exactly as a local request's would, so a block two replicas' requests
-//!    share counts once.
+//!    share counts once; in approximate mode it is a prediction too (invariant 3).
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -346,6 +346,10 @@ impl Router {
         self.next_id += 1;
         self.remote.insert(scoped.clone(), id);
         self.remote_names.insert(id, scoped);
+        // In approximate mode a peer's decision predicts the worker's cache as ours would.
+        if let Some(a) = &mut self.approx {
+            a.insert(now, request.key, request.blocks);
+        }
         Ok(true)
     }
 
@@ -694,5 +698,13 @@ mod tests {
         r.route(now, &call, &seqs, &m).unwrap();
         let m = r.predicted_matches(now, &seqs).unwrap();
         assert_eq!(m.overlap(WorkerKey::new(7, 0)), 2);
+        // A peer replica's decision predicts as much.
+        r.add_worker(WorkerKey::new(8, 0), WorkerRole::default())
+            .unwrap();
+        let theirs = [SeqHash(1), SeqHash(2), SeqHash(3)];
+        let peer = remote(ReplicaId(5), "p", WorkerKey::new(8, 0), &theirs, 48);
+        r.add_remote(now, &peer).unwrap();
+        let m = r.predicted_matches(now, &theirs).unwrap();
+        assert_eq!(m.overlap(WorkerKey::new(8, 0)), 3);
     }
 }
