@@ -158,6 +158,8 @@ impl Cluster {
         };
         let mut routers = routers.into_iter();
         let Some(router) = routers.next() else {
+            // Not reached (`replicas` >= 1), but nothing is left running if it were.
+            let _ = stop(sync, Vec::new(), workers).await;
             bail!("no router started");
         };
         Ok(Self {
