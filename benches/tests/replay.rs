@@ -4,8 +4,9 @@
 use engine::WorkerId;
 use kvengine_benches::replay::client::{ClientConfig, RequestResult, SseState, replay};
 use kvengine_benches::replay::cluster::{Cluster, ClusterConfig};
+use kvengine_benches::replay::replicas::SyncTotals;
 use kvengine_benches::replay::report::{
-    RunInfo, load_spread, percentile, sorted, summarize, table,
+    RunInfo, load_spread, percentile, sorted, summarize, sync_table, table,
 };
 use kvengine_benches::replay::trace::{
     TraceOptions, chat_workload, expand, hit_rate_bound, parse_trace,
@@ -141,9 +142,9 @@ fn percentiles_and_spread() {
     assert_eq!(load_spread(&[]), 0.0);
 }
 
-#[test]
-fn summary_of_synthetic_results() {
-    let info = RunInfo {
+/// A run of two workers, without replicas.
+fn synthetic_info() -> RunInfo {
+    RunInfo {
         mode: RunMode::Kv,
         workload: "synthetic".into(),
         workers: vec![WorkerId(1), WorkerId(2)],
@@ -157,7 +158,13 @@ fn summary_of_synthetic_results() {
         chosen_overlap_blocks: 0.0,
         best_overlap_blocks: 0.0,
         block_size: 16,
-    };
+        sync: None,
+    }
+}
+
+#[test]
+fn summary_of_synthetic_results() {
+    let info = synthetic_info();
     let mut results = vec![
         result(1, 100.0, &[10.0, 20.0], 1000, 500),
         result(2, 300.0, &[30.0], 1000, 0),
@@ -208,7 +215,64 @@ fn summary_of_synthetic_results() {
         assert!(json.get(key).is_some(), "missing {key}");
     }
     assert_eq!(json["mode"], "kv");
+    assert!(
+        json.get("replicas").is_none(),
+        "no replicas, no sync figures"
+    );
+    assert_eq!(sync_table(std::slice::from_ref(&r)), "");
     assert!(table(&[r]).lines().nth(1).unwrap().starts_with("kv "));
+}
+
+#[test]
+fn sync_figures_are_per_routed_request() {
+    let info = RunInfo {
+        sync: Some(SyncTotals {
+            replicas: 3,
+            frames_sent: 30,
+            bytes_sent: 6000,
+            events_sent: 9,
+            events_applied: 18,
+            busy_ns: 3_000_000,
+            nats_cpu_ns: Some(10_000_000),
+            ..SyncTotals::default()
+        }),
+        ..synthetic_info()
+    };
+    // Three routed (one of them failed after routing), one never routed.
+    let mut results = vec![
+        result(1, 100.0, &[], 100, 0),
+        result(2, 100.0, &[], 100, 0),
+        RequestResult {
+            worker: Some(1),
+            error: Some("the stream ended without [DONE]".into()),
+            ..RequestResult::default()
+        },
+        RequestResult {
+            error: Some("sending: refused".into()),
+            ..RequestResult::default()
+        },
+    ];
+    for (i, r) in results.iter_mut().enumerate() {
+        r.index = i;
+    }
+    let r = summarize(&info, &results);
+    let s = r.sync.clone().unwrap();
+    assert_eq!(s.replicas, 3);
+    assert_eq!(s.sync_frames_per_request, 10.0);
+    assert_eq!(s.sync_bytes_per_request, 2000.0);
+    assert_eq!(s.sync_cpu_us_per_request, 1000.0);
+    assert_eq!(s.nats_cpu_us_per_request, Some(10_000.0 / 3.0));
+    assert_eq!((s.sync_events_sent, s.sync_events_applied), (9, 18));
+    // Flattened beside the usual figures.
+    let json = serde_json::to_value(&r).unwrap();
+    assert_eq!(json["replicas"], 3);
+    assert_eq!(json["sync_bytes_per_request"], 2000.0);
+    assert_eq!(json["sync_events_dropped"], 0);
+    assert!(json.get("sync").is_none());
+    let text = sync_table(&[r]);
+    let row = text.lines().nth(1).unwrap();
+    assert!(row.starts_with("kv "), "{text}");
+    assert!(row.contains(" 2000 ") && row.contains(" 1000.0 "), "{text}");
 }
 
 #[test]
@@ -357,6 +421,7 @@ fn small_replay_end_to_end() {
                 chosen_overlap_blocks: 0.0,
                 best_overlap_blocks: 0.0,
                 block_size: 16,
+                sync: None,
             };
             cluster.shutdown().await.unwrap();
             summarize(&info, &results)

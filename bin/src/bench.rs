@@ -29,8 +29,9 @@ pub enum BenchCommand {
     Ingest(IngestBench),
     /// Routing quality: replay a Mooncake trace (or the built-in chat workload) open loop
     /// through the router onto simulated vLLM workers, per routing mode (with --disagg P:D,
-    /// on prefill and decode workers against aggregated kv); prints a table and writes the
-    /// figures as JSON (--json) and an SVG (--plot).
+    /// on prefill and decode workers against aggregated kv; with --replicas N, through N
+    /// router replicas sharing their load over NATS); prints a table and writes the figures
+    /// as JSON (--json) and an SVG (--plot).
     Replay(ReplayBench),
     /// Warm restart: build an index of --entries (block, worker) entries, then per repeat
     /// time the snapshot cut, encode, file write, and the restart to serving (read, decode,
@@ -258,6 +259,15 @@ pub struct ReplayBench {
     #[arg(long, value_name = "P:D", env = "KVENGINE_BENCH_DISAGG",
           value_parser = disagg::parse_split)]
     disagg: Option<(usize, usize)>,
+    /// Router replicas: run N routers (each its own engine, hub and front door) in front of
+    /// the same workers, sharing their load over a NATS server started for each mode (needs
+    /// `nats-server`: on PATH or in KVENGINE_NATS_SERVER); requests go round robin over
+    /// them. The figures keep their meaning, for comparison with --replicas 1; a second
+    /// table (and the JSON's replicas, sync_* and nats_cpu_us_per_request) gives what the
+    /// sync cost per routed request.
+    #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_REPLICAS",
+          value_parser = clap::value_parser!(u16).range(1..=replay::MAX_REPLICAS as i64))]
+    replicas: u16,
     /// The hand-off protocol of --disagg runs: vllm, sglang or trtllm.
     #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_DISAGG_PROTOCOL",
           value_parser = parse_protocol, requires = "disagg")]
@@ -363,6 +373,14 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
     disagg::plan(&modes, spec.as_ref())
         .map_err(anyhow::Error::msg)
         .context("--mode")?;
+    // Fail before loading the workload: replicas cannot run without a NATS server.
+    if b.replicas > 1 && kvengine_benches::nats::find_binary().is_none() {
+        anyhow::bail!(
+            "--replicas {}: no nats-server found: {}",
+            b.replicas,
+            kvengine_benches::nats::INSTALL_HINT
+        );
+    }
     let max = b
         .max_requests
         .map(usize::try_from)
@@ -403,6 +421,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         rate_scale: b.rate_scale,
         progress: true,
         disagg: spec,
+        replicas: usize::from(b.replicas),
         ..ReplayConfig::default()
     };
     eprintln!("{}", replay::describe(&workload, &cfg));
@@ -412,6 +431,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
     } else {
         print!("{}", report::table(&reports));
     }
+    print!("{}", report::sync_table(&reports));
     if let Some(path) = &b.json {
         match reports.as_slice() {
             [one] => kvengine_benches::write_json(one, path)?,

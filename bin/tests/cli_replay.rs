@@ -1,4 +1,5 @@
-//! `kvengine bench replay` as a user runs it: a small trace, every mode, JSON and SVG.
+//! `kvengine bench replay` as a user runs it: a small trace, every mode, JSON and SVG;
+//! disaggregated; through router replicas on a real NATS server.
 
 use std::process::{Command, Output};
 
@@ -109,6 +110,7 @@ fn replay_all_modes_writes_json_array_and_svg() {
     for mode in ["kv ", "round-robin ", "random ", "kv-no-events "] {
         assert!(stdout.lines().any(|l| l.starts_with(mode)), "{stdout}");
     }
+    assert!(!stdout.contains("replica sync"), "{stdout}");
     let reports = doc.as_array().expect("several modes: an array");
     assert_eq!(reports.len(), 4);
     for r in reports {
@@ -136,6 +138,9 @@ fn replay_all_modes_writes_json_array_and_svg() {
         assert_eq!(r["errors"], 0);
         assert_eq!(r["workers"], 2);
         assert_eq!(r["speedup"], 20.0);
+        // One router: no replica figures, as before replicas existed.
+        assert!(r.get("replicas").is_none(), "{r}");
+        assert!(r.get("sync_bytes_per_request").is_none(), "{r}");
         assert!(r["hit_rate_bound"].as_f64().unwrap() > 0.3);
     }
     let svg_text = std::fs::read_to_string(&d.svg).unwrap();
@@ -158,8 +163,10 @@ fn replay_all_modes_writes_json_array_and_svg() {
 #[test]
 fn bad_replay_flags_exit_non_zero_with_a_message() {
     type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
-    let cases: [Case<'_>; 4] = [
+    let cases: [Case<'_>; 6] = [
         (&["bench", "replay", "--mode", "fastest"], &[], "fastest"),
+        (&["bench", "replay", "--replicas", "0"], &[], "--replicas"),
+        (&["bench", "replay", "--replicas", "17"], &[], "--replicas"),
         (&["bench", "replay", "--speedup", "0"], &[], "--speedup"),
         (
             &["bench", "replay", "--trace", "/nonexistent/trace.jsonl"],
@@ -307,4 +314,77 @@ fn bad_disagg_flags_exit_non_zero_with_a_message() {
         assert!(!out.status.success(), "{flags:?} succeeded");
         assert!(stderr.contains(needle), "{flags:?}: {stderr}");
     }
+}
+
+/// `--replicas 2` on a real NATS server: the requests spread over two routers in front of
+/// the same workers, every one served, the replicas' load shared (events sent and applied,
+/// none dropped), the sync's cost reported beside the usual figures. Skipped without
+/// `nats-server` unless `KVENGINE_NATS_REQUIRED=1`.
+#[test]
+fn replay_through_two_replicas_shares_their_load_over_nats() {
+    use kvengine_benches::nats::{INSTALL_HINT, find_binary};
+    let Some(nats) = find_binary() else {
+        assert!(
+            std::env::var("KVENGINE_NATS_REQUIRED").as_deref() != Ok("1"),
+            "KVENGINE_NATS_REQUIRED=1 but no nats-server: {INSTALL_HINT}"
+        );
+        eprintln!("skipping the replica replay test: no nats-server ({INSTALL_HINT})");
+        return;
+    };
+    let d = ReplayDir::new("replay-replicas");
+    // `kvengine` below runs with no KVENGINE_* variable but those given: name the server.
+    let nats = nats.to_str().unwrap().to_owned();
+    let (stdout, doc) = d.replay(
+        &[
+            "--replicas",
+            "2",
+            "--mode",
+            "kv",
+            "--workers",
+            "2",
+            "--speedup",
+            "20",
+            "--kv-blocks",
+            "1024",
+        ],
+        &[("KVENGINE_NATS_SERVER", &nats)],
+    );
+    assert!(stdout.lines().any(|l| l.starts_with("kv ")), "{stdout}");
+    let sync_table: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("replica sync"))
+        .collect();
+    assert!(
+        sync_table.get(1).is_some_and(|l| l.starts_with("kv ")),
+        "{stdout}"
+    );
+    assert_eq!(doc["mode"], "kv", "{doc}");
+    assert_eq!(
+        (doc["requests"].as_u64(), doc["errors"].as_u64()),
+        (Some(12), Some(0)),
+        "{doc}"
+    );
+    assert_eq!(doc["router_active_after"], 0, "{doc}");
+    assert_eq!(doc["replicas"], 2, "{doc}");
+    assert!(doc["cache_hit_rate"].as_f64().unwrap() > 0.0, "{doc}");
+    assert!(
+        doc["sync_bytes_per_request"].as_f64().unwrap() > 0.0,
+        "{doc}"
+    );
+    assert!(
+        doc["sync_frames_per_request"].as_f64().unwrap() > 0.0,
+        "{doc}"
+    );
+    assert!(
+        doc["sync_cpu_us_per_request"].as_f64().unwrap() > 0.0,
+        "{doc}"
+    );
+    assert!(doc["nats_cpu_us_per_request"].as_f64().is_some(), "{doc}");
+    // Each request's route, prefill and end, from whichever replica routed it, reached
+    // the other one.
+    let sent = doc["sync_events_sent"].as_u64().unwrap();
+    assert!(sent >= 3 * 12, "{doc}");
+    assert_eq!(doc["sync_events_applied"].as_u64(), Some(sent), "{doc}");
+    assert_eq!(doc["sync_events_dropped"], 0, "{doc}");
+    assert_eq!(doc["sync_gaps"], 0, "{doc}");
 }

@@ -1,5 +1,7 @@
 //! The open-loop client: each request is sent at its arrival time (divided by the
 //! speedup), whatever happened to the earlier ones, and its answer is read as it streams.
+//! With several routers ([`replay_over`], router replicas) request `i` goes to router
+//! `i % N`, as a round-robin load balancer in front of the replicas would send it.
 //!
 //! A request is `POST /v1/completions` with the prompt as token ids, `max_tokens`,
 //! `stream: true` and `stream_options.include_usage`. Per request, in simulated time (wall
@@ -112,6 +114,26 @@ pub async fn replay(
     cfg: &ClientConfig,
     done: Arc<dyn Fn() + Send + Sync>,
 ) -> Vec<RequestResult> {
+    replay_over(&[base_url.to_owned()], requests, cfg, done).await
+}
+
+/// [`replay`] over several routers: request `i` goes to `base_urls[i % N]`. Without any
+/// URL every request fails (invariant 1 still holds).
+pub async fn replay_over(
+    base_urls: &[String],
+    requests: &[ReplayRequest],
+    cfg: &ClientConfig,
+    done: Arc<dyn Fn() + Send + Sync>,
+) -> Vec<RequestResult> {
+    if base_urls.is_empty() {
+        return (0..requests.len())
+            .map(|index| RequestResult {
+                index,
+                error: Some("no router to send to".into()),
+                ..RequestResult::default()
+            })
+            .collect();
+    }
     let speedup = if cfg.speedup.is_finite() && cfg.speedup > 0.0 {
         cfg.speedup
     } else {
@@ -120,11 +142,14 @@ pub async fn replay(
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .build_http();
-    let url: Arc<str> = Arc::from(format!("{}/v1/completions", base_url.trim_end_matches('/')));
+    let urls: Vec<Arc<str>> = base_urls
+        .iter()
+        .map(|u| Arc::from(format!("{}/v1/completions", u.trim_end_matches('/'))))
+        .collect();
     // A short head start so the first arrivals are not late by the setup.
     let start = Instant::now() + Duration::from_millis(20);
     let mut tasks = Vec::with_capacity(requests.len());
-    for (index, r) in requests.iter().enumerate() {
+    for ((index, r), url) in requests.iter().enumerate().zip(urls.iter().cycle()) {
         let at = Duration::try_from_secs_f64(r.arrival_ms.max(0.0) / 1000.0 / speedup)
             .unwrap_or(Duration::ZERO);
         let due = start + at;

@@ -1,11 +1,10 @@
-//! The router and its simulated workers in one process, on the current tokio runtime.
+//! The router(s) and their simulated workers in one process, on the current tokio runtime.
 //!
-//! [`Cluster::start`] starts the engine and hub ([`start_engine`], unpinned), the HTTP
-//! edge merged with the OpenAI proxy on `127.0.0.1:0`, and `workers` simulated vLLM
-//! workers ([`spawn_mixed_cluster`]); each worker is registered with the hub under id
-//! `i + 1` with its HTTP URL, ZMQ publisher and replay endpoints, and subscribed to
-//! ([`spawn_subscriber`]). In [`RunMode::KvNoEvents`] the hub predicts the caches from its
-//! own decisions ([`Hub::without_kv_events`]) and nothing is subscribed.
+//! [`Cluster::start`] starts `workers` simulated vLLM workers ([`spawn_mixed_cluster`]),
+//! then the router in front of them ([`Router::start`]: engine, hub, subscriptions, HTTP
+//! edge and OpenAI proxy; worker `i` has id `i + 1`). With `replicas` N > 1 it starts N
+//! such routers, all in front of the same workers under the same ids, and links their hubs
+//! through a NATS server of their own ([`ReplicaSync`]), so each counts the others' load.
 //!
 //! A disaggregated cluster ([`ClusterConfig::disaggregated`]) starts `P` prefill workers
 //! (ids `1..=P`) then `D` decode workers, each registered with its role (and, for SGLang's
@@ -13,40 +12,33 @@
 //! split, and the mode applies to the choice in both pools.
 //!
 //! # Invariants
-//! 1. [`Cluster::shutdown`] stops everything it started, in order: the HTTP edge (open
-//!    connections finish), the subscriptions, the workers, the cached-blocks refresher;
-//!    then the last hub reference is dropped and the engine's threads are joined.
+//! 1. [`Cluster::shutdown`] stops everything it started, in order: the replica links (they
+//!    hold the hubs), each router ([`Router::shutdown`]), the workers, the NATS server.
 //! 2. A failed start stops what it had started.
+//! 3. With `replicas` 1 there is no NATS server and no replica link: the cluster is the
+//!    single router it always was.
 
 use super::disagg::DisaggSpec;
+use super::replicas::{ReplicaSync, SyncTotals};
+use super::router::{Router, worker_ids};
 use super::{ReplayConfig, RunMode};
 use anyhow::{Context, Result, anyhow, bail};
 use engine::WorkerId;
-use engine::approx::ApproxConfig;
-use engine::runtime::{Runtime, RuntimeConfig};
-use engine::sched::SchedulerConfig;
-use engine::sharding::choice::Sharding;
 use sim::engine::EngineConfig;
 use sim::server::driver::Snapshot;
 use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
-use transport::http::{HttpConfig, router, serve_http};
-use transport::hub::{Hub, HubConfig, start_engine};
-use transport::openai::proxy::{ProxyConfig, openai_router};
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
-
-/// How often the hub's per-worker cached-block totals (its tie-breaker) are refreshed.
-const REFRESH_EVERY: Duration = Duration::from_millis(500);
+use transport::hub::Hub;
 
 /// What one cluster is started with.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
     /// Simulated workers.
     pub workers: usize,
+    /// Router replicas in front of them (1: a single router, no NATS).
+    pub replicas: usize,
     /// The routing mode.
     pub mode: RunMode,
     /// Each worker's engine; its block size is also the router's.
@@ -69,6 +61,7 @@ impl ClusterConfig {
     pub fn of(cfg: &ReplayConfig, mode: RunMode) -> Self {
         Self {
             workers: cfg.workers,
+            replicas: cfg.replicas,
             mode,
             engine: cfg.engine.clone(),
             speedup: cfg.speedup,
@@ -103,15 +96,13 @@ impl ClusterConfig {
 /// A running cluster. Stop it with [`Cluster::shutdown`].
 #[derive(Debug)]
 pub struct Cluster {
-    hub: Arc<Hub>,
-    engine: Runtime,
-    addr: SocketAddr,
+    /// The first router (the only one without replicas).
+    router: Router,
+    /// The other replicas, in replica order.
+    others: Vec<Router>,
+    sync: Option<ReplicaSync>,
     workers: Vec<SimWorkerHandle>,
     ids: Vec<WorkerId>,
-    subscribers: Vec<JoinHandle<()>>,
-    refresher: JoinHandle<()>,
-    stop_http: oneshot::Sender<()>,
-    http: JoinHandle<Result<(), transport::TransportError>>,
 }
 
 impl Cluster {
@@ -119,6 +110,9 @@ impl Cluster {
     pub async fn start(cfg: &ClusterConfig) -> Result<Self> {
         if cfg.workers == 0 {
             bail!("a cluster needs at least one worker");
+        }
+        if cfg.replicas == 0 {
+            bail!("a cluster needs at least one router");
         }
         if let Some(d) = &cfg.disagg {
             d.validate()
@@ -131,72 +125,6 @@ impl Cluster {
                 );
             }
         }
-        let scheduler = SchedulerConfig {
-            block_size: cfg.engine.block_size,
-            mode: cfg.mode.route_mode(),
-            seed: cfg.seed,
-            overlap_weight: cfg.overlap_weight,
-            ..SchedulerConfig::default()
-        };
-        let runtime_config = RuntimeConfig {
-            pin_cores: false,
-            ingest_handles: 1,
-            query_handles: 2,
-            ..RuntimeConfig::default()
-        };
-        let (hub, engine) = start_engine(
-            HubConfig { scheduler },
-            Sharding::adaptive(cfg.cores)?,
-            runtime_config,
-        )
-        .context("cannot start the router's engine")?;
-        let hub = if cfg.mode.kv_events() {
-            Ok(hub)
-        } else {
-            hub.without_kv_events(ApproxConfig::default())
-        };
-        let hub = match hub {
-            Ok(h) => Arc::new(h),
-            Err(e) => {
-                join_engine(engine).await;
-                return Err(e).context("cannot set up the hub without KV events");
-            }
-        };
-        match Self::start_rest(cfg, hub.clone()).await {
-            Ok((addr, workers, ids, subscribers, stop_http, http)) => {
-                let refresher = tokio::spawn(refresh_loop(hub.clone()));
-                Ok(Self {
-                    hub,
-                    engine,
-                    addr,
-                    workers,
-                    ids,
-                    subscribers,
-                    refresher,
-                    stop_http,
-                    http,
-                })
-            }
-            Err(e) => {
-                drop(hub);
-                join_engine(engine).await;
-                Err(e)
-            }
-        }
-    }
-
-    #[allow(clippy::type_complexity)]
-    async fn start_rest(
-        cfg: &ClusterConfig,
-        hub: Arc<Hub>,
-    ) -> Result<(
-        SocketAddr,
-        Vec<SimWorkerHandle>,
-        Vec<WorkerId>,
-        Vec<JoinHandle<()>>,
-        oneshot::Sender<()>,
-        JoinHandle<Result<(), transport::TransportError>>,
-    )> {
         let base = SimWorkerConfig {
             engine: cfg.engine.clone(),
             speedup: cfg.speedup,
@@ -205,70 +133,72 @@ impl Cluster {
         let workers = spawn_mixed_cluster(&cfg.roles(), base, None)
             .await
             .context("cannot start the simulated workers")?;
-        let mut ids = Vec::with_capacity(workers.len());
-        let mut subscribers = Vec::new();
-        for (i, w) in workers.iter().enumerate() {
-            let id = WorkerId(i as u64 + 1);
-            ids.push(id);
-            let registered = hub.register(w.registration(id));
-            if let Err(e) = registered {
-                stop(workers, subscribers).await;
-                return Err(e).context("cannot register a worker");
-            }
-            if cfg.mode.kv_events() {
-                match ZmqSource::new(id, w.zmq_endpoint(), Some(w.replay_endpoint())) {
-                    Ok(source) => subscribers.push(spawn_subscriber(
-                        hub.clone(),
-                        source,
-                        SubscriberConfig::default(),
-                    )),
-                    Err(e) => {
-                        stop(workers, subscribers).await;
-                        return Err(e).context("a worker's ZMQ endpoints");
-                    }
+        let mut routers = Vec::with_capacity(cfg.replicas);
+        for i in 0..cfg.replicas {
+            match Router::start(cfg, &workers).await {
+                Ok(r) => routers.push(r),
+                Err(e) => {
+                    // The start's error is the one to report.
+                    let _ = stop(None, routers, workers).await;
+                    return Err(e).with_context(|| format!("router replica {i}"));
                 }
             }
         }
-        let proxy = ProxyConfig {
-            disagg: cfg.disagg.map(|d| d.config).unwrap_or_default(),
-            ..ProxyConfig::default()
-        };
-        let app =
-            router(hub.clone(), HttpConfig::default()).merge(openai_router(hub.clone(), proxy));
-        let listener = match tokio::net::TcpListener::bind(("127.0.0.1", 0)).await {
-            Ok(l) => l,
-            Err(e) => {
-                stop(workers, subscribers).await;
-                return Err(e).context("cannot bind the router's HTTP listener");
+        let sync = if cfg.replicas > 1 {
+            let hubs: Vec<&Arc<Hub>> = routers.iter().map(Router::hub).collect();
+            match ReplicaSync::start(&hubs).await {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    let _ = stop(None, routers, workers).await;
+                    return Err(e).context("cannot link the router replicas over NATS");
+                }
             }
+        } else {
+            None
         };
-        let addr = match listener.local_addr() {
-            Ok(a) => a,
-            Err(e) => {
-                stop(workers, subscribers).await;
-                return Err(e).context("the router's HTTP address");
-            }
+        let mut routers = routers.into_iter();
+        let Some(router) = routers.next() else {
+            // Not reached (`replicas` >= 1), but nothing is left running if it were.
+            let _ = stop(sync, Vec::new(), workers).await;
+            bail!("no router started");
         };
-        let (stop_http, stopped) = oneshot::channel::<()>();
-        let http = tokio::spawn(serve_http(listener, app, async move {
-            let _ = stopped.await;
-        }));
-        Ok((addr, workers, ids, subscribers, stop_http, http))
+        Ok(Self {
+            router,
+            others: routers.collect(),
+            sync,
+            ids: worker_ids(&workers),
+            workers,
+        })
     }
 
-    /// The router's base URL (`http://127.0.0.1:PORT`).
+    /// Every router, in replica order.
+    pub fn routers(&self) -> impl Iterator<Item = &Router> {
+        std::iter::once(&self.router).chain(&self.others)
+    }
+
+    /// The first router's base URL (`http://127.0.0.1:PORT`).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.router.url()
     }
 
-    /// The router's HTTP address.
+    /// Every router's base URL, in replica order.
+    pub fn urls(&self) -> Vec<String> {
+        self.routers().map(Router::url).collect()
+    }
+
+    /// The first router's HTTP address.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.router.addr()
     }
 
-    /// The hub.
+    /// The first router's hub.
     pub fn hub(&self) -> &Arc<Hub> {
-        &self.hub
+        self.router.hub()
+    }
+
+    /// Every router's hub, in replica order.
+    pub fn hubs(&self) -> Vec<&Arc<Hub>> {
+        self.routers().map(Router::hub).collect()
     }
 
     /// The workers' ids, in worker order.
@@ -286,13 +216,44 @@ impl Cluster {
         self.workers.iter().map(SimWorkerHandle::snapshot).collect()
     }
 
-    /// Waits (at most `limit`) until the router has no active request; returns how many
-    /// are still active.
+    /// The replicas' link, if there are several.
+    pub fn sync(&self) -> Option<&ReplicaSync> {
+        self.sync.as_ref()
+    }
+
+    /// Starts the window the replica sync is measured over (nothing without replicas).
+    pub fn mark_sync(&mut self) {
+        if let Some(s) = &mut self.sync {
+            s.mark();
+        }
+    }
+
+    /// What the replica sync did since [`Self::mark_sync`] (`None` without replicas).
+    pub fn sync_totals(&self) -> Option<SyncTotals> {
+        self.sync.as_ref().map(ReplicaSync::totals)
+    }
+
+    /// Waits (at most `limit`) until no router has an active request and, with replicas,
+    /// the sync has caught up ([`ReplicaSync::settled`]); returns how many requests are
+    /// still active, summed over the routers (a replica counts its peers' requests too).
+    /// A sync still behind at the deadline is reported on stderr: its figures are partial.
     pub async fn wait_idle(&self, limit: Duration) -> usize {
         let deadline = Instant::now() + limit;
         loop {
-            let n = self.hub.active_requests();
-            if n == 0 || Instant::now() >= deadline {
+            // Idle first: once no hub has a request of its own, no new load event can be
+            // handed to a link, so a settled sync stays settled.
+            let n = self.routers().map(|r| r.hub().active_requests()).sum();
+            let settled = n == 0 && self.sync.as_ref().is_none_or(ReplicaSync::settled);
+            if settled {
+                return 0;
+            }
+            if Instant::now() >= deadline {
+                if n == 0 {
+                    eprintln!(
+                        "kvengine replay: warning: the replica sync had not caught up within \
+                         {limit:?}: its figures are partial"
+                    );
+                }
                 return n;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -302,81 +263,39 @@ impl Cluster {
     /// Stops everything (see invariant 1).
     pub async fn shutdown(self) -> Result<()> {
         let Self {
-            hub,
-            engine,
+            router,
+            mut others,
+            sync,
             workers,
-            subscribers,
-            refresher,
-            stop_http,
-            http,
             ..
         } = self;
-        let _ = stop_http.send(());
-        let served = match tokio::time::timeout(Duration::from_secs(10), http).await {
-            Ok(Ok(r)) => r.map_err(|e| anyhow!("the router's HTTP edge: {e}")),
-            Ok(Err(e)) => Err(anyhow!("the router's HTTP edge panicked: {e}")),
-            Err(_) => Err(anyhow!("the router's HTTP edge did not stop within 10 s")),
-        };
-        stop(workers, subscribers).await;
-        refresher.abort();
-        let _ = refresher.await;
-        // Connections the edge is still closing may hold the hub for a moment.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut hub = hub;
-        loop {
-            match Arc::try_unwrap(hub) {
-                Ok(h) => {
-                    drop(h);
-                    break;
-                }
-                Err(shared) if Instant::now() < deadline => {
-                    hub = shared;
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(_) => {
-                    // The engine threads stop once the last reference goes; do not wait.
-                    return served.and(Err(anyhow!("the hub is still shared after shutdown")));
-                }
-            }
-        }
-        join_engine(engine).await;
-        served
+        others.insert(0, router);
+        stop(sync, others, workers).await
     }
 }
 
-/// Aborts the subscriptions and stops the workers, waiting for both.
-async fn stop(workers: Vec<SimWorkerHandle>, subscribers: Vec<JoinHandle<()>>) {
-    for s in &subscribers {
-        s.abort();
-    }
-    for s in subscribers {
-        let _ = s.await;
+/// Stops the replica links, then each router, then the workers, then the NATS server;
+/// returns the first router's error, if any (every part is stopped regardless).
+async fn stop(
+    sync: Option<ReplicaSync>,
+    routers: Vec<Router>,
+    workers: Vec<SimWorkerHandle>,
+) -> Result<()> {
+    // The links hold the hubs (and may still apply a peer's frame): they go first.
+    let nats = match sync {
+        Some(s) => Some(s.stop_links().await),
+        None => None,
+    };
+    let mut outcome = Ok(());
+    for r in routers {
+        let stopped = r.shutdown().await;
+        if outcome.is_ok() {
+            outcome = stopped;
+        }
     }
     for w in workers {
         w.shutdown().await;
     }
-}
-
-async fn join_engine(engine: Runtime) {
-    let joined = tokio::task::spawn_blocking(move || engine.join()).await;
-    if !matches!(joined, Ok(Ok(_))) {
-        tracing_warn("an engine core thread failed");
-    }
-}
-
-fn tracing_warn(msg: &str) {
-    eprintln!("kvengine replay: warning: {msg}");
-}
-
-async fn refresh_loop(hub: Arc<Hub>) {
-    loop {
-        tokio::time::sleep(REFRESH_EVERY).await;
-        let h = hub.clone();
-        if tokio::task::spawn_blocking(move || h.refresh_cached_blocks())
-            .await
-            .is_err()
-        {
-            return;
-        }
-    }
+    drop(nats);
+    outcome
 }

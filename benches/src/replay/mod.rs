@@ -8,8 +8,11 @@
 //! and summarised per mode ([`report::ModeReport`]).
 //!
 //! * [`trace`]: workloads and their infinite-cache bound.
-//! * [`cluster`]: the in-process router plus workers, started and stopped per mode.
-//! * [`client`]: the open-loop streaming client.
+//! * [`cluster`]: the in-process router(s) plus workers, started and stopped per mode.
+//! * [`router`]: one in-process router (engine, hub, subscriptions, HTTP edge and proxy).
+//! * [`replicas`]: router replicas (`--replicas N`): N routers in front of the same workers,
+//!   sharing their load over a NATS server of their own, and what the sync cost.
+//! * [`client`]: the open-loop streaming client (round robin over the replicas).
 //! * [`report`]: the per-mode figures (JSON) and the table.
 //! * [`plot`]: an SVG comparing modes.
 //! * [`disagg`]: disaggregated runs (`--disagg P:D`): prefill and decode workers, compared
@@ -21,16 +24,29 @@
 //! `speedup`). The router's own work is not simulated: at high speedups its real cost, and
 //! the client's, weigh `speedup` times more in the figures.
 //!
+//! # Replicas
+//! With `replicas` N > 1 every mode runs N routers, each with its own engine, hub and
+//! front door, all subscribed to the same workers and linked over NATS; request `i` goes
+//! to replica `i % N`. The figures a single router has keep their meaning (the router's
+//! own ones are summed over the replicas), so a run with replicas compares line for line
+//! with one without; the sync's cost is reported beside them ([`report::SyncFigures`]).
+//! In `kv-no-events` each replica predicts the caches from its own routes only: the sync
+//! shares load, not predictions.
+//!
 //! # Invariants
 //! 1. Every request is accounted for: it completes or is counted in `errors`.
 //! 2. Each mode starts from empty caches and an empty index, and everything it started is
 //!    stopped before the next mode starts.
+//! 3. With `replicas` 1 nothing of the replicas runs: no NATS server, no link, the same
+//!    figures as before replicas existed.
 
 pub mod client;
 pub mod cluster;
 pub mod disagg;
 pub mod plot;
+pub mod replicas;
 pub mod report;
+pub mod router;
 pub mod trace;
 
 use anyhow::{Context, Result, bail};
@@ -204,7 +220,14 @@ pub struct ReplayConfig {
     /// Disaggregated runs: each mode on `P` prefill and `D` decode workers, plus one
     /// aggregated `kv` run ([`disagg::plan`]); `workers` must then be `P + D`.
     pub disagg: Option<DisaggSpec>,
+    /// Router replicas per run (1..=[`MAX_REPLICAS`]); above 1 they share their load over
+    /// a NATS server, which needs a `nats-server` binary ([`crate::nats`]).
+    pub replicas: usize,
 }
+
+/// The most router replicas a replay starts (each is an engine, a hub and an HTTP edge in
+/// this process).
+pub const MAX_REPLICAS: usize = 16;
 
 impl Default for ReplayConfig {
     fn default() -> Self {
@@ -220,6 +243,7 @@ impl Default for ReplayConfig {
             rate_scale: 1.0,
             progress: false,
             disagg: None,
+            replicas: 1,
         }
     }
 }
@@ -244,6 +268,20 @@ impl ReplayConfig {
         }
         if self.tokio_threads == 0 {
             bail!("tokio threads must be at least 1");
+        }
+        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
+            bail!(
+                "replicas must be within 1..={MAX_REPLICAS}, not {}",
+                self.replicas
+            );
+        }
+        if self.replicas > 1 && crate::nats::find_binary().is_none() {
+            bail!(
+                "{} router replicas share their load over NATS, and no nats-server was \
+                 found: {}",
+                self.replicas,
+                crate::nats::INSTALL_HINT
+            );
         }
         self.engine
             .validate()
@@ -332,14 +370,15 @@ pub async fn run_one(
         (true, Some(spec)) => cluster::ClusterConfig::disaggregated(cfg, mode, *spec),
         (true, None) => bail!("a disaggregated run needs the replay's P:D split"),
     };
-    let cluster = cluster::Cluster::start(&cluster_cfg).await?;
+    let mut cluster = cluster::Cluster::start(&cluster_cfg).await?;
+    cluster.mark_sync();
     let started = Instant::now();
     let tick = {
         let bar = bar.clone();
         Arc::new(move || bar.inc(1))
     };
-    let results = client::replay(
-        &cluster.url(),
+    let results = client::replay_over(
+        &cluster.urls(),
         &workload.requests,
         &client::ClientConfig {
             speedup: cfg.speedup,
@@ -350,20 +389,26 @@ pub async fn run_one(
     .await;
     let wall = started.elapsed();
     let active_after = cluster.wait_idle(Duration::from_secs(2)).await;
+    let sync = cluster.sync_totals();
     let snapshots = cluster.snapshots();
-    let metrics = cluster.hub().metrics();
-    let (_, _, chosen_overlap_blocks) = metrics.chosen_overlap.snapshot();
-    let (_, _, best_overlap_blocks) = metrics.best_overlap.snapshot();
+    // The routers' own figures, summed over the replicas (one router without).
+    let metrics: Vec<&transport::metrics::Metrics> =
+        cluster.hubs().into_iter().map(|h| h.metrics()).collect();
+    let chosen_overlap_blocks = metrics.iter().map(|m| m.chosen_overlap.snapshot().2).sum();
+    let best_overlap_blocks = metrics.iter().map(|m| m.best_overlap.snapshot().2).sum();
     let disagg = cluster_cfg.disagg.map(|spec| {
-        use std::sync::atomic::Ordering::Relaxed;
+        use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+        let count = |f: fn(&transport::metrics::Metrics) -> &AtomicU64| -> u64 {
+            metrics.iter().map(|m| f(m).load(Relaxed)).sum()
+        };
         report::DisaggFigures {
             protocol: spec.config.protocol.as_str().to_owned(),
             prefill_workers: spec.prefill,
             decode_workers: spec.decode,
             min_prefill_tokens: spec.config.split.min_prefill_tokens,
-            remote_prefills: metrics.disagg_remote.load(Relaxed),
-            local_prefills: metrics.disagg_local.load(Relaxed),
-            fallbacks: metrics.disagg_fallbacks.load(Relaxed),
+            remote_prefills: count(|m| &m.disagg_remote),
+            local_prefills: count(|m| &m.disagg_local),
+            fallbacks: count(|m| &m.disagg_fallbacks),
             transferred_tokens: snapshots.iter().map(|s| s.stats.transferred_tokens).sum(),
             worker_remote_prefills: snapshots.iter().map(|s| s.stats.remote_prefills).sum(),
         }
@@ -382,6 +427,7 @@ pub async fn run_one(
         chosen_overlap_blocks,
         best_overlap_blocks,
         block_size: cfg.engine.block_size,
+        sync,
     };
     cluster.shutdown().await?;
     let mut report = report::summarize(&info, &results);
@@ -425,6 +471,13 @@ pub fn describe(workload: &Workload, cfg: &ReplayConfig) -> String {
         100.0 * capacity as f64 / b.distinct_blocks.max(1) as f64,
         cfg.speedup,
     );
+    if cfg.replicas > 1 {
+        s.push_str(&format!(
+            "\n  {} router replicas in front of the same workers, sharing their load over \
+             NATS; requests go round robin over them",
+            cfg.replicas
+        ));
+    }
     if let Some(d) = &cfg.disagg {
         s.push_str(&format!(
             "\n  disaggregated: {} prefill + {} decode workers ({} hand-off, prefill sent away \

@@ -17,13 +17,24 @@
 //!   halves of a request are routed (decode and prefill pools), and both count;
 //! * `disagg` (disaggregated runs only, [`DisaggFigures`]): the router's split decisions
 //!   (its `disagg_remote`, `disagg_local` and `disagg_fallbacks` counters) and the KV the
-//!   decode workers received (their `transferred_tokens`, summed).
+//!   decode workers received (their `transferred_tokens`, summed);
+//! * with router replicas (`--replicas N`, N > 1; [`SyncFigures`], absent otherwise) the
+//!   client spreads requests round robin over the replicas, and the router-side figures
+//!   (`router_*_overlap_rate`, `router_active_after`, the disaggregated split) are summed
+//!   over them. The sync figures count from the replay's first request until every
+//!   replica is idle ([`super::replicas`]): `sync_frames_per_request` and
+//!   `sync_bytes_per_request` are the frames and bytes all replicas published (load
+//!   events, states, heartbeats) per routed request (one that got a serving worker);
+//!   `sync_cpu_us_per_request` the links' busy time (encode, decode, apply) summed over the
+//!   replicas, and `nats_cpu_us_per_request` the NATS server's user + system CPU time, per
+//!   routed request. `sync_events_dropped` and `sync_gaps` are 0 in a healthy run.
 //!
 //! # Invariants
 //! 1. Every figure is finite; an empty input gives 0.
 
 use super::RunMode;
 use super::client::RequestResult;
+use super::replicas::SyncTotals;
 use crate::report::{Machine, utc_now};
 use engine::WorkerId;
 use serde::Serialize;
@@ -95,6 +106,8 @@ pub struct RunInfo {
     pub best_overlap_blocks: f64,
     /// The router's block size.
     pub block_size: u32,
+    /// With router replicas: what their sync did over the replay.
+    pub sync: Option<SyncTotals>,
 }
 
 /// What a disaggregated run did besides serving (see the module's definitions).
@@ -127,6 +140,50 @@ impl DisaggFigures {
             self.remote_prefills as f64,
             (self.remote_prefills + self.local_prefills) as f64,
         )
+    }
+}
+
+/// What the router replicas' sync cost (see the module's definitions); flattened into
+/// [`ModeReport`], so its fields sit beside the others in the JSON.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SyncFigures {
+    /// Router replicas the requests were spread over.
+    pub replicas: usize,
+    /// Frames the replicas published, per routed request.
+    pub sync_frames_per_request: f64,
+    /// Bytes the replicas published, per routed request.
+    pub sync_bytes_per_request: f64,
+    /// The replica links' busy time, microseconds per routed request.
+    pub sync_cpu_us_per_request: f64,
+    /// The NATS server's CPU time, microseconds per routed request (absent where `/proc`
+    /// cannot tell).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_cpu_us_per_request: Option<f64>,
+    /// Load events the replicas published.
+    pub sync_events_sent: u64,
+    /// Peers' load events the replicas applied (about `N - 1` times those sent).
+    pub sync_events_applied: u64,
+    /// Load events lost (link down or queue full): 0 in a healthy run.
+    pub sync_events_dropped: u64,
+    /// Gaps the replicas found in their peers' frames: 0 in a healthy run.
+    pub sync_gaps: u64,
+}
+
+impl SyncFigures {
+    /// The figures of `t` over `routed` requests.
+    pub fn of(t: &SyncTotals, routed: u64) -> Self {
+        let per = |x: f64| ratio(x, routed as f64);
+        Self {
+            replicas: t.replicas,
+            sync_frames_per_request: per(t.frames_sent as f64),
+            sync_bytes_per_request: per(t.bytes_sent as f64),
+            sync_cpu_us_per_request: per(t.busy_ns as f64 / 1000.0),
+            nats_cpu_us_per_request: t.nats_cpu_ns.map(|ns| per(ns as f64 / 1000.0)),
+            sync_events_sent: t.events_sent,
+            sync_events_applied: t.events_applied,
+            sync_events_dropped: t.events_dropped,
+            sync_gaps: t.gaps,
+        }
     }
 }
 
@@ -169,6 +226,10 @@ pub struct ModeReport {
     /// A disaggregated run's split figures (absent for aggregated runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disagg: Option<DisaggFigures>,
+    /// With router replicas, the sync's figures (their fields, flattened; absent with one
+    /// router).
+    #[serde(flatten)]
+    pub sync: Option<SyncFigures>,
     /// Simulated time per real time.
     pub speedup: f64,
     /// Where it ran.
@@ -264,6 +325,10 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
         errors: errors.len() as u64,
         workers: n,
         disagg: None,
+        sync: info.sync.map(|t| {
+            let routed = results.iter().filter(|r| r.worker.is_some()).count();
+            SyncFigures::of(&t, routed as u64)
+        }),
         speedup: info.speedup,
         machine: Machine::detect(),
         date: utc_now(),
@@ -313,6 +378,47 @@ pub fn table(reports: &[ModeReport]) -> String {
             r.errors
         ));
     }
+    s
+}
+
+/// The replica sync's table: per run with router replicas, the replicas, frames, bytes,
+/// link CPU and NATS CPU per routed request, and the events dropped. Empty when no run had
+/// replicas (the main table is then all there is); printed under the main table, which
+/// stays as it is so runs with and without replicas compare line for line.
+pub fn sync_table(reports: &[ModeReport]) -> String {
+    let rows: Vec<(&str, &SyncFigures)> = reports
+        .iter()
+        .filter_map(|r| r.sync.as_ref().map(|s| (r.mode.as_str(), s)))
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut s = format!(
+        "{:<18} {:>8} {:>10} {:>10} {:>13} {:>13} {:>8}\n",
+        "replica sync",
+        "replicas",
+        "frames/req",
+        "bytes/req",
+        "link CPU us/r",
+        "NATS CPU us/r",
+        "dropped"
+    );
+    for (mode, f) in rows {
+        let nats = f
+            .nats_cpu_us_per_request
+            .map_or_else(|| "-".to_owned(), |us| format!("{us:.1}"));
+        s.push_str(&format!(
+            "{:<18} {:>8} {:>10.2} {:>10.0} {:>13.1} {:>13} {:>8}\n",
+            mode,
+            f.replicas,
+            f.sync_frames_per_request,
+            f.sync_bytes_per_request,
+            f.sync_cpu_us_per_request,
+            nats,
+            f.sync_events_dropped
+        ));
+    }
+    s.push_str("(per routed request; link CPU: encode, decode and apply, all replicas summed)\n");
     s
 }
 

@@ -527,6 +527,11 @@ fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
             &s.bytes_sent,
         ),
         (
+            "kvengine_replica_events_queued",
+            "Load events handed to the sync (each then sent or dropped)",
+            &s.events_queued,
+        ),
+        (
             "kvengine_replica_events_sent",
             "Load events published",
             &s.events_sent,

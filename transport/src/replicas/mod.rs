@@ -159,6 +159,10 @@ pub struct ReplicaStats {
     pub frames_sent: AtomicU64,
     /// ... and their bytes.
     pub bytes_sent: AtomicU64,
+    /// Load events the hub handed to the outbox. Each is then sent or dropped: once the
+    /// link has drained its queue, `events_sent + events_dropped` has caught up with it
+    /// (states, sent without the outbox, add to `events_sent` beside it).
+    pub events_queued: AtomicU64,
     /// Load events published.
     pub events_sent: AtomicU64,
     /// Load events not published: the link was down or the queue full. Peers get the

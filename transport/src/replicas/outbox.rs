@@ -39,6 +39,7 @@ impl Outbox {
     }
 
     fn push(&self, event: LoadEvent) {
+        self.shared.stats.events_queued.fetch_add(1, Relaxed);
         if self.tx.try_send(event).is_err() {
             self.shared.stats.events_dropped.fetch_add(1, Relaxed);
             self.shared.need_state.store(true, Relaxed);
@@ -108,6 +109,8 @@ mod tests {
         }
         outbox.prefilled("a");
         assert_eq!(shared.stats.events_dropped.load(Relaxed), 1);
+        let handed = QUEUE_EVENTS as u64 + 2;
+        assert_eq!(shared.stats.events_queued.load(Relaxed), handed);
         assert!(shared.need_state.load(Relaxed));
         assert_eq!(outbox.status().events_dropped, 1);
     }
