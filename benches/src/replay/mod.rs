@@ -30,8 +30,8 @@
 //! to replica `i % N`. The figures a single router has keep their meaning (the router's
 //! own ones are summed over the replicas), so a run with replicas compares line for line
 //! with one without; the sync's cost is reported beside them ([`report::SyncFigures`]).
-//! In `kv-no-events` each replica predicts the caches from its own routes only: the sync
-//! shares load, not predictions.
+//! In `kv-no-events` each replica predicts the caches from its own routes and its peers'
+//! (a peer's routed request is a prediction too).
 //!
 //! # Invariants
 //! 1. Every request is accounted for: it completes or is counted in `errors`.

@@ -11,7 +11,7 @@
 //! * [`wire`]: the frames on NATS and their decoding (a fuzz target reads it).
 //! * [`peers`]: membership, sans-IO: ordering, gaps, dead peers.
 //! * [`outbox`]: the hub's side: load events queued for the link, never blocking a route.
-//! * [`apply`]: a peer's events applied to the hub's routers.
+//! * `apply`: a peer's events applied to the hub's routers.
 //! * [`link`]: the task that talks to NATS.
 //! * [`warm`]: snapshots in a JetStream object store, for a replica that starts.
 //!
@@ -34,7 +34,7 @@
 //!
 //! # Concurrency
 //! The hub calls [`LoadSink`] from any thread under its routing lock (a `try_send`, never
-//! a wait). One tokio task ([`link::run`]) owns the NATS client and the [`peers::Peers`]
+//! a wait). One tokio task ([`link::start`] spawns it) owns the NATS client and the [`peers::Peers`]
 //! table; counters are atomics read by `/metrics` and `/ready`.
 
 pub(crate) mod apply;
