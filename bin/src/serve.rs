@@ -278,7 +278,12 @@ impl ServeArgs {
                 max_kv_usage: self.busy_threshold,
             },
             request_timeout: Duration::from_secs(self.request_timeout_secs),
-            seed: 0,
+            // Replicas behind one balancer must not draw the same random sequence: their
+            // random picks, samples and tie-breaks would line up on the same workers.
+            seed: match self.replicas.config()? {
+                Some(_) => transport::replicas::new_replica_id().0,
+                None => 0,
+            },
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
         };

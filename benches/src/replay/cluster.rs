@@ -135,7 +135,13 @@ impl Cluster {
             .context("cannot start the simulated workers")?;
         let mut routers = Vec::with_capacity(cfg.replicas);
         for i in 0..cfg.replicas {
-            match Router::start(cfg, &workers).await {
+            // Each replica its own seed, as `kvengine` gives them: shared seeds would line
+            // up their random picks and tie-breaks.
+            let own = ClusterConfig {
+                seed: cfg.seed.wrapping_add(i as u64),
+                ..cfg.clone()
+            };
+            match Router::start(&own, &workers).await {
                 Ok(r) => routers.push(r),
                 Err(e) => {
                     // The start's error is the one to report.
