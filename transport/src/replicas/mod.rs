@@ -189,7 +189,8 @@ pub struct ReplicaStats {
     pub states_sent: AtomicU64,
     /// Peers found dead (their load dropped).
     pub peers_expired: AtomicU64,
-    /// Nanoseconds the link spent encoding, decoding and applying (its CPU, on one thread).
+    /// CPU nanoseconds the link spent encoding, decoding and applying (its thread's CPU
+    /// time, so waits for a CPU or the routing lock are not in it).
     pub busy_ns: AtomicU64,
     /// Snapshots put in the object store ([`warm`]) ...
     pub snapshots_put: AtomicU64,
