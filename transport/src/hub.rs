@@ -13,7 +13,11 @@
 //!    events are converted at its model's block size and its keys are routed only by its
 //!    model's router.
 //! 5. The bounds of [`crate::bounds`] hold: while the index is over its memory budget no
-//!    store reaches the engine, and no route makes more requests active than the cap.
+//!    store reaches the engine, and no route makes more of this router's own requests
+//!    active than the cap (peer replicas' requests are theirs to bound).
+//! 6. With a replica sink ([`crate::replicas`]), each route, prefill and finish of this
+//!    router's own requests is handed to it under the routing lock, once the state changed,
+//!    so the sink sees them in the order they happened.
 //!
 //! # Concurrency
 //! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
