@@ -268,6 +268,10 @@ pub struct ReplayBench {
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_REPLICAS",
           value_parser = clap::value_parser!(u16).range(1..=replay::MAX_REPLICAS as i64))]
     replicas: u16,
+    /// With --replicas N: the replicas do not share their load (N independent routers, no
+    /// NATS), the control that shows what sharing buys.
+    #[arg(long, env = "KVENGINE_BENCH_UNSHARED_REPLICAS")]
+    unshared_replicas: bool,
     /// The hand-off protocol of --disagg runs: vllm, sglang or trtllm.
     #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_DISAGG_PROTOCOL",
           value_parser = parse_protocol, requires = "disagg")]
@@ -374,7 +378,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         .map_err(anyhow::Error::msg)
         .context("--mode")?;
     // Fail before loading the workload: replicas cannot run without a NATS server.
-    if b.replicas > 1 && kvengine_benches::nats::find_binary().is_none() {
+    if b.replicas > 1 && !b.unshared_replicas && kvengine_benches::nats::find_binary().is_none() {
         anyhow::bail!(
             "--replicas {}: no nats-server found: {}",
             b.replicas,
@@ -422,6 +426,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         progress: true,
         disagg: spec,
         replicas: usize::from(b.replicas),
+        share_load: !b.unshared_replicas,
         ..ReplayConfig::default()
     };
     eprintln!("{}", replay::describe(&workload, &cfg));

@@ -39,6 +39,8 @@ pub struct ClusterConfig {
     pub workers: usize,
     /// Router replicas in front of them (1: a single router, no NATS).
     pub replicas: usize,
+    /// Whether the replicas share their load over NATS (false: independent routers).
+    pub share_load: bool,
     /// The routing mode.
     pub mode: RunMode,
     /// Each worker's engine; its block size is also the router's.
@@ -62,6 +64,7 @@ impl ClusterConfig {
         Self {
             workers: cfg.workers,
             replicas: cfg.replicas,
+            share_load: cfg.share_load,
             mode,
             engine: cfg.engine.clone(),
             speedup: cfg.speedup,
@@ -150,7 +153,7 @@ impl Cluster {
                 }
             }
         }
-        let sync = if cfg.replicas > 1 {
+        let sync = if cfg.replicas > 1 && cfg.share_load {
             let hubs: Vec<&Arc<Hub>> = routers.iter().map(Router::hub).collect();
             match ReplicaSync::start(&hubs).await {
                 Ok(s) => Some(s),

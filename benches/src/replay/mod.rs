@@ -223,6 +223,9 @@ pub struct ReplayConfig {
     /// Router replicas per run (1..=[`MAX_REPLICAS`]); above 1 they share their load over
     /// a NATS server, which needs a `nats-server` binary ([`crate::nats`]).
     pub replicas: usize,
+    /// Whether replicas share their load (false: independent routers, the control that
+    /// shows what sharing buys; no NATS).
+    pub share_load: bool,
 }
 
 /// The most router replicas a replay starts (each is an engine, a hub and an HTTP edge in
@@ -244,6 +247,7 @@ impl Default for ReplayConfig {
             progress: false,
             disagg: None,
             replicas: 1,
+            share_load: true,
         }
     }
 }
@@ -275,7 +279,7 @@ impl ReplayConfig {
                 self.replicas
             );
         }
-        if self.replicas > 1 && crate::nats::find_binary().is_none() {
+        if self.replicas > 1 && self.share_load && crate::nats::find_binary().is_none() {
             bail!(
                 "{} router replicas share their load over NATS, and no nats-server was \
                  found: {}",
@@ -472,9 +476,13 @@ pub fn describe(workload: &Workload, cfg: &ReplayConfig) -> String {
         cfg.speedup,
     );
     if cfg.replicas > 1 {
+        let how = match cfg.share_load {
+            true => "sharing their load over NATS",
+            false => "NOT sharing their load (independent routers)",
+        };
         s.push_str(&format!(
-            "\n  {} router replicas in front of the same workers, sharing their load over \
-             NATS; requests go round robin over them",
+            "\n  {} router replicas in front of the same workers, {how}; requests go round \
+             robin over them",
             cfg.replicas
         ));
     }
