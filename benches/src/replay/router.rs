@@ -72,6 +72,9 @@ impl Router {
             pin_cores: false,
             ingest_handles: 1,
             query_handles: 2,
+            // Several routers' engines in one process: each would count the machine's other
+            // CPUs as its own and yield-spin when idle, taking them from the rest of the run.
+            cpus_shared: cfg.replicas > 1,
             ..RuntimeConfig::default()
         };
         let (hub, engine) = start_engine(

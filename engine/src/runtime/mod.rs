@@ -87,6 +87,11 @@ pub struct RuntimeConfig {
     /// The most engine hashes one worker key's directory may hold (`None`: no cap); a store
     /// past it is refused as a whole (`crate::directories`, invariant 4).
     pub max_blocks_per_key: Option<usize>,
+    /// Other busy threads share the CPUs this runtime would count as spare (several
+    /// runtimes in one process, as the replay's router replicas): its cores and clients
+    /// get off the CPU soon when idle, as when the cores take every CPU, instead of
+    /// yield-spinning as if the spare CPUs were theirs.
+    pub cpus_shared: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -99,6 +104,7 @@ impl Default for RuntimeConfig {
             call_timeout: std::time::Duration::from_secs(5),
             sync_timeout: std::time::Duration::from_secs(60),
             max_blocks_per_key: None,
+            cpus_shared: false,
         }
     }
 }
@@ -293,7 +299,10 @@ fn build<P: ShardPolicy + Clone>(
     // for its CPU, and a parked host is woken by the OS only after tens of microseconds
     // (measured: hit p99 under ingest 100-300 µs with hosts parking after 64 polls), so
     // hosts poll as long as clients with a CPU to themselves.
-    let cpus_available = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus_available = match config.cpus_shared {
+        true => cores,
+        false => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
     let spins_before_park = |c: usize| {
         let is_host = host_of(c).is_some_and(|k| k < cores);
         if cpus_available > cores || is_host {
