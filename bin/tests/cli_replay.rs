@@ -388,3 +388,36 @@ fn replay_through_two_replicas_shares_their_load_over_nats() {
     assert_eq!(doc["sync_events_dropped"], 0, "{doc}");
     assert_eq!(doc["sync_gaps"], 0, "{doc}");
 }
+
+/// `--unshared-replicas`: the same replicas as independent routers (the control): no NATS
+/// needed, every request served, no sync figures.
+#[test]
+fn replay_through_unshared_replicas_needs_no_nats() {
+    let d = ReplayDir::new("replay-unshared");
+    let (stdout, doc) = d.replay(
+        &[
+            "--replicas",
+            "2",
+            "--unshared-replicas",
+            "--mode",
+            "kv",
+            "--workers",
+            "2",
+            "--speedup",
+            "20",
+            "--kv-blocks",
+            "1024",
+        ],
+        // A nats-server that does not exist: the control must not look for one.
+        &[("KVENGINE_NATS_SERVER", "/nonexistent/nats-server")],
+    );
+    assert!(stdout.lines().any(|l| l.starts_with("kv ")), "{stdout}");
+    assert!(!stdout.contains("replica sync"), "{stdout}");
+    assert_eq!(
+        (doc["requests"].as_u64(), doc["errors"].as_u64()),
+        (Some(12), Some(0)),
+        "{doc}"
+    );
+    assert_eq!(doc["router_active_after"], 0, "{doc}");
+    assert!(doc.get("sync_bytes_per_request").is_none(), "{doc}");
+}
