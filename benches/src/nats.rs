@@ -35,6 +35,21 @@ pub fn find_binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The `nats-server` binary for a test of `what`, or `None` with the reason printed: a
+/// test without one says so and passes, unless `KVENGINE_NATS_REQUIRED=1` (CI installs
+/// one and sets it), where it fails.
+pub fn binary_or_skip(what: &str) -> Option<PathBuf> {
+    let found = find_binary();
+    if found.is_none() {
+        assert!(
+            std::env::var("KVENGINE_NATS_REQUIRED").as_deref() != Ok("1"),
+            "KVENGINE_NATS_REQUIRED=1 but no nats-server: {INSTALL_HINT}"
+        );
+        eprintln!("skipping {what}: no nats-server ({INSTALL_HINT})");
+    }
+    found
+}
+
 impl NatsServer {
     /// Starts a server and waits (up to 10 s) until it accepts connections.
     pub fn start() -> Result<Self> {

@@ -322,13 +322,7 @@ fn bad_disagg_flags_exit_non_zero_with_a_message() {
 /// `nats-server` unless `KVENGINE_NATS_REQUIRED=1`.
 #[test]
 fn replay_through_two_replicas_shares_their_load_over_nats() {
-    use kvengine_benches::nats::{INSTALL_HINT, find_binary};
-    let Some(nats) = find_binary() else {
-        assert!(
-            std::env::var("KVENGINE_NATS_REQUIRED").as_deref() != Ok("1"),
-            "KVENGINE_NATS_REQUIRED=1 but no nats-server: {INSTALL_HINT}"
-        );
-        eprintln!("skipping the replica replay test: no nats-server ({INSTALL_HINT})");
+    let Some(nats) = kvengine_benches::nats::binary_or_skip("the replica replay test") else {
         return;
     };
     let d = ReplayDir::new("replay-replicas");

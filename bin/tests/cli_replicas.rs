@@ -10,7 +10,7 @@
 mod common;
 
 use common::Router;
-use kvengine_benches::nats::{INSTALL_HINT, NatsServer, find_binary};
+use kvengine_benches::nats::{NatsServer, binary_or_skip};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -77,14 +77,7 @@ impl Drop for Sims {
 }
 
 fn nats_or_skip() -> Option<NatsServer> {
-    if find_binary().is_none() {
-        assert!(
-            std::env::var("KVENGINE_NATS_REQUIRED").as_deref() != Ok("1"),
-            "KVENGINE_NATS_REQUIRED=1 but no nats-server: {INSTALL_HINT}"
-        );
-        eprintln!("skipping the replica test: no nats-server ({INSTALL_HINT})");
-        return None;
-    }
+    binary_or_skip("the replica test")?;
     Some(NatsServer::start().unwrap())
 }
 

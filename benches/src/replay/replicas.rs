@@ -285,49 +285,14 @@ impl ReplicaSync {
     }
 }
 
-/// `utime + stime` of a `/proc/<pid>/stat` line, in clock ticks. The command name (field
-/// 2) may hold spaces and parentheses, so fields are counted after its last `)`.
-pub fn stat_cpu_ticks(stat: &str) -> Option<u64> {
-    let rest = stat.get(stat.rfind(')')? + 1..)?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3 (state): utime is field 14, stime 15.
-    let field = |n: usize| fields.get(n - 3)?.parse::<u64>().ok();
-    Some(field(14)? + field(15)?)
-}
-
 /// Process `pid`'s CPU time (user + system) in nanoseconds, where `/proc` has it.
 fn process_cpu_ns(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let ticks = stat_cpu_ticks(&stat)?;
-    Some(ticks.saturating_mul(1_000_000_000) / clock_ticks_per_s())
-}
-
-/// The clock ticks per second of `/proc/*/stat` times (USER_HZ).
-#[cfg(unix)]
-fn clock_ticks_per_s() -> u64 {
-    // SAFETY: sysconf only reads a configuration value; it takes no pointer and has no
-    // precondition.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    u64::try_from(hz).ok().filter(|&h| h > 0).unwrap_or(100)
-}
-
-/// The clock ticks per second of `/proc/*/stat` times (USER_HZ).
-#[cfg(not(unix))]
-fn clock_ticks_per_s() -> u64 {
-    100
+    transport::http::process::cpu_seconds(pid).map(|s| (s * 1e9) as u64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stat_lines_give_user_plus_system_ticks() {
-        let stat = "42 (nats (server) x) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 9 0 12345 99";
-        assert_eq!(stat_cpu_ticks(stat), Some(300));
-        assert_eq!(stat_cpu_ticks("garbage"), None);
-        assert_eq!(stat_cpu_ticks("1 (x) S 1 2"), None);
-    }
 
     #[cfg(target_os = "linux")]
     #[test]
@@ -339,7 +304,6 @@ mod tests {
         }
         assert_ne!(x, 1);
         assert!(process_cpu_ns(std::process::id()).is_some_and(|ns| ns > 0));
-        assert!((1..=10_000).contains(&clock_ticks_per_s()));
     }
 
     #[test]

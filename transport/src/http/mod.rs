@@ -18,7 +18,7 @@ pub mod errors;
 mod events;
 pub mod health;
 pub mod metrics_text;
-mod process;
+pub mod process;
 pub mod prompt;
 mod routing;
 pub mod scrape;

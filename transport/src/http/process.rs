@@ -40,6 +40,13 @@ fn stat_ticks(stat: &str) -> Option<(u64, u64)> {
     Some((field(14)? + field(15)?, field(22)?))
 }
 
+/// Process `pid`'s CPU time (user + system), in seconds, where `/proc` has it (the replay
+/// bench reads the NATS server's with it).
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_ticks(&stat).map(|(cpu, _)| cpu as f64 / USER_HZ)
+}
+
 impl ProcessStats {
     /// Reads them (all `None` where `/proc` is absent).
     pub(crate) fn read() -> Self {
