@@ -221,9 +221,11 @@ impl ReplicaSync {
             if Instant::now() >= deadline {
                 bail!(
                     "the router replicas did not all find each other on NATS {} within {:?} \
-                     (connected, peers heard per replica: {heard:?}; {peers} expected)",
+                     (connected, peers heard per replica: {heard:?}; {peers} expected); \
+                     nats-server's log ends:\n{}",
                     self.nats.url(),
-                    READY_WITHIN
+                    READY_WITHIN,
+                    self.nats.log_tail()
                 );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
