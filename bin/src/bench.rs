@@ -249,7 +249,8 @@ pub struct ReplayBench {
     #[arg(long, env = "KVENGINE_BENCH_WORKERS",
           value_parser = clap::value_parser!(u32).range(1..=256))]
     workers: Option<u32>,
-    /// Routing mode(s), comma separated: kv, round-robin, random, kv-no-events, or all
+    /// Routing mode(s), comma separated: kv, round-robin, random, kv-no-events, sglang,
+    /// llm-d, power-of-two, or all
     /// [default: all; with --disagg: kv,round-robin].
     #[arg(long, env = "KVENGINE_BENCH_MODE", value_parser = parse_modes)]
     mode: Option<ModeList>,
@@ -318,6 +319,17 @@ pub struct ReplayBench {
     #[arg(long, default_value_t = 1.0, env = "KVENGINE_BENCH_OVERLAP_WEIGHT",
           value_parser = non_negative)]
     overlap_weight: f64,
+    /// What kv modes minimise: `ttft` (predicted time to first token, the router's
+    /// default) or `dynamo` (Dynamo's formula with --overlap-weight); the router's
+    /// --router-cost.
+    #[arg(long, default_value = "ttft", env = "KVENGINE_BENCH_ROUTER_COST",
+          value_parser = parse_router_cost)]
+    router_cost: engine::sched::RouterCost,
+    /// With --router-cost ttft: the weight of the prefill stall a request causes each of
+    /// a worker's running requests (the router's --router-stall-weight).
+    #[arg(long, default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT,
+          env = "KVENGINE_BENCH_ROUTER_STALL_WEIGHT", value_parser = non_negative)]
+    router_stall_weight: f64,
     /// Write the figures here as JSON (an object for one mode, an array for several).
     #[arg(long, env = "KVENGINE_BENCH_JSON")]
     json: Option<PathBuf>,
@@ -332,6 +344,10 @@ pub struct ModeList(Vec<RunMode>);
 
 fn parse_modes(s: &str) -> Result<ModeList, String> {
     RunMode::parse_list(s).map(ModeList)
+}
+
+fn parse_router_cost(s: &str) -> Result<engine::sched::RouterCost, String> {
+    s.parse().map_err(|e: engine::EngineError| e.to_string())
 }
 
 fn parse_protocol(s: &str) -> Result<Protocol, String> {
@@ -422,6 +438,8 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         cores: usize::from(b.cores),
         seed: b.seed,
         overlap_weight: b.overlap_weight,
+        router_cost: b.router_cost,
+        stall_weight: b.router_stall_weight,
         rate_scale: b.rate_scale,
         progress: true,
         disagg: spec,
@@ -435,6 +453,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         print!("{}", report::disagg_table(&reports));
     } else {
         print!("{}", report::table(&reports));
+        print!("{}", report::legend(&reports));
     }
     print!("{}", report::sync_table(&reports));
     if let Some(path) = &b.json {

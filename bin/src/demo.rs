@@ -25,7 +25,8 @@ pub struct DemoArgs {
           value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     requests: u64,
     /// Routing modes to compare, comma separated: kv, round-robin, random, kv-no-events
-    /// (kv without KV events: the router predicts the caches), or all.
+    /// (kv without KV events: the router predicts the caches), sglang, llm-d,
+    /// power-of-two (the peers' policies), or all.
     #[arg(long, env = "KVENGINE_MODES", default_value = "all", value_parser = parse_modes)]
     modes: Modes,
     /// The simulated workers run this many times faster than real time (arrivals are
@@ -119,11 +120,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     print!("{}", report::table(&reports));
     println!();
     println!("{}", verdict(&reports));
-    println!(
-        "  TTFT in simulated ms; cache hit: prompt tokens the workers served from their \
-         prefix caches (bound: an infinite cache); load spread: the busiest worker's share \
-         of prefill work over an even share, minus 1."
-    );
+    println!("  {}", report::legend(&reports).trim_end());
 
     if let Some(path) = &args.json {
         let doc = serde_json::json!({

@@ -19,7 +19,7 @@ use clap::Args;
 use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted_from};
-use engine::sched::{BusyThresholds, RouteMode, SchedulerConfig};
+use engine::sched::{BusyThresholds, RouteMode, RouterCost, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
 use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
@@ -99,6 +99,17 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_MODE", default_value = "kv",
           value_parser = parse_mode)]
     pub router_mode: RouteMode,
+    /// What `kv` mode minimises: `ttft`, each worker's predicted time to first token
+    /// (fitted online from observed TTFTs), or `dynamo`, Dynamo's formula
+    /// (`--kv-overlap-score-weight` x prefill blocks + decode blocks).
+    #[arg(long, env = "KVENGINE_ROUTER_COST", default_value = "ttft",
+          value_parser = parse_cost)]
+    pub router_cost: RouterCost,
+    /// With `--router-cost ttft`: what a millisecond of prefill stall on each of a worker's
+    /// running requests costs against a millisecond of the new request's TTFT.
+    #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
+          default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT)]
+    pub router_stall_weight: f64,
     /// Tokens per KV block; must equal the workers' page size.
     #[arg(long, env = "KVENGINE_KV_CACHE_BLOCK_SIZE", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
@@ -260,6 +271,10 @@ fn parse_mode(s: &str) -> Result<RouteMode, String> {
     s.parse().map_err(|e: engine::EngineError| e.to_string())
 }
 
+fn parse_cost(s: &str) -> Result<RouterCost, String> {
+    s.parse().map_err(|e: engine::EngineError| e.to_string())
+}
+
 fn parse_zmq(s: &str) -> Result<ZmqSource, String> {
     s.parse()
         .map_err(|e: transport::TransportError| e.to_string())
@@ -284,12 +299,14 @@ impl ServeArgs {
                 Some(_) => transport::replicas::new_replica_id().0,
                 None => 0,
             },
+            cost: self.router_cost,
+            stall_weight: self.router_stall_weight,
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
         };
         config.validate().context(
-            "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight or \
-                 --busy-threshold",
+            "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight, \
+                 --router-stall-weight or --busy-threshold",
         )?;
         Ok(config)
     }

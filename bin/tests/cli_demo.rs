@@ -30,7 +30,15 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("2 workers"), "{stdout}");
-    for mode in ["kv ", "round-robin ", "random ", "kv-no-events "] {
+    for mode in [
+        "kv ",
+        "round-robin ",
+        "random ",
+        "kv-no-events ",
+        "sglang ",
+        "llm-d ",
+        "power-of-two ",
+    ] {
         assert!(
             stdout.lines().any(|l| l.starts_with(mode)),
             "no {mode}row:\n{stdout}"
@@ -45,7 +53,7 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
     let _ = std::fs::remove_file(&json);
     assert_eq!(doc["workers"], 2);
     let modes = doc["modes"].as_array().unwrap();
-    assert_eq!(modes.len(), 4);
+    assert_eq!(modes.len(), 7);
     for m in modes {
         assert_eq!(m["requests"], 40);
         assert_eq!(m["errors"], 0);

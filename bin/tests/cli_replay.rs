@@ -107,12 +107,21 @@ fn replay_all_modes_writes_json_array_and_svg() {
             ("KVENGINE_BENCH_KV_BLOCKS", "1024"),
         ],
     );
-    for mode in ["kv ", "round-robin ", "random ", "kv-no-events "] {
+    for mode in [
+        "kv ",
+        "round-robin ",
+        "random ",
+        "kv-no-events ",
+        "sglang ",
+        "llm-d ",
+        "power-of-two ",
+    ] {
         assert!(stdout.lines().any(|l| l.starts_with(mode)), "{stdout}");
     }
+    assert!(stdout.contains("--router-cost ttft"), "{stdout}");
     assert!(!stdout.contains("replica sync"), "{stdout}");
     let reports = doc.as_array().expect("several modes: an array");
-    assert_eq!(reports.len(), 4);
+    assert_eq!(reports.len(), 7);
     for r in reports {
         for key in [
             "mode",
@@ -125,6 +134,9 @@ fn replay_all_modes_writes_json_array_and_svg() {
             "output_tok_per_s",
             "cache_hit_rate",
             "hit_rate_bound",
+            "capacity_hit_bound",
+            "overlap_regret",
+            "requests_per_s",
             "load_spread",
             "errors",
             "workers",
@@ -134,6 +146,13 @@ fn replay_all_modes_writes_json_array_and_svg() {
         ] {
             assert!(r.get(key).is_some(), "missing {key}");
         }
+        assert_eq!(r["router_cost"], "ttft");
+        // One cache of both workers' blocks holds no more than an infinite one.
+        let (cap, inf) = (
+            r["capacity_hit_bound"].as_f64().unwrap(),
+            r["hit_rate_bound"].as_f64().unwrap(),
+        );
+        assert!(cap > 0.0 && cap <= inf + 1e-9, "{r}");
         assert_eq!(r["requests"], 10);
         assert_eq!(r["errors"], 0);
         assert_eq!(r["workers"], 2);
@@ -145,7 +164,7 @@ fn replay_all_modes_writes_json_array_and_svg() {
     }
     let svg_text = std::fs::read_to_string(&d.svg).unwrap();
     assert!(svg_text.starts_with("<svg ") && svg_text.trim_end().ends_with("</svg>"));
-    assert!(svg_text.contains("kv-no-events"));
+    assert!(svg_text.contains("kv-no-events") && svg_text.contains("power-of-two"));
 
     // One mode: a JSON object.
     let (_, doc) = d.replay(

@@ -303,10 +303,13 @@ impl Router {
         }
     }
 
-    /// Marks request `name` prefilled (its first token streamed).
-    pub fn prefilled(&mut self, name: &str) -> std::result::Result<(), RouteError> {
+    /// Marks request `name` prefilled: its first token streamed at `now`, which teaches the
+    /// chosen worker's TTFT model ([`crate::sched::ttft`]).
+    pub fn prefilled(&mut self, now: Instant, name: &str) -> std::result::Result<(), RouteError> {
         let id = self.id(name)?;
-        self.scheduler.prefilled(id).map_err(RouteError::Engine)
+        self.scheduler
+            .first_token(now, id)
+            .map_err(RouteError::Engine)
     }
 
     /// Frees request `name` (finished or cancelled).
@@ -546,7 +549,7 @@ mod tests {
                 Err(RouteError::Name(NameError::ControlCharacter(at)))
             );
             assert_eq!(
-                r.prefilled(bad),
+                r.prefilled(now, bad),
                 Err(RouteError::Name(NameError::ControlCharacter(at)))
             );
         }
@@ -566,7 +569,7 @@ mod tests {
         // Removing the worker forgets its requests.
         r.remove_worker(WorkerId(1), true);
         assert_eq!(r.active_requests(), 0);
-        assert!(r.prefilled("a").is_err());
+        assert!(r.prefilled(Instant::now(), "a").is_err());
     }
 
     fn remote<'a>(

@@ -1,11 +1,14 @@
 //! Worker selection through `Scheduler::route`: the cost function, every mode, tie-breaks,
-//! sampling, busy filtering and override validation.
+//! sampling, busy filtering and override validation. The cost tests pin Dynamo's formula
+//! (`RouterCost::Dynamo`), whose numbers they check by hand; the TTFT cost has its own
+//! tests at the end.
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use engine::sched::{
-    BusyThresholds, RouteMode, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig, WorkerLoad,
+    BusyThresholds, RouteMode, RouteOverrides, RouteRequest, RouterCost, Scheduler,
+    SchedulerConfig, WorkerLoad,
 };
 use engine::{EngineError, Matches, RequestId, SeqHash, WorkerId, WorkerKey};
 
@@ -22,7 +25,18 @@ fn matches(pairs: &[(WorkerKey, u32)]) -> Matches {
     Matches::from_overlaps(pairs.iter().copied())
 }
 
+/// A scheduler on Dynamo's formula (whatever `cfg.cost` says) with `keys` registered.
 fn scheduler(cfg: SchedulerConfig, keys: &[WorkerKey]) -> Scheduler {
+    with_cost(
+        SchedulerConfig {
+            cost: RouterCost::Dynamo,
+            ..cfg
+        },
+        keys,
+    )
+}
+
+fn with_cost(cfg: SchedulerConfig, keys: &[WorkerKey]) -> Scheduler {
     let mut s = Scheduler::new(cfg).unwrap();
     for &k in keys {
         assert!(s.add_worker(k).unwrap());
@@ -528,4 +542,91 @@ fn keys_at_their_active_limit_are_no_candidates_and_all_full_is_at_capacity() {
             .route(now, &req(i, &blocks, 48), &m, |_| 0)
             .unwrap();
     }
+}
+
+/// The TTFT cost learns each worker's speed from first tokens and routes to the one that
+/// answers first: away from a slow worker, and back to it once the fast one's queue is
+/// longer than the difference.
+#[test]
+fn ttft_cost_learns_a_slow_worker_and_weighs_it_against_the_queue() {
+    let (slow, fast) = (key(1, 0), key(2, 0));
+    let mut s = with_cost(
+        SchedulerConfig {
+            stall_weight: 0.0,
+            ..Default::default()
+        },
+        &[slow, fast],
+    );
+    let t0 = Instant::now();
+    let mut now = t0;
+    let blocks: Vec<SeqHash> = Vec::new();
+    // 60 requests of 4,000 tokens sent to each worker in turn, one at a time: the slow one
+    // answers in 400 ms, the fast one in 100.
+    for i in 0..60u64 {
+        let (worker, took) = if i % 2 == 0 { (1, 400) } else { (2, 100) };
+        let r = with(
+            req(i, &blocks, 4000),
+            RouteOverrides {
+                worker: Some(WorkerId(worker)),
+                ..Default::default()
+            },
+        );
+        s.route(now, &r, &Matches::default(), |_| 0).unwrap();
+        now += Duration::from_millis(took);
+        s.first_token(now, RequestId(i)).unwrap();
+        s.free(RequestId(i)).unwrap();
+        now += Duration::from_millis(10);
+    }
+    let (a, b) = (s.ttft_fit(slow).unwrap(), s.ttft_fit(fast).unwrap());
+    let predict = |f: &engine::sched::ttft::TtftFit| {
+        f.predict_ms(&engine::sched::ttft::Prefill {
+            tokens: 4000,
+            cached: 0,
+            batch_blocks: 0,
+        })
+    };
+    assert!((predict(a) - 400.0).abs() < 20.0, "{:?}", a.coefficients());
+    assert!((predict(b) - 100.0).abs() < 10.0, "{:?}", b.coefficients());
+
+    // Idle workers: the fast one, predicted 4x sooner.
+    let d = s
+        .route(now, &req(100, &blocks, 4000), &Matches::default(), |_| 0)
+        .unwrap();
+    assert_eq!(d.worker, fast);
+    let ttft = |d: &engine::sched::Decision, k| {
+        d.candidates
+            .iter()
+            .find(|c| c.key == k)
+            .unwrap()
+            .predicted_ttft_ms
+    };
+    assert!(ttft(&d, slow) > 3.0 * ttft(&d, fast), "{d:?}");
+    // Two more queue behind it on the fast worker (100, 200, then 300 ms of wait)...
+    for id in [101, 102] {
+        let d = s
+            .route(now, &req(id, &blocks, 4000), &Matches::default(), |_| 0)
+            .unwrap();
+        assert_eq!(d.worker, fast, "{d:?}");
+    }
+    // ...and then its queue (300 ms) plus its service (100) reach the slow one's 400.
+    let d = s
+        .route(now, &req(103, &blocks, 4000), &Matches::default(), |_| 0)
+        .unwrap();
+    let (q_fast, q_slow) = (ttft(&d, fast), ttft(&d, slow));
+    assert!(
+        (q_fast - 400.0).abs() < 15.0 && (q_slow - 400.0).abs() < 25.0,
+        "{d:?}"
+    );
+    // The fast worker's first token comes early: its queue moves up, and it is chosen.
+    s.first_token(now + Duration::from_millis(50), RequestId(100))
+        .unwrap();
+    let d = s
+        .route(
+            now + Duration::from_millis(50),
+            &req(104, &blocks, 4000),
+            &Matches::default(),
+            |_| 0,
+        )
+        .unwrap();
+    assert_eq!(d.worker, fast, "{d:?}");
 }

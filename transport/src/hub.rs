@@ -1116,12 +1116,14 @@ impl Hub {
         Ok(routed)
     }
 
-    /// Marks a routed request prefilled (its first token streamed).
+    /// Marks a routed request prefilled: its first token streamed now (the chosen worker's
+    /// TTFT model learns from the time since routing).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
+        let now = Instant::now();
         let mut routing = lock(&self.routing);
         routing
-            .with_request(request_id, |r| r.prefilled(request_id))
+            .with_request(request_id, |r| r.prefilled(now, request_id))
             .map_err(refused)?;
         if let Some(sink) = self.replicas.get() {
             sink.prefilled(request_id);

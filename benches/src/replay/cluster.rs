@@ -53,6 +53,10 @@ pub struct ClusterConfig {
     pub seed: u64,
     /// The scheduler's weight of prefill blocks against decode blocks.
     pub overlap_weight: f64,
+    /// What kv modes minimise.
+    pub router_cost: engine::sched::RouterCost,
+    /// With the TTFT cost: the weight of the prefill stall on running requests.
+    pub stall_weight: f64,
     /// Prefill and decode workers instead of `workers` aggregated ones (`workers` is then
     /// `P + D`).
     pub disagg: Option<DisaggSpec>,
@@ -71,6 +75,8 @@ impl ClusterConfig {
             cores: cfg.cores,
             seed: cfg.seed,
             overlap_weight: cfg.overlap_weight,
+            router_cost: cfg.router_cost,
+            stall_weight: cfg.stall_weight,
             disagg: None,
         }
     }

@@ -51,7 +51,7 @@ pub mod trace;
 
 use anyhow::{Context, Result, bail};
 use disagg::{DisaggSpec, Run};
-use engine::sched::RouteMode;
+use engine::sched::{RouteMode, RouterCost};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use report::{ModeReport, RunInfo};
 use sim::engine::EngineConfig;
@@ -113,7 +113,7 @@ impl Workload {
 /// How the router routes in one run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RunMode {
-    /// KV-aware routing on the workers' KV events.
+    /// KV-aware routing on the workers' KV events, minimising `--router-cost`.
     Kv,
     /// Round robin.
     RoundRobin,
@@ -122,15 +122,24 @@ pub enum RunMode {
     /// KV-aware routing without KV events: the router predicts the caches from its own
     /// decisions (`--no-kv-events`).
     KvNoEvents,
+    /// SGLang router's cache-aware policy ([`engine::sched::sglang`]).
+    Sglang,
+    /// llm-d's weighted prefix-cache and queue scorers ([`engine::sched::llmd`]).
+    LlmD,
+    /// Power of two choices on predicted TTFT ([`engine::sched::power_of_two`]).
+    PowerOfTwo,
 }
 
 impl RunMode {
     /// Every mode, in the order `all` runs them.
-    pub const ALL: [RunMode; 4] = [
+    pub const ALL: [RunMode; 7] = [
         RunMode::Kv,
         RunMode::RoundRobin,
         RunMode::Random,
         RunMode::KvNoEvents,
+        RunMode::Sglang,
+        RunMode::LlmD,
+        RunMode::PowerOfTwo,
     ];
 
     /// Its name on the command line and in reports.
@@ -140,6 +149,9 @@ impl RunMode {
             RunMode::RoundRobin => "round-robin",
             RunMode::Random => "random",
             RunMode::KvNoEvents => "kv-no-events",
+            RunMode::Sglang => "sglang",
+            RunMode::LlmD => "llm-d",
+            RunMode::PowerOfTwo => "power-of-two",
         }
     }
 
@@ -149,6 +161,9 @@ impl RunMode {
             RunMode::Kv | RunMode::KvNoEvents => RouteMode::Kv,
             RunMode::RoundRobin => RouteMode::RoundRobin,
             RunMode::Random => RouteMode::Random,
+            RunMode::Sglang => RouteMode::Sglang,
+            RunMode::LlmD => RouteMode::LlmD,
+            RunMode::PowerOfTwo => RouteMode::PowerOfTwo,
         }
     }
 
@@ -188,7 +203,10 @@ impl FromStr for RunMode {
             .into_iter()
             .find(|m| m.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown mode {s:?}: expected kv, round-robin, random, kv-no-events or all")
+                format!(
+                    "unknown mode {s:?}: expected kv, round-robin, random, kv-no-events, \
+                     sglang, llm-d, power-of-two or all"
+                )
             })
     }
 }
@@ -209,8 +227,13 @@ pub struct ReplayConfig {
     pub tokio_threads: usize,
     /// Seed of the router's scheduler (random mode, tie-breaking).
     pub seed: u64,
-    /// The scheduler's weight of prefill blocks against decode blocks (kv modes).
+    /// The scheduler's weight of prefill blocks against decode blocks (kv modes with
+    /// `router_cost` Dynamo).
     pub overlap_weight: f64,
+    /// What kv modes minimise.
+    pub router_cost: RouterCost,
+    /// With the TTFT cost: the weight of the prefill stall on running requests.
+    pub stall_weight: f64,
     /// Longest wall time one request may take before it is counted as an error.
     pub request_timeout: Duration,
     /// The rate scale the workload was built with (reported only).
@@ -242,6 +265,8 @@ impl Default for ReplayConfig {
             tokio_threads: 2,
             seed: 0,
             overlap_weight: 1.0,
+            router_cost: RouterCost::default(),
+            stall_weight: engine::sched::config::DEFAULT_STALL_WEIGHT,
             request_timeout: Duration::from_secs(300),
             rate_scale: 1.0,
             progress: false,
@@ -425,6 +450,12 @@ pub async fn run_one(
         kv_blocks: cfg.engine.kv_blocks,
         rate_scale: cfg.rate_scale,
         hit_rate_bound: workload.bound.hit_rate(),
+        capacity_hit_bound: trace::capacity_hit_bound(
+            &workload.requests,
+            cfg.engine.block_size,
+            cfg.workers as u64 * u64::from(cfg.engine.kv_blocks),
+        ),
+        router_cost: cfg.router_cost,
         wall_s: wall.as_secs_f64(),
         router_active_after: active_after,
         preemptions: snapshots.iter().map(|s| s.stats.preemptions).sum(),

@@ -9,6 +9,11 @@
 //!   simulated time from the first request sent to the last answer finished;
 //! * `cache_hit_rate`: the usage chunks' `cached_tokens` summed over their `prompt_tokens`;
 //! * `hit_rate_bound`: the workload's infinite-cache bound ([`super::trace`]);
+//! * `capacity_hit_bound`: what one LRU cache of the cluster's `workers x kv_blocks`
+//!   blocks would hit ([`super::trace`]), and `capacity_share` the hit rate over it;
+//! * `overlap_regret`: `router_best_overlap_rate - router_chosen_overlap_rate`, the prompt
+//!   share cached on some worker at routing time that the chosen worker did not have;
+//! * `router_cost`: what kv modes minimised (`ttft` or `dynamo`), recorded in every run;
 //! * `load_spread`: with `prefill(w)` the prompt tokens worker `w` computed
 //!   (`prompt_tokens - cached_tokens` of the requests it served, or prefilled for a decode
 //!   worker), the busiest worker's share `max prefill / sum prefill` divided by `1 / N`,
@@ -94,6 +99,10 @@ pub struct RunInfo {
     pub rate_scale: f64,
     /// The workload's infinite-cache bound.
     pub hit_rate_bound: f64,
+    /// The workload's capacity-aware bound at the cluster's capacity.
+    pub capacity_hit_bound: f64,
+    /// What kv modes minimised.
+    pub router_cost: engine::sched::RouterCost,
     /// Wall time of the replay.
     pub wall_s: f64,
     /// Requests the router still counted as active after the replay.
@@ -217,6 +226,15 @@ pub struct ModeReport {
     pub cache_hit_rate: f64,
     /// The infinite-cache bound of the workload.
     pub hit_rate_bound: f64,
+    /// What one LRU cache of the whole cluster's blocks would hit ([`super::trace`]).
+    pub capacity_hit_bound: f64,
+    /// `cache_hit_rate / capacity_hit_bound` (0 when the bound is 0).
+    pub capacity_share: f64,
+    /// `router_best_overlap_rate - router_chosen_overlap_rate`: prompt share the router
+    /// could have found cached at routing time and did not take.
+    pub overlap_regret: f64,
+    /// What kv modes minimised (`--router-cost`: `ttft` or `dynamo`).
+    pub router_cost: String,
     /// Busiest worker's share of prefill work, divided by `1 / N`, minus 1.
     pub load_spread: f64,
     /// Requests that did not complete.
@@ -321,6 +339,13 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
         requests_per_s: ratio(ok.len() as f64, span_s),
         cache_hit_rate: ratio(cached as f64, prompt as f64),
         hit_rate_bound: info.hit_rate_bound,
+        capacity_hit_bound: info.capacity_hit_bound,
+        capacity_share: ratio(ratio(cached as f64, prompt as f64), info.capacity_hit_bound),
+        overlap_regret: ratio(
+            (info.best_overlap_blocks - info.chosen_overlap_blocks) * f64::from(info.block_size),
+            prompt as f64,
+        ),
+        router_cost: info.router_cost.as_str().to_owned(),
         load_spread: load_spread(&prefill),
         errors: errors.len() as u64,
         workers: n,
@@ -359,26 +384,54 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
     }
 }
 
-/// The comparison table: mode, TTFT p50 and p99, cache hit rate (and the bound), load
-/// spread, errors. One row per report, each starting with its mode's name.
+/// The comparison table: mode, TTFT p50, p90 and p99, throughput, cache hit rate, both
+/// bounds, the overlap regret, load spread, errors. One row per report, each starting
+/// with its mode's name ([`legend`] explains the columns).
 pub fn table(reports: &[ModeReport]) -> String {
     let mut s = format!(
-        "{:<13} {:>12} {:>12} {:>10} {:>8} {:>12} {:>7}\n",
-        "mode", "TTFT p50 ms", "TTFT p99 ms", "cache hit", "bound", "load spread", "errors"
+        "{:<13} {:>9} {:>9} {:>9} {:>8} {:>9} {:>8} {:>8} {:>7} {:>11} {:>6}\n",
+        "mode",
+        "TTFT p50",
+        "TTFT p90",
+        "TTFT p99",
+        "req/s",
+        "cache hit",
+        "cap bnd",
+        "inf bnd",
+        "regret",
+        "load spread",
+        "errors"
     );
     for r in reports {
         s.push_str(&format!(
-            "{:<13} {:>12.1} {:>12.1} {:>9.1}% {:>7.1}% {:>12.2} {:>7}\n",
+            "{:<13} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>8.1}% {:>7.1}% {:>7.1}% {:>6.1}% {:>11.2} {:>6}\n",
             r.mode,
             r.ttft_p50_ms,
+            r.ttft_p90_ms,
             r.ttft_p99_ms,
+            r.requests_per_s,
             100.0 * r.cache_hit_rate,
+            100.0 * r.capacity_hit_bound,
             100.0 * r.hit_rate_bound,
+            100.0 * r.overlap_regret,
             r.load_spread,
             r.errors
         ));
     }
     s
+}
+
+/// What the table's columns mean, and the router cost kv modes ran with.
+pub fn legend(reports: &[ModeReport]) -> String {
+    let cost = reports.first().map_or("ttft", |r| r.router_cost.as_str());
+    format!(
+        "TTFT in simulated ms; req/s: completed requests per simulated second; kv modes \
+         minimise --router-cost {cost}; cache hit: prompt tokens the workers served from \
+         their caches; cap bnd: what one LRU cache of the whole cluster's blocks would hit; \
+         inf bnd: an infinite cache; regret: prompt share cached on some worker at routing \
+         time that the chosen one lacked; load spread: the busiest worker's share of prefill \
+         work over an even share, minus 1\n"
+    )
 }
 
 /// The replica sync's table: per run with router replicas, the replicas, frames, bytes,

@@ -66,6 +66,8 @@ impl Router {
             mode: cfg.mode.route_mode(),
             seed: cfg.seed,
             overlap_weight: cfg.overlap_weight,
+            cost: cfg.router_cost,
+            stall_weight: cfg.stall_weight,
             ..SchedulerConfig::default()
         };
         let runtime_config = RuntimeConfig {

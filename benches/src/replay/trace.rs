@@ -19,6 +19,15 @@
 //! over the sum of prompt tokens. Output tokens are never counted (a replayed prompt never
 //! contains an earlier answer's synthetic tokens).
 //!
+//! # The capacity-aware bound (`capacity_hit_bound`)
+//! The same count with the cluster's real capacity: one LRU cache of `workers x kv_blocks`
+//! blocks serving every request, as if the cluster were one worker with all its memory
+//! and the router always knew where everything was. A request hits the leading run of
+//! its hittable blocks that the cache holds; then all its blocks become the most recently
+//! used, the least recently used falling out past the capacity. Routing cannot beat one
+//! shared cache of the same size (a block cached twice takes room twice), so this is what
+//! a hit rate is judged against; the infinite-cache bound is what no capacity can beat.
+//!
 //! # Invariants
 //! 1. Deterministic: the same file and options give the same requests, token for token.
 //! 2. Arrivals are non-decreasing milliseconds from the first request (trace time divided
@@ -30,7 +39,7 @@ use engine::hash::{lora_seed, seq_hashes};
 use sim::workload::DEFAULT_VOCAB;
 use sim::workload::chat::{ChatConfig, ChatWorkload};
 use sim::workload::mooncake::MooncakeTrace;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -97,6 +106,50 @@ pub fn hit_rate_bound(requests: &[ReplayRequest], block_size: u32) -> Bound {
     }
     out.distinct_blocks = seen.len() as u64;
     out
+}
+
+/// The capacity-aware bound of `requests` (in order): the hit rate of one LRU cache of
+/// `capacity_blocks` blocks of `block_size` tokens (see the module docs).
+pub fn capacity_hit_bound(
+    requests: &[ReplayRequest],
+    block_size: u32,
+    capacity_blocks: u64,
+) -> f64 {
+    let bs = block_size.max(1) as usize;
+    // Block -> its last use; last use -> block: the oldest entry is the one to evict.
+    let mut stamp_of: HashMap<u64, u64> = HashMap::new();
+    let mut by_stamp: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut clock = 0u64;
+    let (mut prompt, mut hit_tokens) = (0u64, 0u64);
+    for r in requests {
+        let seqs = seq_hashes(&r.tokens, bs, lora_seed(None));
+        let hittable = r.tokens.len().saturating_sub(1) / bs;
+        let hit = seqs
+            .iter()
+            .take(hittable)
+            .take_while(|s| stamp_of.contains_key(&s.0))
+            .count();
+        prompt += r.tokens.len() as u64;
+        hit_tokens += (hit * bs) as u64;
+        for s in &seqs {
+            clock += 1;
+            if let Some(old) = stamp_of.insert(s.0, clock) {
+                by_stamp.remove(&old);
+            }
+            by_stamp.insert(clock, s.0);
+        }
+        while stamp_of.len() as u64 > capacity_blocks {
+            let Some((_, victim)) = by_stamp.pop_first() else {
+                break;
+            };
+            stamp_of.remove(&victim);
+        }
+    }
+    if prompt == 0 {
+        0.0
+    } else {
+        hit_tokens as f64 / prompt as f64
+    }
 }
 
 /// Token ids of a trace request: each 512-token `hash_ids` entry expanded from the id
@@ -177,4 +230,72 @@ pub fn chat_workload(config: ChatConfig, block_size: u32) -> Result<Workload> {
         })
         .collect();
     Ok(Workload::new(name, requests, block_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(tokens: Vec<u32>) -> ReplayRequest {
+        ReplayRequest {
+            arrival_ms: 0.0,
+            tokens: Arc::from(tokens),
+            output_tokens: 1,
+        }
+    }
+
+    /// The reference: an LRU as a list, most recent last, searched linearly.
+    fn reference(requests: &[ReplayRequest], bs: usize, capacity: usize) -> f64 {
+        let mut lru: Vec<SeqHashValue> = Vec::new();
+        let (mut prompt, mut hit) = (0usize, 0usize);
+        for r in requests {
+            let seqs: Vec<u64> = seq_hashes(&r.tokens, bs, lora_seed(None))
+                .iter()
+                .map(|s| s.0)
+                .collect();
+            let hittable = r.tokens.len().saturating_sub(1) / bs;
+            hit += bs
+                * seqs
+                    .iter()
+                    .take(hittable)
+                    .take_while(|s| lru.contains(s))
+                    .count();
+            prompt += r.tokens.len();
+            for s in seqs {
+                lru.retain(|x| *x != s);
+                lru.push(s);
+            }
+            while lru.len() > capacity {
+                lru.remove(0);
+            }
+        }
+        hit as f64 / prompt as f64
+    }
+    type SeqHashValue = u64;
+
+    #[test]
+    fn capacity_bound_matches_a_list_lru_and_the_infinite_bound_when_big() {
+        // Prompts over 4 shared prefixes of 3 blocks, each with a private tail of 2 blocks.
+        let bs = 4;
+        let mut requests = Vec::new();
+        for i in 0..60u32 {
+            let prefix = (i * 7) % 4;
+            let mut t: Vec<u32> = (0..12).map(|k| prefix * 1000 + k).collect();
+            t.extend((0..9).map(|k| 100_000 + i * 100 + k));
+            requests.push(request(t));
+        }
+        let infinite = hit_rate_bound(&requests, bs as u32).hit_rate();
+        assert!(infinite > 0.3, "{infinite}");
+        for capacity in [1usize, 5, 8, 13, 30, 400] {
+            let got = capacity_hit_bound(&requests, bs as u32, capacity as u64);
+            let want = reference(&requests, bs, capacity);
+            assert!(
+                (got - want).abs() < 1e-12,
+                "capacity {capacity}: {got} vs {want}"
+            );
+            assert!(got <= infinite + 1e-12);
+        }
+        assert!((capacity_hit_bound(&requests, bs as u32, 400) - infinite).abs() < 1e-12);
+        assert!(capacity_hit_bound(&requests, bs as u32, 5) < infinite);
+    }
 }

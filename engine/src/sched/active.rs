@@ -46,6 +46,8 @@ use hashbrown::{HashMap, HashSet};
 
 use crate::error::{EngineError, Result};
 use crate::ids::{RequestId, SeqHash};
+use crate::sched::drain::Predicted;
+use crate::sched::ttft::Prefill;
 use crate::sched::workers::WorkerSlot;
 
 /// The load a worker key's active requests put on it.
@@ -83,6 +85,20 @@ struct Active {
     /// Prefill tokens this request still adds to its slot; 0 once prefilled.
     pending_prefill: u64,
     deadline: Option<Instant>,
+    /// What its slot looked like when it was routed, for the TTFT fit; taken (`None`) at
+    /// its first token.
+    routed: Option<Routed>,
+}
+
+/// A request at routing time: what its time to first token is explained by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Routed {
+    /// When it was added.
+    pub at: Instant,
+    /// Its prefill as the TTFT model saw it.
+    pub prefill: Prefill,
+    /// When its prefill was predicted to end ([`crate::sched::drain`]).
+    pub done: Predicted,
 }
 
 impl ActiveRequests {
@@ -187,9 +203,11 @@ impl ActiveRequests {
         }
     }
 
-    /// Records `id` as active on `slot` from `now`.
+    /// Records `id` as active on `slot` from `now`, its prefill predicted to end as
+    /// `done` says.
     ///
     /// `overlap_blocks` is the prefix the engine already caches: those tokens need no prefill.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn add(
         &mut self,
         now: Instant,
@@ -198,6 +216,7 @@ impl ActiveRequests {
         blocks: &[SeqHash],
         input_tokens: u64,
         overlap_blocks: u32,
+        done: Predicted,
     ) -> Result<()> {
         if self.requests.contains_key(&id) {
             return Err(EngineError::DuplicateRequest(id));
@@ -237,6 +256,15 @@ impl ActiveRequests {
             .load
             .active_prefill_tokens
             .saturating_add(pending_prefill);
+        let routed = Routed {
+            at: now,
+            prefill: Prefill {
+                tokens: pending_prefill,
+                cached: cached_tokens.min(input_tokens),
+                batch_blocks: per.load.active_blocks,
+            },
+            done,
+        };
         per.load.active_requests += 1;
         per.requests.insert(id);
         let deadline = now.checked_add(self.timeout);
@@ -250,6 +278,7 @@ impl ActiveRequests {
                 blocks: blocks.into(),
                 pending_prefill,
                 deadline,
+                routed: Some(routed),
             },
         );
         Ok(())
@@ -257,15 +286,22 @@ impl ActiveRequests {
 
     /// Marks `id` prefilled: its tokens no longer count as pending prefill. Idempotent.
     pub(crate) fn prefilled(&mut self, id: RequestId) -> Result<()> {
+        self.first_token(id).map(|_| ())
+    }
+
+    /// [`Self::prefilled`], returning `id`'s slot and what it looked like at routing the
+    /// first time only (`None` after).
+    pub(crate) fn first_token(&mut self, id: RequestId) -> Result<Option<(WorkerSlot, Routed)>> {
         let active = self
             .requests
             .get_mut(&id)
             .ok_or(EngineError::UnknownRequest(id))?;
+        let routed = active.routed.take().map(|r| (active.slot, r));
         let pending = std::mem::take(&mut active.pending_prefill);
         if let Some(per) = self.per_slot.get_mut(active.slot.idx()) {
             per.load.active_prefill_tokens = per.load.active_prefill_tokens.saturating_sub(pending);
         }
-        Ok(())
+        Ok(routed)
     }
 
     /// Frees `id` and returns the slot it was active on.
@@ -549,18 +585,27 @@ mod tests {
         v.iter().copied().map(SeqHash).collect()
     }
 
+    fn done(at: Instant) -> Predicted {
+        Predicted {
+            done_at: at,
+            drift_ms: 0.0,
+        }
+    }
+
     #[test]
     fn shared_blocks_count_once_and_prefill_floors_at_zero() {
         let now = Instant::now();
         let s = WorkerSlot(0);
         let mut a = ActiveRequests::new(16, Duration::from_secs(10));
-        a.add(now, s, RequestId(1), &hs(&[1, 2, 3]), 48, 1).unwrap();
-        a.add(now, s, RequestId(2), &hs(&[1, 2, 4, 5]), 64, 0)
+        a.add(now, s, RequestId(1), &hs(&[1, 2, 3]), 48, 1, done(now))
+            .unwrap();
+        a.add(now, s, RequestId(2), &hs(&[1, 2, 4, 5]), 64, 0, done(now))
             .unwrap();
         let l = a.load(s);
         assert_eq!(l.active_blocks, 5);
         assert_eq!(l.active_prefill_tokens, 32 + 64);
-        a.add(now, s, RequestId(3), &hs(&[9]), 10, 4).unwrap();
+        a.add(now, s, RequestId(3), &hs(&[9]), 10, 4, done(now))
+            .unwrap();
         assert_eq!(
             a.load(s).active_prefill_tokens,
             96,
@@ -641,6 +686,7 @@ mod tests {
                         &blocks,
                         rng.random_range(0..40),
                         rng.random_range(0..4),
+                        done(now),
                     )
                     .unwrap();
                     live.push(id);

@@ -16,7 +16,13 @@ use crate::matches::Matches;
 use crate::sched::active::ActiveRequests;
 use crate::sched::config::BusyThresholds;
 use crate::sched::cost::{CandidateScore, CostInputs};
+use crate::sched::drain::DrainClock;
+use crate::sched::ttft::TtftFit;
 use crate::sched::workers::{WorkerSlot, WorkerTable};
+use std::time::Instant;
+
+/// The model of a slot with none yet.
+const PRIOR: TtftFit = TtftFit::PRIOR_FIT;
 
 /// Reusable per-call buffers. Owned by the scheduler.
 #[derive(Debug, Default)]
@@ -47,6 +53,12 @@ pub(crate) struct Context<'a> {
     pub max_active: Option<u64>,
     pub matches: &'a Matches,
     pub blocks: &'a [SeqHash],
+    /// When the call is made.
+    pub now: Instant,
+    /// Each slot's TTFT model (a slot past the end predicts the prior).
+    pub fits: &'a [TtftFit],
+    /// Each slot's prefill queue clock (a slot past the end has none queued).
+    pub clocks: &'a [DrainClock],
     pub cost: CostInputs,
 }
 
@@ -98,7 +110,14 @@ impl CandidateScratch {
             }
             let overlap = self.overlap.get(slot.idx()).copied().unwrap_or(0);
             let held = self.held.get(slot.idx()).copied().unwrap_or(0);
-            candidates.push(cx.cost.score(key, overlap, cx.active.load(slot), held));
+            let fit = cx.fits.get(slot.idx()).unwrap_or(&PRIOR);
+            let load = cx.active.load(slot);
+            let pending = load.active_prefill_tokens > 0;
+            let wait_ms = cx
+                .clocks
+                .get(slot.idx())
+                .map_or(0.0, |c| c.wait_ms(cx.now, pending));
+            candidates.push(cx.cost.score(key, overlap, load, held, fit, wait_ms));
         }
 
         for slot in self.touched.drain(..) {

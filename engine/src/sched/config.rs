@@ -31,6 +31,16 @@ pub enum RouteMode {
     Random,
     /// The caller names the worker; the KV cost picks among its data-parallel ranks.
     Direct,
+    /// SGLang router's cache-aware policy: the least-loaded key when load is imbalanced,
+    /// else the best prefix match if it covers enough of the prompt, else the key caching
+    /// least ([`crate::sched::sglang`]).
+    Sglang,
+    /// llm-d's scheduler: a weighted sum of a prefix-cache scorer and a queue scorer
+    /// ([`crate::sched::llmd`]).
+    LlmD,
+    /// Power of two choices: two keys at random, the one with the lower predicted TTFT
+    /// ([`crate::sched::power_of_two`]).
+    PowerOfTwo,
     /// A policy the embedding program passes to [`crate::sched::Scheduler::route_with`]
     /// chose (the Python package's `KvRouter(policy=...)`). Not selectable by name: it is
     /// not in [`RouteMode::ALL`] and does not parse.
@@ -39,20 +49,27 @@ pub enum RouteMode {
 
 impl RouteMode {
     /// Every mode selectable by name, in documentation order.
-    pub const ALL: [RouteMode; 4] = [
+    pub const ALL: [RouteMode; 7] = [
         RouteMode::Kv,
         RouteMode::RoundRobin,
         RouteMode::Random,
         RouteMode::Direct,
+        RouteMode::Sglang,
+        RouteMode::LlmD,
+        RouteMode::PowerOfTwo,
     ];
 
-    /// The CLI / metric label: `kv`, `round-robin`, `random` or `direct`.
+    /// The CLI / metric label: `kv`, `round-robin`, `random`, `direct`, `sglang`, `llm-d`
+    /// or `power-of-two`.
     pub fn as_str(self) -> &'static str {
         match self {
             RouteMode::Kv => "kv",
             RouteMode::RoundRobin => "round-robin",
             RouteMode::Random => "random",
             RouteMode::Direct => "direct",
+            RouteMode::Sglang => "sglang",
+            RouteMode::LlmD => "llm-d",
+            RouteMode::PowerOfTwo => "power-of-two",
             RouteMode::Custom => "custom",
         }
     }
@@ -73,7 +90,51 @@ impl FromStr for RouteMode {
             .find(|m| m.as_str() == s)
             .ok_or(EngineError::InvalidArgument {
                 name: "mode",
-                reason: "expected kv, round-robin, random or direct",
+                reason: "expected kv, round-robin, random, direct, sglang, llm-d or power-of-two",
+            })
+    }
+}
+
+/// What `kv` mode minimises (`--router-cost`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RouterCost {
+    /// The request's predicted time to first token on the key, plus the prefill stall it
+    /// causes the key's running requests ([`crate::sched::ttft`], [`crate::sched::cost`]).
+    #[default]
+    Ttft,
+    /// Dynamo's formula: `overlap_weight * prefill_blocks + decode_blocks`.
+    Dynamo,
+}
+
+impl RouterCost {
+    /// Both costs, the default first.
+    pub const ALL: [RouterCost; 2] = [RouterCost::Ttft, RouterCost::Dynamo];
+
+    /// The CLI label: `ttft` or `dynamo`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RouterCost::Ttft => "ttft",
+            RouterCost::Dynamo => "dynamo",
+        }
+    }
+}
+
+impl fmt::Display for RouterCost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RouterCost {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        RouterCost::ALL
+            .into_iter()
+            .find(|c| c.as_str() == s)
+            .ok_or(EngineError::InvalidArgument {
+                name: "router_cost",
+                reason: "expected ttft or dynamo",
             })
     }
 }
@@ -146,12 +207,23 @@ pub struct SchedulerConfig {
     pub request_timeout: Duration,
     /// Seed of the scheduler's RNG (tie-breaking, sampling, random mode).
     pub seed: u64,
+    /// What `kv` and `direct` mode minimise (default: predicted TTFT).
+    pub cost: RouterCost,
+    /// With [`RouterCost::Ttft`]: what a millisecond of prefill stall imposed on each of a
+    /// key's running requests costs, against a millisecond of this request's TTFT (default
+    /// [`DEFAULT_STALL_WEIGHT`]).
+    pub stall_weight: f64,
     /// The most active requests one worker key may carry; a key at the limit is no
     /// candidate, and a call finding every key there fails with `AtCapacity`. `None`: no
     /// limit. The default keeps a runaway client (or requests never freed) from piling
     /// work on a worker without bound.
     pub max_active_per_key: Option<u64>,
 }
+
+/// The default [`SchedulerConfig::stall_weight`]: a running request's stalled token counts
+/// a tenth of a waiting request's first token. Users wait for the first token; a stall in
+/// a stream already flowing is felt less, but it is not free.
+pub const DEFAULT_STALL_WEIGHT: f64 = 0.1;
 
 /// The default [`SchedulerConfig::max_active_per_key`].
 pub const DEFAULT_MAX_ACTIVE_PER_KEY: u64 = 4096;
@@ -167,6 +239,8 @@ impl Default for SchedulerConfig {
             busy: BusyThresholds::default(),
             request_timeout: Duration::from_secs(300),
             seed: 0,
+            cost: RouterCost::default(),
+            stall_weight: DEFAULT_STALL_WEIGHT,
             max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
         }
     }
@@ -183,6 +257,12 @@ impl SchedulerConfig {
         }
         check_weight(self.overlap_weight)?;
         check_weight(self.decode_overlap_weight)?;
+        if !(self.stall_weight.is_finite() && self.stall_weight >= 0.0) {
+            return Err(EngineError::InvalidArgument {
+                name: "stall_weight",
+                reason: "must be finite and non-negative",
+            });
+        }
         check_temperature(self.temperature)?;
         if let Some(max) = self.busy.max_kv_usage
             && !(0.0..=1.0).contains(&max)
@@ -242,7 +322,13 @@ pub(crate) fn resolve(config: &SchedulerConfig, overrides: &RouteOverrides) -> R
             reason: "direct mode needs a worker id",
         }),
         (
-            RouteMode::Kv | RouteMode::RoundRobin | RouteMode::Random | RouteMode::Custom,
+            RouteMode::Kv
+            | RouteMode::RoundRobin
+            | RouteMode::Random
+            | RouteMode::Sglang
+            | RouteMode::LlmD
+            | RouteMode::PowerOfTwo
+            | RouteMode::Custom,
             Some(_),
         ) => Err(EngineError::InvalidArgument {
             name: "worker",
@@ -290,6 +376,14 @@ mod tests {
             assert_eq!(m.as_str().parse::<RouteMode>().unwrap(), m);
         }
         assert!("least-loaded".parse::<RouteMode>().is_err());
+    }
+
+    #[test]
+    fn router_cost_labels_round_trip() {
+        for c in RouterCost::ALL {
+            assert_eq!(c.as_str().parse::<RouterCost>().unwrap(), c);
+        }
+        assert!("ttft2".parse::<RouterCost>().is_err());
     }
 
     #[test]

@@ -3,8 +3,24 @@
 //! ```text
 //! prefill_blocks(w) = (active_prefill_tokens(w) + input_tokens - overlap(w) * block_size) / block_size
 //! decode_blocks(w)  = active_blocks(w) + blocks of this request not already active on w
-//! logit(w)          = overlap_weight * prefill_blocks(w) + decode_blocks(w)    (lower is better)
 //! ```
+//!
+//! and the logit (lower is better) is, with `--router-cost`
+//!
+//! ```text
+//! dynamo:  overlap_weight * prefill_blocks(w) + decode_blocks(w)
+//! ttft:    predicted_ttft_ms(w) + stall_weight * own_ms(w) * active_requests(w)
+//!   own_ms(w)            = w's fitted model (crate::sched::ttft) of the time to prefill
+//!                          this request's uncached tokens after its cached prefix, at
+//!                          w's batch with it added
+//!   predicted_ttft_ms(w) = wait_ms(w) + base(w) + own_ms(w), wait_ms(w) the time until
+//!                          w's queued prefills are done (crate::sched::drain)
+//!   stall:                 with chunked prefill, each running request on w waits own_ms
+//!                          longer for its next tokens
+//! ```
+//!
+//! Every candidate's `predicted_ttft_ms` is reported under both costs (power-of-two mode
+//! compares it directly).
 //!
 //! # Invariants
 //! 1. `input_tokens - overlap * block_size` floors at 0, exactly as the active-request
@@ -14,6 +30,8 @@
 
 use crate::ids::WorkerKey;
 use crate::sched::active::ActiveLoad;
+use crate::sched::config::RouterCost;
+use crate::sched::ttft::{Prefill, TtftFit};
 
 /// One candidate's cost, as the decision that considered it reports it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,7 +44,9 @@ pub struct CandidateScore {
     pub prefill_blocks: f64,
     /// Blocks the key would hold in active requests with this one added.
     pub decode_blocks: u64,
-    /// `overlap_weight * prefill_blocks + decode_blocks`; lower is better.
+    /// The key's fitted prediction of this request's time to first token, in ms.
+    pub predicted_ttft_ms: f64,
+    /// The cost the mode minimised (see the module docs); lower is better.
     pub logit: f64,
 }
 
@@ -34,7 +54,9 @@ pub struct CandidateScore {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CostInputs {
     pub block_size: u32,
+    pub cost: RouterCost,
     pub overlap_weight: f64,
+    pub stall_weight: f64,
     /// Blocks in the request.
     pub request_blocks: u64,
     /// Tokens in the request, the trailing partial block included.
@@ -43,7 +65,8 @@ pub(crate) struct CostInputs {
 
 impl CostInputs {
     /// The score of `key`, which caches `overlap_blocks` of the request, carries `active`,
-    /// and already holds `held_blocks` of the request's blocks in its active requests.
+    /// already holds `held_blocks` of the request's blocks in its active requests, whose
+    /// prefill speed is `fit` and whose queued prefills end in `wait_ms`.
     #[inline]
     pub(crate) fn score(
         &self,
@@ -51,6 +74,8 @@ impl CostInputs {
         overlap_blocks: u32,
         active: ActiveLoad,
         held_blocks: u32,
+        fit: &TtftFit,
+        wait_ms: f64,
     ) -> CandidateScore {
         let bs = u64::from(self.block_size.max(1));
         let new_prefill = self
@@ -60,12 +85,26 @@ impl CostInputs {
             active.active_prefill_tokens.saturating_add(new_prefill) as f64 / bs as f64;
         let added = self.request_blocks.saturating_sub(u64::from(held_blocks));
         let decode_blocks = active.active_blocks.saturating_add(added);
+        let prefill = Prefill {
+            tokens: new_prefill,
+            cached: self.input_tokens - new_prefill,
+            batch_blocks: decode_blocks,
+        };
+        let own_ms = fit.prefill_ms(&prefill);
+        let predicted_ttft_ms = wait_ms + fit.predict_ms(&prefill);
+        let logit = match self.cost {
+            RouterCost::Dynamo => self.overlap_weight * prefill_blocks + decode_blocks as f64,
+            RouterCost::Ttft => {
+                predicted_ttft_ms + self.stall_weight * own_ms * active.active_requests as f64
+            }
+        };
         CandidateScore {
             key,
             overlap_blocks,
             prefill_blocks,
             decode_blocks,
-            logit: self.overlap_weight * prefill_blocks + decode_blocks as f64,
+            predicted_ttft_ms,
+            logit,
         }
     }
 }
@@ -79,6 +118,8 @@ mod tests {
         // block_size 16; the request has 6 full blocks and 100 tokens.
         let inputs = CostInputs {
             block_size: 16,
+            cost: RouterCost::Dynamo,
+            stall_weight: 0.0,
             overlap_weight: 2.0,
             request_blocks: 6,
             input_tokens: 100,
@@ -90,13 +131,20 @@ mod tests {
         };
         // Overlap 4: 100 - 64 = 36 new tokens; (32 + 36) / 16 = 4.25 prefill blocks.
         // Two of the request's blocks are already active: 10 + (6 - 2) = 14 decode blocks.
-        let s = inputs.score(WorkerKey::new(1, 0), 4, active, 2);
+        let s = inputs.score(WorkerKey::new(1, 0), 4, active, 2, &TtftFit::default(), 0.0);
         assert_eq!(s.prefill_blocks, 4.25);
         assert_eq!(s.decode_blocks, 14);
         assert_eq!(s.logit, 2.0 * 4.25 + 14.0);
 
         // An idle worker with no overlap: 100 / 16 = 6.25 prefill, 6 decode.
-        let s = inputs.score(WorkerKey::new(2, 0), 0, ActiveLoad::default(), 0);
+        let s = inputs.score(
+            WorkerKey::new(2, 0),
+            0,
+            ActiveLoad::default(),
+            0,
+            &TtftFit::default(),
+            0.0,
+        );
         assert_eq!(
             (s.prefill_blocks, s.decode_blocks, s.logit),
             (6.25, 6, 18.5)
@@ -107,11 +155,47 @@ mod tests {
     fn overlap_beyond_input_floors_at_zero() {
         let inputs = CostInputs {
             block_size: 4,
+            cost: RouterCost::Dynamo,
+            stall_weight: 0.0,
             overlap_weight: 1.0,
             request_blocks: 2,
             input_tokens: 8,
         };
-        let s = inputs.score(WorkerKey::new(1, 0), 5, ActiveLoad::default(), 9);
+        let s = inputs.score(
+            WorkerKey::new(1, 0),
+            5,
+            ActiveLoad::default(),
+            9,
+            &TtftFit::default(),
+            0.0,
+        );
         assert_eq!((s.prefill_blocks, s.decode_blocks, s.logit), (0.0, 0, 0.0));
+    }
+
+    #[test]
+    fn ttft_cost_is_the_prediction_plus_the_weighted_stall() {
+        let inputs = CostInputs {
+            block_size: 16,
+            cost: RouterCost::Ttft,
+            stall_weight: 0.5,
+            overlap_weight: 1.0,
+            request_blocks: 125,
+            input_tokens: 2000,
+        };
+        let active = ActiveLoad {
+            active_blocks: 875,
+            active_prefill_tokens: 1000,
+            active_requests: 4,
+        };
+        let fit = TtftFit::default();
+        // No overlap: 2,000 new tokens 30 ms behind the queue; 875 + 125 = 1,000 blocks.
+        // Prior: own 2 * 40 + 2 * 1 * 1.5 + 2 * 1 * 5 = 93 ms; TTFT 30 + 5 + 93 = 128 ms;
+        // the stall, 93 ms, on each of 4 requests.
+        let s = inputs.score(WorkerKey::new(1, 0), 0, active, 0, &fit, 30.0);
+        assert!((s.predicted_ttft_ms - 128.0).abs() < 1e-9, "{s:?}");
+        assert!((s.logit - (128.0 + 0.5 * 93.0 * 4.0)).abs() < 1e-9, "{s:?}");
+        // Caching 100 blocks (1,600 tokens) saves their prefill and their stall.
+        let cached = inputs.score(WorkerKey::new(1, 0), 100, active, 0, &fit, 30.0);
+        assert!(cached.logit < s.logit && cached.predicted_ttft_ms < s.predicted_ttft_ms);
     }
 }

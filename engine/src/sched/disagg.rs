@@ -152,6 +152,7 @@ mod tests {
             overlap_blocks,
             prefill_blocks,
             decode_blocks: 0,
+            predicted_ttft_ms: 0.0,
             logit: 0.0,
         }
     }

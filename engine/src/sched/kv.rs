@@ -137,6 +137,7 @@ mod tests {
             overlap_blocks: 0,
             prefill_blocks: 0.0,
             decode_blocks: 0,
+            predicted_ttft_ms: 0.0,
             logit,
         }
     }
@@ -149,6 +150,7 @@ mod tests {
         SelectionInput {
             candidates: c,
             temperature: t,
+            request_blocks: 0,
             cached_blocks: cached,
             load: &|_| KeyLoad::default(),
         }

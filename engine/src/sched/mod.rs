@@ -9,10 +9,13 @@
 //! * [`config`]: configuration, per-call overrides, reported load, busy thresholds.
 //! * `workers`: registered keys with dense slot numbers (crate-private).
 //! * `active`: active requests and the load they put on each key (crate-private).
-//! * [`cost`]: the cost of one request on one key.
+//! * [`cost`]: the cost of one request on one key (Dynamo's formula or predicted TTFT).
+//! * [`ttft`]: each key's prefill model, fitted online from observed TTFTs.
+//! * [`drain`]: each key's prefill queue as a clock, corrected by first tokens.
 //! * `candidates`: gathering and scoring one call's candidates (crate-private).
 //! * [`policy`]: the trait every mode implements; one mode per file: [`kv`],
-//!   [`round_robin`], [`random`], [`direct`].
+//!   [`round_robin`], [`random`], [`direct`], and the peers' policies, measured beside
+//!   ours: [`sglang`], [`llmd`], [`power_of_two`].
 //! * [`disagg`]: conditional disaggregation (prefill remotely or on the decode worker).
 //! * [`role`]: worker roles of a disaggregated deployment and the pool a call chooses from.
 //! * [`transfer`]: the KV-transfer time model shared with the simulated workers.
@@ -30,17 +33,24 @@ pub mod config;
 pub mod cost;
 pub mod direct;
 pub mod disagg;
+pub mod drain;
 pub mod kv;
+pub mod llmd;
 pub mod policy;
+pub mod power_of_two;
 pub mod random;
 pub mod role;
 pub mod round_robin;
 pub mod scheduler;
+pub mod sglang;
 pub mod transfer;
+pub mod ttft;
 mod workers;
 
 pub use active::ActiveLoad;
-pub use config::{BusyThresholds, RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad};
+pub use config::{
+    BusyThresholds, RouteMode, RouteOverrides, RouterCost, SchedulerConfig, WorkerLoad,
+};
 pub use cost::CandidateScore;
 pub use disagg::{Split, SplitConfig, SplitMode};
 pub use policy::{KeyLoad, Policy, Scope, SelectionInput};

@@ -45,6 +45,8 @@ pub struct SelectionInput<'a> {
     pub candidates: &'a [CandidateScore],
     /// Softmax temperature: finite and non-negative.
     pub temperature: f64,
+    /// Full blocks in the request (what an overlap is a share of).
+    pub request_blocks: u64,
     /// Blocks each key caches in total (tie-break: fewer is better). Pure; may be called
     /// more than once per key.
     pub cached_blocks: &'a dyn Fn(WorkerKey) -> u64,

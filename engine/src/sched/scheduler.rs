@@ -28,11 +28,16 @@ use crate::sched::candidates::{CandidateScratch, Context};
 use crate::sched::config::{RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad, resolve};
 use crate::sched::cost::{CandidateScore, CostInputs};
 use crate::sched::direct::Direct;
+use crate::sched::drain::{DrainClock, Predicted};
 use crate::sched::kv::KvPolicy;
+use crate::sched::llmd::Scorers;
 use crate::sched::policy::{KeyLoad, Policy, Scope, SelectionInput};
+use crate::sched::power_of_two::PowerOfTwo;
 use crate::sched::random::RandomPolicy;
 use crate::sched::role::{Pool, WorkerRole};
 use crate::sched::round_robin::RoundRobin;
+use crate::sched::sglang::CacheAware;
+use crate::sched::ttft::{Prefill, TtftFit};
 use crate::sched::workers::WorkerTable;
 
 /// One request to route.
@@ -77,6 +82,37 @@ impl Decision {
     }
 }
 
+/// Queues a request's own prefill on slot `idx`'s clock; returns when it should end.
+#[allow(clippy::too_many_arguments)]
+fn queue_prefill(
+    fits: &[TtftFit],
+    clocks: &mut [DrainClock],
+    now: Instant,
+    idx: usize,
+    block_size: u32,
+    input_tokens: u64,
+    overlap_blocks: u32,
+    ctx_blocks: u64,
+) -> Predicted {
+    let cached = u64::from(overlap_blocks)
+        .saturating_mul(u64::from(block_size))
+        .min(input_tokens);
+    let fit = fits.get(idx).unwrap_or(&TtftFit::PRIOR_FIT);
+    let own_ms = fit.prefill_ms(&Prefill {
+        tokens: input_tokens - cached,
+        cached,
+        batch_blocks: ctx_blocks,
+    });
+    match clocks.get_mut(idx) {
+        Some(clock) => clock.push(now, own_ms),
+        // Unreachable for a registered slot; a prediction of "now" only skews one sample.
+        None => Predicted {
+            done_at: now,
+            drift_ms: 0.0,
+        },
+    }
+}
+
 /// What removing a worker took away.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WorkerRemoval {
@@ -97,6 +133,10 @@ pub struct Scheduler {
     round_robin: [RoundRobin; 3],
     rng: SmallRng,
     scratch: CandidateScratch,
+    /// Each slot's prefill model ([`crate::sched::ttft`]), reset when the slot is reused.
+    fits: Vec<TtftFit>,
+    /// Each slot's prefill queue clock ([`crate::sched::drain`]), likewise.
+    clocks: Vec<DrainClock>,
 }
 
 impl Scheduler {
@@ -110,6 +150,8 @@ impl Scheduler {
             round_robin: Default::default(),
             rng: SmallRng::seed_from_u64(config.seed),
             scratch: CandidateScratch::default(),
+            fits: Vec::new(),
+            clocks: Vec::new(),
         })
     }
 
@@ -126,7 +168,21 @@ impl Scheduler {
     /// Registers `key` with `role`; returns false if it was already registered (its role then
     /// becomes `role`, for requests routed from now on).
     pub fn add_worker_with_role(&mut self, key: WorkerKey, role: WorkerRole) -> Result<bool> {
-        Ok(self.workers.add(key, role)?.is_some())
+        let Some(slot) = self.workers.add(key, role)? else {
+            return Ok(false);
+        };
+        // A reused slot starts from the prior, not from its last worker's speed and queue.
+        if self.fits.len() <= slot.idx() {
+            self.fits.resize(slot.idx() + 1, TtftFit::default());
+            self.clocks.resize(slot.idx() + 1, DrainClock::default());
+        }
+        if let Some(fit) = self.fits.get_mut(slot.idx()) {
+            *fit = TtftFit::default();
+        }
+        if let Some(clock) = self.clocks.get_mut(slot.idx()) {
+            *clock = DrainClock::default();
+        }
+        Ok(true)
     }
 
     /// Registered worker keys.
@@ -201,16 +257,24 @@ impl Scheduler {
             round_robin,
             rng,
             scratch,
+            fits,
+            clocks,
         } = self;
 
         let mut kv = KvPolicy;
         let mut random = RandomPolicy;
+        let mut sglang = CacheAware::default();
+        let mut llmd = Scorers::default();
+        let mut power_of_two = PowerOfTwo;
         let mut direct = eff.worker.map(|worker| Direct { worker });
         let policy: &mut dyn Policy = match (custom, eff.mode, direct.as_mut()) {
             (Some(custom), _, _) => custom,
             (None, RouteMode::Kv | RouteMode::Custom, _) => &mut kv,
             (None, RouteMode::RoundRobin, _) => &mut round_robin[request.overrides.pool.index()],
             (None, RouteMode::Random, _) => &mut random,
+            (None, RouteMode::Sglang, _) => &mut sglang,
+            (None, RouteMode::LlmD, _) => &mut llmd,
+            (None, RouteMode::PowerOfTwo, _) => &mut power_of_two,
             (None, RouteMode::Direct, Some(d)) => d,
             (None, RouteMode::Direct, None) => {
                 return Err(EngineError::InvalidArgument {
@@ -243,9 +307,14 @@ impl Scheduler {
                 max_active: config.max_active_per_key,
                 matches,
                 blocks: request.blocks,
+                now,
+                fits,
+                clocks,
                 cost: CostInputs {
                     block_size: config.block_size,
+                    cost: config.cost,
                     overlap_weight: eff.overlap_weight,
+                    stall_weight: config.stall_weight,
                     request_blocks: request.blocks.len() as u64,
                     input_tokens: request.input_tokens,
                 },
@@ -270,6 +339,7 @@ impl Scheduler {
             &SelectionInput {
                 candidates: &candidates,
                 temperature: eff.temperature,
+                request_blocks: request.blocks.len() as u64,
                 cached_blocks,
                 load: &load,
             },
@@ -288,6 +358,16 @@ impl Scheduler {
             .ok_or(not_offered.clone())?;
         let overlap_blocks = chosen.overlap_blocks;
         let slot = workers.slot(worker).ok_or(not_offered)?;
+        let done = queue_prefill(
+            fits,
+            clocks,
+            now,
+            slot.idx(),
+            config.block_size,
+            request.input_tokens,
+            overlap_blocks,
+            chosen.decode_blocks,
+        );
         active.add(
             now,
             slot,
@@ -295,6 +375,7 @@ impl Scheduler {
             request.blocks,
             request.input_tokens,
             overlap_blocks,
+            done,
         )?;
 
         Ok(Decision {
@@ -327,18 +408,74 @@ impl Scheduler {
             .workers
             .slot(key)
             .ok_or(EngineError::UnknownWorker { worker: key.worker })?;
+        if self.active.contains(id) {
+            return Err(EngineError::DuplicateRequest(id));
+        }
+        // A peer's request queues on the worker like ours (its context is this key's
+        // active blocks: close enough for the clock, which its first token cannot correct).
+        let ctx = self.active.load(slot).active_blocks + blocks.len() as u64;
+        let done = queue_prefill(
+            &self.fits,
+            &mut self.clocks,
+            now,
+            slot.idx(),
+            self.config.block_size,
+            input_tokens,
+            overlap_blocks,
+            ctx,
+        );
         self.active
-            .add(now, slot, id, blocks, input_tokens, overlap_blocks)
+            .add(now, slot, id, blocks, input_tokens, overlap_blocks, done)
     }
 
     /// Marks `id` prefilled (its first token was produced). Idempotent.
     pub fn prefilled(&mut self, id: RequestId) -> Result<()> {
-        self.active.prefilled(id)
+        let slot = self.active.get(id).map(|(slot, ..)| slot);
+        self.active.prefilled(id)?;
+        if let Some(slot) = slot {
+            self.settle(slot);
+        }
+        Ok(())
+    }
+
+    /// Stops `slot`'s queue clock once nothing on it waits for a prefill.
+    fn settle(&mut self, slot: crate::sched::workers::WorkerSlot) {
+        if self.active.load(slot).active_prefill_tokens == 0
+            && let Some(clock) = self.clocks.get_mut(slot.idx())
+        {
+            clock.idle();
+        }
+    }
+
+    /// Marks `id` prefilled at `now`, when its first token reached the caller, and teaches
+    /// its key's TTFT model how long that took. Idempotent: only the first call observes.
+    /// Use it for requests routed here; [`Scheduler::prefilled`] for a peer's.
+    pub fn first_token(&mut self, now: Instant, id: RequestId) -> Result<()> {
+        let Some((slot, routed)) = self.active.first_token(id)? else {
+            return Ok(());
+        };
+        if let (Some(fit), Some(clock)) = (
+            self.fits.get_mut(slot.idx()),
+            self.clocks.get_mut(slot.idx()),
+        ) {
+            let base = fit.coefficients().base_ms;
+            let service_ms = clock.first_token(now, routed.at, routed.done, base);
+            fit.observe(&routed.prefill, service_ms);
+        }
+        self.settle(slot);
+        Ok(())
+    }
+
+    /// `key`'s TTFT model, if `key` is registered.
+    pub fn ttft_fit(&self, key: WorkerKey) -> Option<&TtftFit> {
+        self.workers.slot(key).and_then(|s| self.fits.get(s.idx()))
     }
 
     /// Frees `id` (it completed or was cancelled).
     pub fn free(&mut self, id: RequestId) -> Result<()> {
-        self.active.free(id).map(|_| ())
+        let slot = self.active.free(id)?;
+        self.settle(slot);
+        Ok(())
     }
 
     /// Frees every request routed `request_timeout` or longer before `now`; returns their
@@ -430,7 +567,10 @@ mod tests {
             assert_eq!(d.mode, mode);
             s.check_invariants();
         }
-        assert_eq!(s.expire(t0 + Duration::from_secs(301)).len(), 4);
+        assert_eq!(
+            s.expire(t0 + Duration::from_secs(301)).len(),
+            RouteMode::ALL.len()
+        );
         s.check_invariants();
     }
 

@@ -89,6 +89,7 @@ struct Candidate {
     overlap_blocks: u32,
     prefill_blocks: f64,
     decode_blocks: u64,
+    predicted_ttft_ms: f64,
     logit: f64,
 }
 
@@ -111,7 +112,8 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
         None => None,
         Some(m) => Some(m.parse::<RouteMode>().map_err(|_| {
             ApiError::invalid(format!(
-                "unknown mode {m:?}: expected kv, round-robin, random or direct"
+                "unknown mode {m:?}: expected kv, round-robin, random, direct, sglang, \
+                 llm-d or power-of-two"
             ))
         })?),
     };
@@ -193,6 +195,7 @@ async fn route_tokens(
                 overlap_blocks: c.overlap_blocks,
                 prefill_blocks: c.prefill_blocks,
                 decode_blocks: c.decode_blocks,
+                predicted_ttft_ms: c.predicted_ttft_ms,
                 logit: c.logit,
             })
             .collect(),

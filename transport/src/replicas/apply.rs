@@ -211,7 +211,7 @@ mod tests {
                 r.route(now, &call, &seqs, &engine::Matches::default())
                     .unwrap();
             }
-            r.prefilled("x").unwrap();
+            r.prefilled(now, "x").unwrap();
         }
         let mut theirs = spaces();
         let stats = ReplicaStats::default();
@@ -299,7 +299,7 @@ mod tests {
                         }
                         Op::Prefill(i) if !active.is_empty() => {
                             let name = active[usize::from(i) % active.len()].clone();
-                            ours.with_request(&name, |r| r.prefilled(&name)).unwrap();
+                            ours.with_request(&name, |r| r.prefilled(Instant::now(), &name)).unwrap();
                             outbox.prefilled(&name);
                         }
                         Op::Finish(i) if !active.is_empty() => {
