@@ -9,7 +9,8 @@ use crate::indexer::{KvIndexer, check_block_size};
 use crate::policy::PyPolicy;
 use engine::router::RouteCall;
 use engine::sched::{
-    BusyThresholds, CandidateScore, KeyLoad, RouteMode, RouteOverrides, SchedulerConfig, WorkerLoad,
+    BusyThresholds, CandidateScore, KeyLoad, RouteMode, RouteOverrides, RouterCost,
+    SchedulerConfig, WorkerLoad,
 };
 use engine::{WorkerId, WorkerKey};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -37,7 +38,8 @@ pub struct Candidate {
     pub prefill_blocks: f64,
     /// Blocks it would hold in active requests with this one added.
     pub decode_blocks: u64,
-    /// `overlap_weight * prefill_blocks + decode_blocks`: the kv cost (lower is better).
+    /// The kv cost (lower is better): predicted TTFT in ms with `router_cost="ttft"` (the
+    /// default), `overlap_weight * prefill_blocks + decode_blocks` with `"dynamo"`.
     pub logit: f64,
     /// Distinct blocks of its active requests.
     pub active_blocks: Option<u64>,
@@ -204,8 +206,10 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 13] = [
+const SETTINGS: [&str; 15] = [
     "router_mode",
+    "router_cost",
+    "router_stall_weight",
     "kv_cache_block_size",
     "router_temperature",
     "kv_overlap_score_weight",
@@ -244,6 +248,12 @@ fn settings_from(
                     s.scheduler.mode = RouteMode::from_str(&m)
                         .map_err(|e| PyValueError::new_err(format!("router_mode {m:?}: {e}")))?;
                 }
+                "router_cost" => {
+                    let c: String = v.extract().map_err(bad)?;
+                    s.scheduler.cost = RouterCost::from_str(&c)
+                        .map_err(|e| PyValueError::new_err(format!("router_cost {c:?}: {e}")))?;
+                }
+                "router_stall_weight" => s.scheduler.stall_weight = v.extract().map_err(bad)?,
                 "kv_cache_block_size" => {
                     s.scheduler.block_size = check_block_size(v.extract().map_err(bad)?)?
                 }

@@ -37,7 +37,8 @@ def rows(decision):
 
 
 def test_hand_computed_costs_match_the_rust_scheduler_test():
-    r = kvengine.KvRouter(kv_cache_block_size=BS)
+    # Dynamo's formula, whose numbers are checked by hand (the default cost is predicted TTFT).
+    r = kvengine.KvRouter(kv_cache_block_size=BS, router_cost="dynamo")
     for w in (1, 2, 3):
         r.add_worker(w)
     new = tokens(1, 100)  # 6 full blocks, 100 tokens

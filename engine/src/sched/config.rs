@@ -221,9 +221,12 @@ pub struct SchedulerConfig {
 }
 
 /// The default [`SchedulerConfig::stall_weight`]: a running request's stalled token counts
-/// a tenth of a waiting request's first token. Users wait for the first token; a stall in
-/// a stream already flowing is felt less, but it is not free.
-pub const DEFAULT_STALL_WEIGHT: f64 = 0.1;
+/// 3% of a waiting request's first token. Users wait for the first token; a stall in a
+/// stream already flowing is felt less, but it is not free. Measured (docs/benchmarks.md,
+/// "Issue 16"): at 0.1 a long prompt's stall term, its own prefill time times every
+/// request running on a worker, outweighed its own wait and sent it behind longer queues
+/// (Mooncake TTFT p99 +25%); at 0 cached prefixes lost their pull on chat (p50 +10%).
+pub const DEFAULT_STALL_WEIGHT: f64 = 0.03;
 
 /// The default [`SchedulerConfig::max_active_per_key`].
 pub const DEFAULT_MAX_ACTIVE_PER_KEY: u64 = 4096;

@@ -189,11 +189,11 @@ mod tests {
         };
         let fit = TtftFit::default();
         // No overlap: 2,000 new tokens 30 ms behind the queue; 875 + 125 = 1,000 blocks.
-        // Prior: own 2 * 40 + 2 * 1 * 1.5 + 2 * 1 * 5 = 93 ms; TTFT 30 + 5 + 93 = 128 ms;
-        // the stall, 93 ms, on each of 4 requests.
+        // Prior: own 2 * 40 + 2 * 1 * 1.5 + 2 * 1 * 5 = 93 ms; TTFT 30 + (5 + 2) + 93 =
+        // 130 ms; the stall, 93 ms, on each of 4 requests.
         let s = inputs.score(WorkerKey::new(1, 0), 0, active, 0, &fit, 30.0);
-        assert!((s.predicted_ttft_ms - 128.0).abs() < 1e-9, "{s:?}");
-        assert!((s.logit - (128.0 + 0.5 * 93.0 * 4.0)).abs() < 1e-9, "{s:?}");
+        assert!((s.predicted_ttft_ms - 130.0).abs() < 1e-9, "{s:?}");
+        assert!((s.logit - (130.0 + 0.5 * 93.0 * 4.0)).abs() < 1e-9, "{s:?}");
         // Caching 100 blocks (1,600 tokens) saves their prefill and their stall.
         let cached = inputs.score(WorkerKey::new(1, 0), 100, active, 0, &fit, 30.0);
         assert!(cached.logit < s.logit && cached.predicted_ttft_ms < s.predicted_ttft_ms);

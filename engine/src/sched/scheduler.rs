@@ -458,7 +458,7 @@ impl Scheduler {
             self.fits.get_mut(slot.idx()),
             self.clocks.get_mut(slot.idx()),
         ) {
-            let base = fit.coefficients().base_ms;
+            let base = fit.fixed_ms(routed.prefill.batch_blocks);
             let service_ms = clock.first_token(now, routed.at, routed.done, base);
             fit.observe(&routed.prefill, service_ms);
         }

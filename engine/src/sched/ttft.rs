@@ -2,7 +2,8 @@
 //! the first tokens the front door observes (`--router-cost ttft`).
 //!
 //! ```text
-//! service(r) = base + n * per_token + n * (c + n / 2) * per_pair + n * b * per_batch
+//! service(r) = base + b * per_step_batch
+//!              + n * per_token + n * (c + n / 2) * per_pair + n * b * per_batch
 //!   n = the request's tokens the key does not cache                  [thousands]
 //!   c = its prefix the key caches (attended to, not computed)        [thousands of tokens]
 //!   b = blocks the key's active requests hold, r's included          [thousands]
@@ -14,13 +15,16 @@
 //! 5k ones); and chunked prefill sharing each pass with the running decodes, whose cost
 //! grows with the KV they read (`per_batch`). So the key's prefill throughput is a
 //! function of the prompt's context length and of its batch. `base` is what every request
-//! pays (network, tokenisation, the first decode step). A request's *service* time is its
+//! pays (network, tokenisation), and `b * per_step_batch` the forward passes its first
+//! token waits for even when it computes little: each pass reads the KV of every running
+//! request, so a short or cached prompt on a worker with a big batch still waits longer. A request's *service* time is its
 //! time to first token minus the time it queued behind earlier prefills on the key
 //! ([`crate::sched::drain`] measures both); its predicted TTFT is the queue's predicted
 //! wait plus its service.
 //!
 //! # The fit
-//! Exponentially weighted least squares over the features `x = [1, n, n (c + n/2), n b]`,
+//! Exponentially weighted least squares over the features
+//! `x = [1, b, n, n (c + n/2), n b]`,
 //! each observation counting [`FORGET`] times less than the next (a memory of about
 //! `1 / (1 - FORGET)` requests, so the model follows a worker that slows down), with a
 //! ridge pull of strength [`RIDGE`] towards [`TtftFit::PRIOR`]: a key with no observation
@@ -40,7 +44,7 @@ pub const FORGET: f64 = 0.98;
 pub const RIDGE: f64 = 2.0;
 
 /// Features of the model.
-const K: usize = 4;
+const K: usize = 5;
 
 /// One prefill, as the model sees it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -58,7 +62,7 @@ impl Prefill {
         let n = self.tokens as f64 / 1000.0;
         let c = self.cached as f64 / 1000.0;
         let b = self.batch_blocks as f64 / 1000.0;
-        [1.0, n, n * (c + n / 2.0), n * b]
+        [1.0, b, n, n * (c + n / 2.0), n * b]
     }
 }
 
@@ -67,6 +71,8 @@ impl Prefill {
 pub struct Coefficients {
     /// Milliseconds every request pays.
     pub base_ms: f64,
+    /// Milliseconds every request pays per thousand blocks of running batch.
+    pub ms_per_k_blocks: f64,
     /// Per thousand computed tokens.
     pub ms_per_k_tokens: f64,
     /// Per million attention pairs (thousand new tokens x thousand tokens attended).
@@ -79,6 +85,7 @@ impl Coefficients {
     fn as_array(self) -> [f64; K] {
         [
             self.base_ms,
+            self.ms_per_k_blocks,
             self.ms_per_k_tokens,
             self.ms_per_m_pairs,
             self.ms_per_k_tokens_per_k_blocks,
@@ -88,9 +95,10 @@ impl Coefficients {
     fn from_array(c: [f64; K]) -> Self {
         Self {
             base_ms: c[0],
-            ms_per_k_tokens: c[1],
-            ms_per_m_pairs: c[2],
-            ms_per_k_tokens_per_k_blocks: c[3],
+            ms_per_k_blocks: c[1],
+            ms_per_k_tokens: c[2],
+            ms_per_m_pairs: c[3],
+            ms_per_k_tokens_per_k_blocks: c[4],
         }
     }
 }
@@ -115,12 +123,14 @@ impl Default for TtftFit {
 }
 
 impl TtftFit {
-    /// What a key predicts before its first observation: 5 ms base, 40 ms per thousand
-    /// computed tokens (25k tokens/s), 1.5 ms per million attention pairs (an 8k prompt
-    /// pays ~15% more per token than a short one), 5 ms more per thousand tokens for
-    /// every thousand blocks of running batch.
+    /// What a key predicts before its first observation: 5 ms base, 2 ms per thousand
+    /// blocks of running batch (two passes reading 16k tokens of KV at 50 ns each), 40 ms
+    /// per thousand computed tokens (25k tokens/s), 1.5 ms per million attention pairs (an
+    /// 8k prompt pays ~15% more per token than a short one), 5 ms more per thousand tokens
+    /// for every thousand blocks of running batch.
     pub const PRIOR: Coefficients = Coefficients {
         base_ms: 5.0,
+        ms_per_k_blocks: 2.0,
         ms_per_k_tokens: 40.0,
         ms_per_m_pairs: 1.5,
         ms_per_k_tokens_per_k_blocks: 5.0,
@@ -144,18 +154,25 @@ impl TtftFit {
         self.observed
     }
 
-    /// Predicted service milliseconds of `p`, the base included.
+    /// Predicted service milliseconds of `p`: [`Self::fixed_ms`] plus
+    /// [`Self::prefill_ms`].
     #[inline]
     pub fn predict_ms(&self, p: &Prefill) -> f64 {
-        self.coef.base_ms + self.prefill_ms(p)
+        self.fixed_ms(p.batch_blocks) + self.prefill_ms(p)
     }
 
-    /// Predicted milliseconds of compute for `p` (no base).
+    /// What any request pays on a key with `batch_blocks` active, whatever it computes.
+    #[inline]
+    pub fn fixed_ms(&self, batch_blocks: u64) -> f64 {
+        self.coef.base_ms + self.coef.ms_per_k_blocks * batch_blocks as f64 / 1000.0
+    }
+
+    /// Predicted milliseconds of the compute `p` adds to the key's queue (no fixed part).
     #[inline]
     pub fn prefill_ms(&self, p: &Prefill) -> f64 {
         let x = p.features();
         let c = self.coef.as_array();
-        (1..K).map(|i| x[i] * c[i]).sum()
+        (2..K).map(|i| x[i] * c[i]).sum()
     }
 
     /// Takes one observed service time of `p`.
@@ -266,8 +283,9 @@ mod tests {
         let fit = TtftFit::default();
         // 2,000 tokens after 1,000 cached on an idle key: 5 + 2 * 40 + 2 * (1 + 1) * 1.5.
         assert!((fit.predict_ms(&p(2000, 1000, 0)) - 91.0).abs() < 1e-9);
-        // With 1,000 active blocks: 10 ms more.
-        assert!((fit.predict_ms(&p(2000, 1000, 1000)) - 101.0).abs() < 1e-9);
+        // With 1,000 active blocks: 2 ms more for everyone, 2 * 5 more for the prefill.
+        assert!((fit.predict_ms(&p(2000, 1000, 1000)) - 103.0).abs() < 1e-9);
+        assert!((fit.fixed_ms(1000) - 7.0).abs() < 1e-9);
     }
 
     #[test]
@@ -276,7 +294,8 @@ mod tests {
         let truth = |q: &Prefill| {
             let n = q.tokens as f64 / 1000.0;
             let c = q.cached as f64 / 1000.0;
-            20.0 + 160.0 * n + 6.0 * n * (c + n / 2.0)
+            let b = q.batch_blocks as f64 / 1000.0;
+            20.0 + 8.0 * b + 160.0 * n + 6.0 * n * (c + n / 2.0)
         };
         let mut fit = TtftFit::default();
         for i in 0..400u64 {
@@ -290,6 +309,7 @@ mod tests {
         let c = fit.coefficients();
         assert!((c.ms_per_k_tokens - 160.0).abs() < 5.0, "{c:?}");
         assert!((c.ms_per_m_pairs - 6.0).abs() < 0.5, "{c:?}");
+        assert!((c.ms_per_k_blocks - 8.0).abs() < 1.5, "{c:?}");
         for q in [p(40_000, 0, 1000), p(1000, 8000, 100)] {
             let got = fit.predict_ms(&q);
             assert!((got - truth(&q)).abs() / truth(&q) < 0.03, "{q:?}: {got}");
