@@ -319,10 +319,10 @@ pub struct ReplayBench {
     #[arg(long, default_value_t = 1.0, env = "KVENGINE_BENCH_OVERLAP_WEIGHT",
           value_parser = non_negative)]
     overlap_weight: f64,
-    /// What kv modes minimise: `ttft` (predicted time to first token, the router's
-    /// default) or `dynamo` (Dynamo's formula with --overlap-weight); the router's
+    /// What kv modes minimise: `dynamo` (Dynamo's formula with --overlap-weight, the
+    /// router's default) or `ttft` (predicted time to first token); the router's
     /// --router-cost.
-    #[arg(long, default_value = "ttft", env = "KVENGINE_BENCH_ROUTER_COST",
+    #[arg(long, default_value = "dynamo", env = "KVENGINE_BENCH_ROUTER_COST",
           value_parser = parse_router_cost)]
     router_cost: engine::sched::RouterCost,
     /// With --router-cost ttft: the weight of the prefill stall a request causes each of

@@ -99,10 +99,11 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_MODE", default_value = "kv",
           value_parser = parse_mode)]
     pub router_mode: RouteMode,
-    /// What `kv` mode minimises: `ttft`, each worker's predicted time to first token
-    /// (fitted online from observed TTFTs), or `dynamo`, Dynamo's formula
-    /// (`--kv-overlap-score-weight` x prefill blocks + decode blocks).
-    #[arg(long, env = "KVENGINE_ROUTER_COST", default_value = "ttft",
+    /// What `kv` mode minimises: `dynamo`, Dynamo's formula (`--kv-overlap-score-weight` x
+    /// prefill blocks + decode blocks), or `ttft`, each worker's predicted time to first
+    /// token (fitted online from observed TTFTs; better median TTFT and hit rate, worse
+    /// 99th percentile on some workloads: docs/benchmarks.md, "Issue 16").
+    #[arg(long, env = "KVENGINE_ROUTER_COST", default_value = "dynamo",
           value_parser = parse_cost)]
     pub router_cost: RouterCost,
     /// With `--router-cost ttft`: what a millisecond of prefill stall on each of a worker's

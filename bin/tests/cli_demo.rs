@@ -30,17 +30,10 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("2 workers"), "{stdout}");
-    for mode in [
-        "kv ",
-        "round-robin ",
-        "random ",
-        "kv-no-events ",
-        "sglang ",
-        "llm-d ",
-        "power-of-two ",
-    ] {
+    // Every mode `all` stands for has its row.
+    for mode in kvengine_benches::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
         assert!(
-            stdout.lines().any(|l| l.starts_with(mode)),
+            stdout.lines().any(|l| l.starts_with(&mode)),
             "no {mode}row:\n{stdout}"
         );
     }
@@ -53,7 +46,7 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
     let _ = std::fs::remove_file(&json);
     assert_eq!(doc["workers"], 2);
     let modes = doc["modes"].as_array().unwrap();
-    assert_eq!(modes.len(), 7);
+    assert_eq!(modes.len(), kvengine_benches::replay::RunMode::ALL.len());
     for m in modes {
         assert_eq!(m["requests"], 40);
         assert_eq!(m["errors"], 0);

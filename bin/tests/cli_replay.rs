@@ -107,21 +107,14 @@ fn replay_all_modes_writes_json_array_and_svg() {
             ("KVENGINE_BENCH_KV_BLOCKS", "1024"),
         ],
     );
-    for mode in [
-        "kv ",
-        "round-robin ",
-        "random ",
-        "kv-no-events ",
-        "sglang ",
-        "llm-d ",
-        "power-of-two ",
-    ] {
-        assert!(stdout.lines().any(|l| l.starts_with(mode)), "{stdout}");
+    // Every mode `all` stands for has its row.
+    for mode in kvengine_benches::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
+        assert!(stdout.lines().any(|l| l.starts_with(&mode)), "{stdout}");
     }
-    assert!(stdout.contains("--router-cost ttft"), "{stdout}");
+    assert!(stdout.contains("--router-cost dynamo"), "{stdout}");
     assert!(!stdout.contains("replica sync"), "{stdout}");
     let reports = doc.as_array().expect("several modes: an array");
-    assert_eq!(reports.len(), 7);
+    assert_eq!(reports.len(), kvengine_benches::replay::RunMode::ALL.len());
     for r in reports {
         for key in [
             "mode",
@@ -146,7 +139,7 @@ fn replay_all_modes_writes_json_array_and_svg() {
         ] {
             assert!(r.get(key).is_some(), "missing {key}");
         }
-        assert_eq!(r["router_cost"], "ttft");
+        assert_eq!(r["router_cost"], "dynamo");
         // One cache of both workers' blocks holds no more than an infinite one.
         let (cap, inf) = (
             r["capacity_hit_bound"].as_f64().unwrap(),

@@ -552,6 +552,7 @@ fn ttft_cost_learns_a_slow_worker_and_weighs_it_against_the_queue() {
     let (slow, fast) = (key(1, 0), key(2, 0));
     let mut s = with_cost(
         SchedulerConfig {
+            cost: RouterCost::Ttft,
             stall_weight: 0.0,
             ..Default::default()
         },

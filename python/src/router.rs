@@ -38,8 +38,8 @@ pub struct Candidate {
     pub prefill_blocks: f64,
     /// Blocks it would hold in active requests with this one added.
     pub decode_blocks: u64,
-    /// The kv cost (lower is better): predicted TTFT in ms with `router_cost="ttft"` (the
-    /// default), `overlap_weight * prefill_blocks + decode_blocks` with `"dynamo"`.
+    /// The kv cost (lower is better): `overlap_weight * prefill_blocks + decode_blocks`
+    /// with `router_cost="dynamo"` (the default), predicted TTFT in ms with `"ttft"`.
     pub logit: f64,
     /// Distinct blocks of its active requests.
     pub active_blocks: Option<u64>,

@@ -37,7 +37,7 @@ def rows(decision):
 
 
 def test_hand_computed_costs_match_the_rust_scheduler_test():
-    # Dynamo's formula, whose numbers are checked by hand (the default cost is predicted TTFT).
+    # Dynamo's formula (the default, named here since the test checks its numbers by hand).
     r = kvengine.KvRouter(kv_cache_block_size=BS, router_cost="dynamo")
     for w in (1, 2, 3):
         r.add_worker(w)

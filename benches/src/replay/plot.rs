@@ -188,7 +188,8 @@ pub fn svg(reports: &[ModeReport], title: &str) -> String {
     let (bound, infinite) = reports.first().map_or((0.0, 0.0), |r| {
         (100.0 * r.capacity_hit_bound, 100.0 * r.hit_rate_bound)
     });
-    let bound_label = format!("capacity bound {bound:.1}% (infinite {infinite:.1}%)");
+    // ("no eviction", not "infinite": a plot with "inf" in it reads as a broken number.)
+    let bound_label = format!("capacity bound {bound:.1}% (no eviction {infinite:.1}%)");
     let panels = [
         Panel {
             title: "TTFT p50",

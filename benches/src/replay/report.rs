@@ -423,7 +423,7 @@ pub fn table(reports: &[ModeReport]) -> String {
 
 /// What the table's columns mean, and the router cost kv modes ran with.
 pub fn legend(reports: &[ModeReport]) -> String {
-    let cost = reports.first().map_or("ttft", |r| r.router_cost.as_str());
+    let cost = reports.first().map_or("dynamo", |r| r.router_cost.as_str());
     format!(
         "TTFT in simulated ms; req/s: completed requests per simulated second; kv modes \
          minimise --router-cost {cost}; cache hit: prompt tokens the workers served from \

@@ -35,6 +35,7 @@
 
 use super::{ReplayRequest, Workload};
 use anyhow::{Context, Result, bail};
+use engine::SeqHash;
 use engine::hash::{lora_seed, seq_hashes};
 use sim::workload::DEFAULT_VOCAB;
 use sim::workload::chat::{ChatConfig, ChatWorkload};
@@ -87,6 +88,18 @@ impl Bound {
     }
 }
 
+/// The full blocks of a prompt of `tokens` tokens that a cache holding `cached` would
+/// report as hits: the leading run of its hittable blocks (vLLM's counting, module docs).
+fn hit_blocks(
+    seqs: &[SeqHash],
+    tokens: usize,
+    bs: usize,
+    cached: impl Fn(&SeqHash) -> bool,
+) -> usize {
+    let hittable = tokens.saturating_sub(1) / bs;
+    seqs.iter().take(hittable).take_while(|s| cached(s)).count()
+}
+
 /// The bound of `requests` (in order) with blocks of `block_size` tokens.
 pub fn hit_rate_bound(requests: &[ReplayRequest], block_size: u32) -> Bound {
     let bs = block_size.max(1) as usize;
@@ -94,12 +107,7 @@ pub fn hit_rate_bound(requests: &[ReplayRequest], block_size: u32) -> Bound {
     let mut out = Bound::default();
     for r in requests {
         let seqs = seq_hashes(&r.tokens, bs, lora_seed(None));
-        let hittable = r.tokens.len().saturating_sub(1) / bs;
-        let hit = seqs
-            .iter()
-            .take(hittable)
-            .take_while(|s| seen.contains(*s))
-            .count();
+        let hit = hit_blocks(&seqs, r.tokens.len(), bs, |s| seen.contains(s));
         out.prompt_tokens += r.tokens.len() as u64;
         out.reusable_tokens += (hit * bs) as u64;
         seen.extend(seqs);
@@ -123,12 +131,7 @@ pub fn capacity_hit_bound(
     let (mut prompt, mut hit_tokens) = (0u64, 0u64);
     for r in requests {
         let seqs = seq_hashes(&r.tokens, bs, lora_seed(None));
-        let hittable = r.tokens.len().saturating_sub(1) / bs;
-        let hit = seqs
-            .iter()
-            .take(hittable)
-            .take_while(|s| stamp_of.contains_key(&s.0))
-            .count();
+        let hit = hit_blocks(&seqs, r.tokens.len(), bs, |s| stamp_of.contains_key(&s.0));
         prompt += r.tokens.len() as u64;
         hit_tokens += (hit * bs) as u64;
         for s in &seqs {

@@ -96,19 +96,23 @@ impl FromStr for RouteMode {
 }
 
 /// What `kv` mode minimises (`--router-cost`).
+///
+/// Dynamo's formula stays the default: the TTFT cost wins median TTFT and hit rate on every
+/// measured workload but loses the 99th percentile on some (docs/benchmarks.md, "Issue
+/// 16"), and the default changes only for a cost that wins both.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum RouterCost {
     /// The request's predicted time to first token on the key, plus the prefill stall it
     /// causes the key's running requests ([`crate::sched::ttft`], [`crate::sched::cost`]).
-    #[default]
     Ttft,
     /// Dynamo's formula: `overlap_weight * prefill_blocks + decode_blocks`.
+    #[default]
     Dynamo,
 }
 
 impl RouterCost {
     /// Both costs, the default first.
-    pub const ALL: [RouterCost; 2] = [RouterCost::Ttft, RouterCost::Dynamo];
+    pub const ALL: [RouterCost; 2] = [RouterCost::Dynamo, RouterCost::Ttft];
 
     /// The CLI label: `ttft` or `dynamo`.
     pub fn as_str(self) -> &'static str {
@@ -207,7 +211,7 @@ pub struct SchedulerConfig {
     pub request_timeout: Duration,
     /// Seed of the scheduler's RNG (tie-breaking, sampling, random mode).
     pub seed: u64,
-    /// What `kv` and `direct` mode minimise (default: predicted TTFT).
+    /// What `kv` and `direct` mode minimise (default: Dynamo's formula).
     pub cost: RouterCost,
     /// With [`RouterCost::Ttft`]: what a millisecond of prefill stall imposed on each of a
     /// key's running requests costs, against a millisecond of this request's TTFT (default
@@ -222,10 +226,11 @@ pub struct SchedulerConfig {
 
 /// The default [`SchedulerConfig::stall_weight`]: a running request's stalled token counts
 /// 3% of a waiting request's first token. Users wait for the first token; a stall in a
-/// stream already flowing is felt less, but it is not free. Measured (docs/benchmarks.md,
-/// "Issue 16"): at 0.1 a long prompt's stall term, its own prefill time times every
-/// request running on a worker, outweighed its own wait and sent it behind longer queues
-/// (Mooncake TTFT p99 +25%); at 0 cached prefixes lost their pull on chat (p50 +10%).
+/// stream already flowing is felt less, but it is not free. Chosen from two A/B replays
+/// each (docs/benchmarks.md, "Issue 16"): at 0.1 a long prompt's stall term, its own
+/// prefill time times every request running on a worker, outweighed its own wait and sent
+/// it behind longer queues (Mooncake TTFT p99 7.8-8.4 s against 6.4-6.6 s at 0.03); at 0
+/// cached prefixes lost their pull on chat (TTFT p50 89 ms against 84-86 ms).
 pub const DEFAULT_STALL_WEIGHT: f64 = 0.03;
 
 /// The default [`SchedulerConfig::max_active_per_key`].

@@ -86,17 +86,11 @@ mod tests {
     use crate::sched::config::WorkerLoad;
     use crate::sched::cost::CandidateScore;
     use crate::sched::policy::KeyLoad;
+    use crate::sched::policy::test_candidate;
     use rand::SeedableRng;
 
     fn cand(worker: u64, overlap: u32) -> CandidateScore {
-        CandidateScore {
-            key: WorkerKey::new(worker, 0),
-            overlap_blocks: overlap,
-            prefill_blocks: 0.0,
-            decode_blocks: 0,
-            predicted_ttft_ms: 0.0,
-            logit: 0.0,
-        }
+        test_candidate(worker, overlap, 0.0)
     }
 
     fn choose(c: &[CandidateScore], queues: [u64; 2], reported: bool) -> u64 {

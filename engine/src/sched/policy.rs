@@ -87,3 +87,17 @@ pub trait Policy {
     /// once per routed request.
     fn select(&mut self, input: &SelectionInput<'_>, rng: &mut SmallRng) -> Result<WorkerKey>;
 }
+
+/// A candidate with the given overlap and predicted TTFT and every other field 0, for the
+/// policies' tests.
+#[cfg(test)]
+pub(crate) fn test_candidate(worker: u64, overlap_blocks: u32, ttft_ms: f64) -> CandidateScore {
+    CandidateScore {
+        key: WorkerKey::new(worker, 0),
+        overlap_blocks,
+        prefill_blocks: 0.0,
+        decode_blocks: 0,
+        predicted_ttft_ms: ttft_ms,
+        logit: 0.0,
+    }
+}

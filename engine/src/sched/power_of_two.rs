@@ -52,17 +52,11 @@ mod tests {
     use super::*;
     use crate::sched::cost::CandidateScore;
     use crate::sched::policy::KeyLoad;
+    use crate::sched::policy::test_candidate;
     use rand::SeedableRng;
 
     fn cand(worker: u64, ttft: f64) -> CandidateScore {
-        CandidateScore {
-            key: WorkerKey::new(worker, 0),
-            overlap_blocks: 0,
-            prefill_blocks: 0.0,
-            decode_blocks: 0,
-            predicted_ttft_ms: ttft,
-            logit: 0.0,
-        }
+        test_candidate(worker, 0, ttft)
     }
 
     #[test]
