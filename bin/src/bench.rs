@@ -299,14 +299,20 @@ pub struct ReplayBench {
     #[arg(long, default_value_t = 1.0, env = "KVENGINE_BENCH_RATE_SCALE", value_parser = positive)]
     rate_scale: f64,
     /// KV cache blocks per worker (the default is an 8B model on one H100: 28,000 blocks
-    /// of 16 tokens); smaller caches evict more.
-    #[arg(long, default_value_t = 28_000, env = "KVENGINE_BENCH_KV_BLOCKS",
+    /// of 16 tokens, or as many tokens in blocks of --block-size); smaller caches evict
+    /// more.
+    #[arg(long, env = "KVENGINE_BENCH_KV_BLOCKS",
           value_parser = clap::value_parser!(u32).range(1..u32::MAX as i64))]
-    kv_blocks: u32,
-    /// Tokens per KV block (workers' and router's).
-    #[arg(long, default_value_t = 16, env = "KVENGINE_BENCH_BLOCK_SIZE",
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block (workers' and router's; default 16, 32 with --engine trtllm).
+    #[arg(long, env = "KVENGINE_BENCH_BLOCK_SIZE",
           value_parser = clap::value_parser!(u32).range(1..=4096))]
-    block_size: u32,
+    block_size: Option<u32>,
+    /// The engine the simulated workers imitate: vllm (KV events over ZMQ) or trtllm
+    /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
+    #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_ENGINE",
+          value_parser = replay::parse_engine)]
+    engine: sim::server::EventFormat,
     /// The router's engine cores (1 or 2).
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES",
           value_parser = clap::value_parser!(u8).range(1..=2))]
@@ -406,13 +412,19 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         .map(usize::try_from)
         .transpose()
         .context("--max-requests is too large")?;
+    let block_size = b
+        .block_size
+        .unwrap_or_else(|| replay::default_block_size(b.engine));
+    let kv_blocks = b
+        .kv_blocks
+        .unwrap_or_else(|| replay::default_kv_blocks(28_000, block_size));
     let workload = match &b.trace {
         Some(path) => trace::load_trace(
             path,
             &trace::TraceOptions {
                 max_requests: max,
                 rate_scale: b.rate_scale,
-                block_size: b.block_size,
+                block_size,
             },
         )
         .context("--trace")?,
@@ -423,7 +435,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
                     mean_gap_ms: base.mean_gap_ms / b.rate_scale,
                     ..base
                 },
-                b.block_size,
+                block_size,
             )?
         }
     };
@@ -431,8 +443,8 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         workers,
         speedup: b.speedup,
         engine: EngineConfig {
-            kv_blocks: b.kv_blocks,
-            block_size: b.block_size,
+            kv_blocks,
+            block_size,
             ..EngineConfig::default()
         },
         cores: usize::from(b.cores),
@@ -445,6 +457,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         disagg: spec,
         replicas: usize::from(b.replicas),
         share_load: !b.unshared_replicas,
+        events: b.engine,
         ..ReplayConfig::default()
     };
     eprintln!("{}", replay::describe(&workload, &cfg));
@@ -456,6 +469,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         print!("{}", report::legend(&reports));
     }
     print!("{}", report::sync_table(&reports));
+    print!("{}", report::index_summary(&reports));
     if let Some(path) = &b.json {
         match reports.as_slice() {
             [one] => kvengine_benches::write_json(one, path)?,

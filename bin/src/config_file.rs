@@ -32,6 +32,7 @@ use clap::CommandFactory;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// The file's worker entries.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -65,6 +66,14 @@ pub struct WorkerEntry {
     /// The topic its publisher sends under (else `kv_events_config`'s; else every message).
     #[serde(default)]
     pub topic: Option<String>,
+    /// Where its KV events come from: `zmq` (vLLM, SGLang: the default when it has ZMQ
+    /// endpoints) or `trtllm` (TensorRT-LLM: `POST {url}/kv_cache_events`, polled).
+    #[serde(default)]
+    pub events: Option<String>,
+    /// With `events = "trtllm"`: the poll interval in milliseconds (default 100; each
+    /// request that finishes on the worker also polls it at once).
+    #[serde(default)]
+    pub poll_ms: Option<u64>,
 }
 
 /// The file's model entries.
@@ -128,7 +137,8 @@ impl ModelEntry {
 impl WorkerEntry {
     /// `--worker id=1,url=http://gpu-1:8000,model=NAME,role=prefill,zmq=tcp://gpu-1:5557,
     /// replay=tcp://gpu-1:5558,topic=T,dp_ranks=0:1,api_key=KEY` (`id` required; `dp_ranks`
-    /// separated by `:`). vLLM's `kv_events_config` JSON is for the config file.
+    /// separated by `:`), or for TensorRT-LLM `--worker id=1,url=http://ctx-1:8000,
+    /// events=trtllm,poll_ms=100`. vLLM's `kv_events_config` JSON is for the config file.
     pub fn from_spec(spec: &str) -> Result<Self, String> {
         let mut w = WorkerEntry::default();
         let mut id = None;
@@ -143,6 +153,8 @@ impl WorkerEntry {
                 "replay" => w.replay = some(),
                 "api_key" => w.api_key = some(),
                 "topic" => w.topic = some(),
+                "events" => w.events = some(),
+                "poll_ms" => w.poll_ms = Some(v.parse().map_err(|e| format!("poll_ms: {e}"))?),
                 "dp_ranks" => {
                     w.dp_ranks = v
                         .split(':')
@@ -152,7 +164,7 @@ impl WorkerEntry {
                 _ => {
                     return Err(format!(
                         "unknown worker key {k:?} (id, url, model, role, zmq, replay, \
-                         topic, dp_ranks, api_key)"
+                         topic, events, poll_ms, dp_ranks, api_key)"
                     ));
                 }
             }
@@ -188,13 +200,59 @@ struct KvEventsConfig {
 }
 
 impl WorkerEntry {
-    /// Checks the endpoints' shape (`tcp://HOST:PORT`).
+    /// Checks the endpoints' shape (`tcp://HOST:PORT`) and the event source.
     fn check(&self) -> Result<()> {
+        self.trtllm_source()?;
         if let Some((zmq, replay)) = self.endpoints()? {
             transport::zmq::ZmqSource::new(engine::WorkerId(self.id), &zmq, replay.as_deref())
                 .with_context(|| format!("worker {}", self.id))?;
         }
         Ok(())
+    }
+
+    /// Whether its events come from TensorRT-LLM's `/kv_cache_events`.
+    pub fn is_trtllm(&self) -> bool {
+        self.events.as_deref() == Some("trtllm")
+    }
+
+    /// With `events = "trtllm"`: where and how often its events are polled. `None` for ZMQ
+    /// workers.
+    pub fn trtllm_source(&self) -> Result<Option<transport::trtllm::TrtllmSource>> {
+        match self.events.as_deref() {
+            None | Some("zmq") => {
+                if self.poll_ms.is_some() {
+                    bail!("worker {}: poll_ms is for events = \"trtllm\"", self.id);
+                }
+                Ok(None)
+            }
+            Some("trtllm") => {
+                if self.zmq.is_some() || self.replay.is_some() || self.kv_events_config.is_some() {
+                    bail!(
+                        "worker {}: events = \"trtllm\" polls the worker's url; it takes no \
+                         zmq, replay or kv_events_config",
+                        self.id
+                    );
+                }
+                let Some(url) = &self.url else {
+                    bail!(
+                        "worker {}: events = \"trtllm\" needs the worker's url (trtllm-serve)",
+                        self.id
+                    );
+                };
+                let interval = self.poll_ms.map_or(
+                    transport::trtllm::DEFAULT_POLL_INTERVAL,
+                    Duration::from_millis,
+                );
+                let source =
+                    transport::trtllm::TrtllmSource::new(engine::WorkerId(self.id), url, interval)
+                        .with_context(|| format!("worker {}", self.id))?;
+                Ok(Some(source))
+            }
+            Some(other) => bail!(
+                "worker {}: events = {other:?}: expected \"zmq\" or \"trtllm\"",
+                self.id
+            ),
+        }
     }
 
     /// The topic to subscribe to: `topic`, else `kv_events_config`'s, else `""` (every
@@ -449,9 +507,28 @@ mod tests {
                 api_key: Some("k".into()),
                 model: Some("qwen".into()),
                 topic: Some("kv".into()),
+                events: None,
+                poll_ms: None,
             }
         );
         assert_eq!(w.topic().unwrap(), "kv");
+        assert_eq!(w.trtllm_source().unwrap(), None);
+        let t =
+            WorkerEntry::from_spec("id=5,url=http://ctx-0:8000,events=trtllm,poll_ms=250").unwrap();
+        assert!(t.is_trtllm());
+        let source = t.trtllm_source().unwrap().unwrap();
+        assert_eq!(source.events_url(), "http://ctx-0:8000/kv_cache_events");
+        assert_eq!(source.poll_interval, std::time::Duration::from_millis(250));
+        for bad in [
+            "id=5,events=trtllm",
+            "id=5,url=http://ctx-0:8000,events=trtllm,zmq=tcp://ctx-0:5557",
+            "id=5,url=http://ctx-0:8000,events=nats",
+            "id=5,url=http://ctx-0:8000,poll_ms=10",
+            "id=5,url=http://ctx-0:8000,events=trtllm,poll_ms=0",
+            "id=5,url=ctx-0:8000,events=trtllm",
+        ] {
+            assert!(WorkerEntry::from_spec(bad).is_err(), "{bad:?} accepted");
+        }
         for bad in [
             "url=http://a:1",
             "id=x",

@@ -33,15 +33,22 @@ pub struct DemoArgs {
     /// compressed by as much; the figures are in simulated time).
     #[arg(long, env = "KVENGINE_SPEEDUP", default_value_t = 4.0, value_parser = positive)]
     speedup: f64,
-    /// KV cache blocks per worker; the default is small enough that the workers cannot
-    /// hold the whole workload, so they evict and routing matters.
-    #[arg(long, env = "KVENGINE_KV_BLOCKS", default_value_t = 3072,
+    /// KV cache blocks per worker; the default (3,072 blocks of 16 tokens, or as many
+    /// tokens in blocks of --block-size) is small enough that the workers cannot hold the
+    /// whole workload, so they evict and routing matters.
+    #[arg(long, env = "KVENGINE_KV_BLOCKS",
           value_parser = clap::value_parser!(u32).range(1..u32::MAX as i64))]
-    kv_blocks: u32,
-    /// Tokens per KV block (the workers' page size and the router's block size).
-    #[arg(long, env = "KVENGINE_BLOCK_SIZE", default_value_t = 16,
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block (the workers' page size and the router's block size; default 16,
+    /// 32 with --engine trtllm).
+    #[arg(long, env = "KVENGINE_BLOCK_SIZE",
           value_parser = clap::value_parser!(u32).range(1..=4096))]
-    block_size: u32,
+    block_size: Option<u32>,
+    /// The engine the simulated workers imitate: vllm (KV events over ZMQ) or trtllm
+    /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
+    #[arg(long, default_value = "vllm", env = "KVENGINE_ENGINE",
+          value_parser = kvengine_benches::replay::parse_engine)]
+    engine: sim::server::EventFormat,
     /// A Mooncake-format JSONL trace to replay instead of the built-in chat workload.
     #[arg(long, env = "KVENGINE_TRACE")]
     trace: Option<PathBuf>,
@@ -69,40 +76,52 @@ fn positive(s: &str) -> Result<f64, String> {
 
 pub fn run(args: &DemoArgs) -> Result<()> {
     let requests = usize::try_from(args.requests).context("--requests is too large")?;
+    let block_size = args
+        .block_size
+        .unwrap_or_else(|| replay::default_block_size(args.engine));
+    let kv_blocks = args
+        .kv_blocks
+        .unwrap_or_else(|| replay::default_kv_blocks(3072, block_size));
     let workload = match &args.trace {
         Some(path) => trace::load_trace(
             path,
             &trace::TraceOptions {
                 max_requests: Some(requests),
-                block_size: args.block_size,
+                block_size,
                 ..trace::TraceOptions::default()
             },
         )
         .context("--trace")?,
-        None => trace::chat_workload(
-            replay::demo_chat_config(args.seed, requests),
-            args.block_size,
-        )?,
+        None => trace::chat_workload(replay::demo_chat_config(args.seed, requests), block_size)?,
     };
     let cfg = ReplayConfig {
         workers: args.workers as usize,
         speedup: args.speedup,
         engine: EngineConfig {
-            kv_blocks: args.kv_blocks,
-            block_size: args.block_size,
+            kv_blocks,
+            block_size,
             ..EngineConfig::default()
         },
         seed: args.seed,
         progress: true,
+        events: args.engine,
         ..ReplayConfig::default()
     };
     cfg.validate()
         .context("--workers, --speedup or --kv-blocks")?;
 
-    println!("kvengine demo: the router and simulated vLLM workers, in this process");
+    let (engine_name, events_how) = if args.engine.is_trtllm() {
+        (
+            "TensorRT-LLM",
+            "polled from each worker's POST /kv_cache_events",
+        )
+    } else {
+        ("vLLM", "over ZMQ")
+    };
+    println!("kvengine demo: the router and simulated {engine_name} workers, in this process");
     println!(
         "  {} workers (simulated H100s serving an 8B model), routing over HTTP; KV events \
-         over ZMQ",
+         {events_how}",
         args.workers
     );
     println!("{}", replay::describe(&workload, &cfg));
@@ -118,6 +137,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     println!();
     let reports = replay::run(&workload, &args.modes.0, &cfg)?;
     print!("{}", report::table(&reports));
+    print!("{}", report::index_summary(&reports));
     println!();
     println!("{}", verdict(&reports));
     println!("  {}", report::legend(&reports).trim_end());
@@ -126,8 +146,9 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         let doc = serde_json::json!({
             "workload": workload.name,
             "workers": args.workers,
-            "kv_blocks": args.kv_blocks,
-            "block_size": args.block_size,
+            "kv_blocks": kv_blocks,
+            "block_size": block_size,
+            "engine": if args.engine.is_trtllm() { "trtllm" } else { "vllm" },
             "speedup": args.speedup,
             "seed": args.seed,
             "prompt_tokens": workload.bound.prompt_tokens,
@@ -191,7 +212,11 @@ mod tests {
     #[test]
     fn defaults_and_modes() {
         let d = parse(&["demo"]).unwrap();
-        assert_eq!((d.workers, d.block_size), (4, 16));
+        assert_eq!((d.workers, d.block_size), (4, None));
+        assert!(!d.engine.is_trtllm());
+        let d = parse(&["demo", "--engine", "trtllm"]).unwrap();
+        assert!(d.engine.is_trtllm());
+        assert!(parse(&["demo", "--engine", "tgi"]).is_err());
         assert_eq!(d.modes.0, RunMode::ALL.to_vec());
         let d = parse(&["demo", "--modes", "random,kv", "--requests", "10"]).unwrap();
         assert_eq!(d.modes.0, vec![RunMode::Random, RunMode::Kv]);

@@ -36,6 +36,7 @@ use transport::models::ModelSpec;
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
+use transport::trtllm::TrtllmSource;
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber_on};
 
 use crate::disagg_args::DisaggArgs;
@@ -111,10 +112,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
           default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT)]
     pub router_stall_weight: f64,
-    /// Tokens per KV block; must equal the workers' page size.
-    #[arg(long, env = "KVENGINE_KV_CACHE_BLOCK_SIZE", default_value_t = 16,
+    /// Tokens per KV block; must equal the workers' page size (default 16, vLLM's and
+    /// SGLang's; 32, TensorRT-LLM's `tokens_per_block`, when every worker with KV events is
+    /// a TensorRT-LLM one).
+    #[arg(long, env = "KVENGINE_KV_CACHE_BLOCK_SIZE",
           value_parser = clap::value_parser!(u32).range(1..=65536))]
-    pub kv_cache_block_size: u32,
+    pub kv_cache_block_size: Option<u32>,
     /// Softmax temperature over worker costs (0: always the cheapest).
     #[arg(long, env = "KVENGINE_ROUTER_TEMPERATURE", default_value_t = 0.0)]
     pub router_temperature: f64,
@@ -175,6 +178,12 @@ pub struct ServeArgs {
     #[arg(long = "zmq-worker", env = "KVENGINE_ZMQ_WORKERS", value_delimiter = ';',
           value_parser = parse_zmq)]
     pub zmq_workers: Vec<ZmqSource>,
+    /// Poll a TensorRT-LLM worker's KV events (`POST {URL}/kv_cache_events` of
+    /// `trtllm-serve`): `ID=http://HOST:PORT[,poll_ms=N]` (repeatable; the env var takes a
+    /// `;`-separated list). The URL is also where its requests go.
+    #[arg(long = "trtllm-worker", env = "KVENGINE_TRTLLM_WORKERS", value_delimiter = ';',
+          value_parser = parse_trtllm)]
+    pub trtllm_workers: Vec<TrtllmSource>,
     /// A worker, whole: `id=1,url=http://gpu-1:8000,model=NAME,role=prefill,
     /// zmq=tcp://gpu-1:5557,replay=tcp://gpu-1:5558,dp_ranks=0:1,api_key=KEY` (repeatable;
     /// the env var takes a `;`-separated list). The config file's `[[workers]]` take the
@@ -244,7 +253,8 @@ pub struct ServeArgs {
     /// would never match its ids, and kv routing would silently become load balancing.
     #[arg(long, env = "KVENGINE_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
-    /// Start this many simulated vLLM workers in this process, registered and subscribed,
+    /// Start this many simulated vLLM (or --sim-engine) workers in this process, registered
+    /// and subscribed,
     /// so the OpenAI front door works with no GPU (`curl localhost:8000/v1/chat/completions`).
     #[arg(long, env = "KVENGINE_SIM_WORKERS", default_value_t = 0,
           value_parser = clap::value_parser!(u16).range(0..=1024))]
@@ -252,6 +262,12 @@ pub struct ServeArgs {
     /// Simulated workers run this many times faster than real time.
     #[arg(long, env = "KVENGINE_SIM_SPEEDUP", default_value_t = 1.0)]
     pub sim_speedup: f64,
+    /// The engine the simulated workers imitate: vllm (KV events over ZMQ) or trtllm
+    /// (TensorRT-LLM: the router polls each one's POST /kv_cache_events; blocks of 32
+    /// tokens unless --kv-cache-block-size says otherwise).
+    #[arg(long, env = "KVENGINE_SIM_ENGINE", default_value = "vllm",
+          value_parser = kvengine_benches::replay::parse_engine)]
+    pub sim_engine: sim::server::EventFormat,
     /// KV-cache blocks of each simulated worker.
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]
     pub sim_kv_blocks: Option<u32>,
@@ -276,15 +292,41 @@ fn parse_cost(s: &str) -> Result<RouterCost, String> {
     s.parse().map_err(|e: engine::EngineError| e.to_string())
 }
 
+fn parse_trtllm(s: &str) -> Result<TrtllmSource, String> {
+    s.parse()
+        .map_err(|e: transport::TransportError| e.to_string())
+}
+
 fn parse_zmq(s: &str) -> Result<ZmqSource, String> {
     s.parse()
         .map_err(|e: transport::TransportError| e.to_string())
 }
 
 impl ServeArgs {
+    /// Tokens per block: `--kv-cache-block-size`, else 32 when every worker with KV events
+    /// (flags and config file) is a TensorRT-LLM one, else 16.
+    pub fn block_size(&self) -> Result<u32> {
+        if let Some(b) = self.kv_cache_block_size {
+            return Ok(b);
+        }
+        let (workers, _) = config_workers(self)?;
+        let trtllm = !self.trtllm_workers.is_empty()
+            || workers.iter().any(|w| w.is_trtllm())
+            || (self.sim_workers > 0 && self.sim_engine.is_trtllm());
+        let others = !self.zmq_workers.is_empty()
+            || workers
+                .iter()
+                .any(|w| w.zmq.is_some() || w.kv_events_config.is_some());
+        Ok(if trtllm && !others {
+            transport::trtllm::DEFAULT_BLOCK_SIZE
+        } else {
+            engine::hash::DEFAULT_BLOCK_SIZE as u32
+        })
+    }
+
     fn scheduler(&self) -> Result<SchedulerConfig> {
         let config = SchedulerConfig {
-            block_size: self.kv_cache_block_size,
+            block_size: self.block_size()?,
             mode: self.router_mode,
             overlap_weight: self.kv_overlap_score_weight,
             decode_overlap_weight: self.disagg.decode_overlap_weight,
@@ -412,6 +454,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.approximate() && !args.zmq_workers.is_empty() {
         bail!("--zmq-worker subscribes to KV events, which --no-kv-events turns off");
     }
+    if args.approximate() && !args.trtllm_workers.is_empty() {
+        bail!("--trtllm-worker polls KV events, which --no-kv-events turns off");
+    }
     let (workers, models) = config_workers(args)?;
     // A publishing worker whose model has no tokenizer of its own falls back to
     // --tokenizer: that must then be given.
@@ -420,15 +465,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             .iter()
             .any(|e| Some(&e.name) == m.as_ref() && e.tokenizer.is_some())
     };
-    let untokenized_publishers = workers
-        .iter()
-        .any(|w| (w.zmq.is_some() || w.kv_events_config.is_some()) && !own_tokenizer(&w.model));
+    let untokenized_publishers = workers.iter().any(|w| {
+        (w.zmq.is_some() || w.kv_events_config.is_some() || w.is_trtllm())
+            && !own_tokenizer(&w.model)
+    });
     if args.tokenizer.is_none()
-        && (!args.zmq_workers.is_empty() || untokenized_publishers)
+        && (!args.zmq_workers.is_empty()
+            || !args.trtllm_workers.is_empty()
+            || untokenized_publishers)
         && scheduler.mode == engine::sched::RouteMode::Kv
     {
         bail!(
-            "real workers (--zmq-worker) and no --tokenizer: the OpenAI front door would \
+            "real workers (--zmq-worker, --trtllm-worker) and no --tokenizer: the OpenAI \
+             front door would \
              tokenize prompts with the one-token-per-word stand-in, no block would ever match \
              what the workers cache, and kv routing would become load balancing. Pass \
              --tokenizer <the model's tokenizer directory or tokenizer.json>, or \
@@ -833,6 +882,16 @@ fn register_file_workers(
             model: w.model.clone(),
             ..Registration::new(id)
         })?;
+        if let Some(source) = w.trtllm_source()? {
+            println!(
+                "kvengine: worker {} from the config file, KV events polled from {}",
+                w.id,
+                source.events_url()
+            );
+            unsubscribe(subs, id, Some(&source.events_url()));
+            poll(hub, subs, spawner, source);
+            continue;
+        }
         match &endpoints {
             Some((zmq, _)) => println!(
                 "kvengine: worker {} from the config file, KV events from {zmq}",
@@ -955,6 +1014,22 @@ async fn reload_on_sighup(
     }
 }
 
+/// Starts polling a TensorRT-LLM worker's events (once per worker and URL, as
+/// [`subscribe`]).
+fn poll(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: TrtllmSource) {
+    let mut subs = subs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let id = (source.worker, source.events_url());
+    if subs.get(&id).is_some_and(|t| !t.is_finished()) {
+        return;
+    }
+    let current = tokio::runtime::Handle::current();
+    let on = spawner.home(source.worker).unwrap_or(&current);
+    let task = transport::trtllm::spawn_poller_on(on, hub.clone(), source);
+    subs.insert(id, task);
+}
+
 fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqSource) {
     let mut subs = subs
         .lock()
@@ -1004,6 +1079,14 @@ async fn serve(
         })?;
         println!("kvengine: subscribing to worker {source}");
         subscribe(&hub, &subs, &spawner, source.clone());
+    }
+    for source in &args.trtllm_workers {
+        hub.register(Registration {
+            url: Some(source.url.clone()),
+            ..Registration::new(source.worker)
+        })?;
+        println!("kvengine: polling TensorRT-LLM worker {source}");
+        poll(&hub, &subs, &spawner, source.clone());
     }
     // Taken before the file is read: a change from here on is reloaded.
     let stamp = args.config.as_deref().and_then(file_stamp);
@@ -1236,9 +1319,10 @@ async fn start_sim_workers(
     }
     let mut base = SimWorkerConfig {
         speedup: args.sim_speedup,
+        events: args.sim_engine,
         ..SimWorkerConfig::default()
     };
-    base.engine.block_size = args.kv_cache_block_size;
+    base.engine.block_size = args.block_size()?;
     if let Some(blocks) = args.sim_kv_blocks {
         base.engine.kv_blocks = blocks;
     }
@@ -1265,7 +1349,10 @@ async fn start_sim_workers(
             (reg.zmq, reg.replay) = (None, None);
         }
         hub.register(reg)?;
-        if !args.approximate() {
+        if !args.approximate() && w.is_trtllm() {
+            let source = TrtllmSource::new(id, &w.url(), transport::trtllm::DEFAULT_POLL_INTERVAL)?;
+            poll(hub, subs, spawner, source);
+        } else if !args.approximate() {
             subscribe(hub, subs, spawner, ZmqSource::new(id, &zmq, Some(&replay))?);
         }
         println!("kvengine: simulated worker {id} ({role}) at {}", w.url());

@@ -1,10 +1,16 @@
-//! `kvengine sim`: simulated vLLM workers you can run and talk to, no GPU needed.
+//! `kvengine sim`: simulated vLLM or TensorRT-LLM workers you can run and talk to, no GPU
+//! needed.
 //!
 //! Starts `--workers N` simulated engines in this process (see `sim::server`): worker `i`
 //! answers OpenAI requests on HTTP port `--port + i` and publishes vLLM KV events on ZMQ port
 //! `--zmq-port + 2i` (replay on `+ 2i + 1`); port 0 means any free port. Prints each worker's
 //! URL and the `--zmq-worker` flag that points kvengine at it, then runs until SIGINT or
 //! SIGTERM. Every engine constant is a flag (and a `KVENGINE_SIM_*` variable).
+//!
+//! `--engine trtllm` makes them TensorRT-LLM workers instead: no ZMQ socket, their KV events
+//! are drained by `POST /kv_cache_events` (a buffer of `--event-buffer` events), the block
+//! size defaults to TensorRT-LLM's 32 tokens, and the printed flag is
+//! `--trtllm-worker ID=http://HOST:PORT`.
 //!
 //! `--role prefill|decode|aggregated` makes them the prefill or decode workers of a
 //! disaggregated deployment (vLLM, SGLang and TensorRT-LLM hand-offs; see
@@ -17,14 +23,52 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::sim::engine::{EngineConfig, TimingModel};
-use ::sim::server::{SimRole, SimWorkerConfig, TransferModel, spawn_cluster};
+use ::sim::server::trtllm::DEFAULT_EVENT_BUFFER;
+use ::sim::server::{EventFormat, SimRole, SimWorkerConfig, TransferModel, spawn_cluster};
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use transport::openai::tokenize::PromptTokenizer;
+
+/// Which inference server the workers imitate (how they hand out their KV events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SimEngineKind {
+    /// vLLM: KV events published over ZMQ (PUB plus replay), 16-token blocks.
+    Vllm,
+    /// TensorRT-LLM: KV events drained by `POST /kv_cache_events`, 32-token blocks.
+    Trtllm,
+}
+
+impl SimEngineKind {
+    /// Its flag value.
+    fn name(self) -> &'static str {
+        match self {
+            SimEngineKind::Vllm => "vllm",
+            SimEngineKind::Trtllm => "trtllm",
+        }
+    }
+
+    /// Its default tokens per block.
+    fn default_block_size(self) -> u32 {
+        match self {
+            SimEngineKind::Vllm => 16,
+            SimEngineKind::Trtllm => 32,
+        }
+    }
+}
 
 /// Simulated worker settings.
 #[derive(Debug, Args)]
 pub struct SimArgs {
+    /// The inference server the workers imitate: vllm (KV events over ZMQ) or trtllm (KV
+    /// events polled over HTTP, `POST /kv_cache_events`; point kvengine at them with
+    /// `--trtllm-worker`).
+    #[arg(long, env = "KVENGINE_SIM_ENGINE", value_enum, default_value_t = SimEngineKind::Vllm)]
+    pub engine: SimEngineKind,
+    /// With --engine trtllm: KV events each worker keeps until they are polled
+    /// (TensorRT-LLM's event_buffer_max_size); the oldest are dropped beyond it.
+    #[arg(long, env = "KVENGINE_SIM_EVENT_BUFFER", default_value_t = DEFAULT_EVENT_BUFFER,
+          value_parser = event_buffer)]
+    pub event_buffer: usize,
     /// Simulated workers to run.
     #[arg(long, env = "KVENGINE_SIM_WORKERS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=4096))]
@@ -37,9 +81,11 @@ pub struct SimArgs {
     pub port: u16,
     /// ZMQ port of the first worker's KV events; worker i publishes on ZMQ_PORT + 2i and
     /// replays on ZMQ_PORT + 2i + 1 (default: PORT + 1000, or any free ports when PORT is 0).
+    /// Unused with --engine trtllm (no ZMQ socket).
     #[arg(long, env = "KVENGINE_SIM_ZMQ_PORT")]
     pub zmq_port: Option<u16>,
-    /// The worker id of the first worker in the printed `--zmq-worker` flags.
+    /// The worker id of the first worker in the printed `--zmq-worker` (or
+    /// `--trtllm-worker`) flags.
     #[arg(long, env = "KVENGINE_SIM_FIRST_WORKER_ID", default_value_t = 0)]
     pub first_worker_id: u64,
     /// Model name reported by `/v1/models` and in answers; a request naming another model
@@ -65,10 +111,11 @@ pub struct SimArgs {
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS", default_value_t = 28_000,
           value_parser = clap::value_parser!(u32).range(1..u32::MAX as i64))]
     pub kv_blocks: u32,
-    /// Tokens per page (kvengine's --kv-cache-block-size must match).
-    #[arg(long, env = "KVENGINE_SIM_BLOCK_SIZE", default_value_t = 16,
+    /// Tokens per page (kvengine's --kv-cache-block-size must match) [default: 16 with
+    /// --engine vllm, 32 with --engine trtllm]
+    #[arg(long, env = "KVENGINE_SIM_BLOCK_SIZE",
           value_parser = clap::value_parser!(u32).range(1..=65536))]
-    pub block_size: u32,
+    pub block_size: Option<u32>,
     /// Most requests running at once.
     #[arg(long, env = "KVENGINE_SIM_MAX_NUM_SEQS", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -80,7 +127,7 @@ pub struct SimArgs {
     /// Data-parallel rank stamped on the workers' event batches.
     #[arg(long, env = "KVENGINE_SIM_DP_RANK", default_value_t = 0)]
     pub dp_rank: u32,
-    /// Event batches each worker keeps for replay.
+    /// Event batches each worker keeps for replay (--engine vllm).
     #[arg(long, env = "KVENGINE_SIM_REPLAY_BUFFER", default_value_t = 4096)]
     pub replay_buffer: usize,
 
@@ -137,6 +184,15 @@ pub struct SimArgs {
     pub decode_per_context_token_us: f64,
 }
 
+/// An event buffer size: at least 1.
+fn event_buffer(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
 /// A duration in microseconds: finite, at least 0, at most an hour.
 fn micros(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
@@ -155,6 +211,12 @@ fn us(v: f64) -> Duration {
 }
 
 impl SimArgs {
+    /// Tokens per page: `--block-size`, else the engine's default.
+    fn block_size(&self) -> u32 {
+        self.block_size
+            .unwrap_or_else(|| self.engine.default_block_size())
+    }
+
     fn worker_config(&self) -> Result<SimWorkerConfig> {
         let timing = TimingModel {
             step_overhead: us(self.step_overhead_us),
@@ -164,7 +226,10 @@ impl SimArgs {
             decode_per_seq: us(self.decode_per_seq_us),
             decode_per_context_token: us(self.decode_per_context_token_us),
         };
+        let trtllm = self.engine == SimEngineKind::Trtllm;
         let zmq_port = match (self.zmq_port, self.port) {
+            // TensorRT-LLM workers bind no ZMQ socket.
+            _ if trtllm => 0,
             (Some(z), _) => z,
             (None, 0) => 0,
             (None, p) => p
@@ -183,7 +248,7 @@ impl SimArgs {
         let cfg = SimWorkerConfig {
             engine: EngineConfig {
                 kv_blocks: self.kv_blocks,
-                block_size: self.block_size,
+                block_size: self.block_size(),
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 dp_rank: self.dp_rank,
@@ -193,6 +258,13 @@ impl SimArgs {
             model: self.model.clone(),
             api_key: self.api_key.clone(),
             http: SocketAddr::new(self.host, self.port),
+            events: if trtllm {
+                EventFormat::Trtllm {
+                    buffer: self.event_buffer,
+                }
+            } else {
+                EventFormat::Vllm
+            },
             zmq_pub: format!("tcp://{host}:{zmq_port}"),
             zmq_replay: format!("tcp://{host}:{replay_port}"),
             replay_buffer: self.replay_buffer,
@@ -237,11 +309,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
             .context("cannot start the simulated workers")?;
         for (i, w) in workers.iter().enumerate() {
             let id = args.first_worker_id.saturating_add(i as u64);
-            println!(
-                "kvengine sim: worker {id}: {}  --zmq-worker {}",
-                w.url(),
-                w.zmq_worker_flag(id)
-            );
+            let (flag, value) = w.router_flag(id);
+            println!("kvengine sim: worker {id}: {}  {flag} {value}", w.url());
         }
         let tokenization = if has_tokenizer {
             "the model's tokenizer (give kvengine the same --tokenizer)"
@@ -249,13 +318,14 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "the built-in stand-in (run kvengine without --tokenizer)"
         };
         println!(
-            "kvengine sim: {} {} worker(s) of model {:?}, {}x real time, block size {}; \
+            "kvengine sim: {} {} {} worker(s) of model {:?}, {}x real time, block size {}; \
              prompts tokenized by {tokenization}",
             workers.len(),
             args.role,
+            args.engine.name(),
             args.model,
             args.speedup,
-            args.block_size
+            args.block_size()
         );
         if args.api_key.is_some() {
             // Says that a key is needed, never the key itself.
@@ -361,6 +431,35 @@ mod tests {
         assert!(config(&["--link-gbps", "0"]).is_err());
         assert!(config(&["--transfer-latency-ms", "-1"]).is_err());
         assert!(config(&["--bootstrap-timeout-secs", "-1"]).is_err());
+    }
+
+    #[test]
+    fn engine_flag_picks_the_event_format_and_block_size() {
+        let plain = config(&[]).unwrap();
+        assert_eq!(plain.events, EventFormat::Vllm);
+        assert_eq!(plain.engine.block_size, 16);
+        let trt = config(&["--engine", "trtllm", "--port", "65000"]).unwrap();
+        assert_eq!(
+            trt.events,
+            EventFormat::Trtllm {
+                buffer: DEFAULT_EVENT_BUFFER
+            }
+        );
+        assert_eq!(trt.engine.block_size, 32);
+        let small = config(&[
+            "--engine",
+            "trtllm",
+            "--event-buffer",
+            "7",
+            "--block-size",
+            "64",
+        ])
+        .unwrap();
+        assert_eq!(small.events, EventFormat::Trtllm { buffer: 7 });
+        assert_eq!(small.engine.block_size, 64);
+        assert_eq!(config(&["--block-size", "8"]).unwrap().engine.block_size, 8);
+        assert!(config(&["--engine", "trtllm", "--event-buffer", "0"]).is_err());
+        assert!(config(&["--engine", "sglang"]).is_err());
     }
 
     #[test]

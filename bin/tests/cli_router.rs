@@ -289,3 +289,61 @@ fn sim_workers_answer_openai_requests_through_the_front_door() {
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("invalid_request_error"), "{text}");
 }
+
+#[test]
+fn sim_trtllm_workers_are_polled_and_routed_by_their_caches() {
+    let r = Router::start(&[
+        "--sim-workers",
+        "2",
+        "--sim-engine",
+        "trtllm",
+        "--sim-speedup",
+        "100",
+    ]);
+    assert_eq!(r.out.matches("simulated worker").count(), 2, "{}", r.out);
+    // Three blocks at TensorRT-LLM's default 32 tokens, plus a partial one.
+    let prompt: Vec<u32> = (1..=100).collect();
+    let body =
+        serde_json::json!({"model": "kvengine-sim", "prompt": prompt, "max_tokens": 2}).to_string();
+    let (status, text) = r.call("POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{text}");
+    // The worker's stored blocks reach the index at its next poll (the finished request
+    // asks for one at once).
+    let query = serde_json::json!({"token_ids": prompt}).to_string();
+    let start = std::time::Instant::now();
+    let first = loop {
+        let (_, text) = r.call("POST", "/v1/overlap", &query);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["block_size"], 32, "{text}");
+        if let Some(s) = v["scores"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["overlap_blocks"] == 3))
+        {
+            break s["worker_id"].as_u64().unwrap();
+        }
+        assert!(start.elapsed().as_secs() < 20, "never indexed: {text}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // The same prompt goes back to the worker that caches it, and hits its cache.
+    let (status, text) = r.call("POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
+        "{text}"
+    );
+    let (_, workers) = r.call("GET", "/v1/workers", "");
+    let w: serde_json::Value = serde_json::from_str(&workers).unwrap();
+    for w in w["workers"].as_array().unwrap() {
+        assert_eq!(w["stream"], "subscribed", "{workers}");
+        assert!(
+            w["loads"][0]["kv_capacity_blocks"].as_u64() > Some(0),
+            "{workers}"
+        );
+        if w["worker_id"] == first {
+            assert!(w["events"].as_u64() > Some(0), "{workers}");
+        }
+    }
+    let (_, metrics) = r.call("GET", "/metrics", "");
+    assert!(metrics.contains("kvengine_active_requests 0"), "{metrics}");
+}

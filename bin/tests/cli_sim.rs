@@ -157,3 +157,62 @@ fn bad_flags_exit_non_zero() {
         assert!(err.contains(flag), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn trtllm_workers_print_their_http_flag_and_serve_kv_cache_events() {
+    let (child, out, text) = start(
+        &[
+            "--engine",
+            "trtllm",
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--speedup",
+            "1000",
+            "--first-worker-id",
+            "3",
+        ],
+        &[("KVENGINE_SIM_EVENT_BUFFER", "100")],
+    );
+    assert!(!text.contains("--zmq-worker"), "{text}");
+    assert!(text.contains("block size 32"), "{text}");
+    let flags: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split("--trtllm-worker ").nth(1))
+        .map(str::trim)
+        .collect();
+    assert_eq!(flags.len(), 2, "{text}");
+    for (i, flag) in flags.iter().enumerate() {
+        let (id, url) = flag.split_once('=').unwrap();
+        assert_eq!(id, (3 + i).to_string(), "{flag}");
+        assert!(url.starts_with("http://127.0.0.1:"), "{flag}");
+        let (status, body) = http(url, "POST", "/kv_cache_events", "");
+        assert_eq!(status, 200, "{body}");
+        let events: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(events[0]["event_id"], 0, "{body}");
+        assert_eq!(events[0]["data"]["type"], "created", "{body}");
+        // 64 tokens: two 32-token blocks stored.
+        let prompt: Vec<u32> = (1000..1064).collect();
+        let (status, body) = http(
+            url,
+            "POST",
+            "/v1/completions",
+            &serde_json::json!({"prompt": prompt, "max_tokens": 1}).to_string(),
+        );
+        assert_eq!(status, 200, "{body}");
+        let (_, body) = http(url, "POST", "/kv_cache_events", "");
+        let events: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(events[0]["event_id"], 1, "{body}");
+        assert_eq!(events[0]["data"]["type"], "stored", "{body}");
+        assert_eq!(
+            events[0]["data"]["blocks"][0]["tokens"]
+                .as_array()
+                .unwrap()
+                .len(),
+            32
+        );
+    }
+    let (rest, ok) = stop(child, out, "-TERM");
+    assert!(ok, "{text}{rest}");
+}

@@ -3,6 +3,9 @@
 //! * `tokens_hash` = XXH3-64 with seed 1337 over one block's token ids as little-endian u32.
 //!   With a LoRA adapter the seed is `1337 + xxh3_64(adapter name)` (wrapping), so base and
 //!   adapter blocks with equal tokens never collide.
+//! * With per-token extra ids (TensorRT-LLM's multimodal `token_extra_id`), a block whose
+//!   extras are not all 0 hashes its token ids and then its extra ids
+//!   ([`tokens_hash_with_extras`]); an all-zero block hashes as plain `tokens_hash`.
 //! * `seq_hash` chains: block 0's is its tokens_hash; block i's is XXH3-64 (seed 1337) of
 //!   `seq_hash[i-1].to_le_bytes() ++ tokens_hash[i].to_le_bytes()`.
 //!
@@ -112,6 +115,30 @@ fn hash_block_into(buf: &mut Vec<u8>, block: &[u32], seed: u64) -> u64 {
     xxh3_64_with_seed(buf, seed)
 }
 
+/// Hash one block of token ids together with their extra ids (TensorRT-LLM's
+/// `token_extra_id`, non-zero for multimodal placeholder tokens), with `seed` (see
+/// [`lora_seed`]).
+///
+/// When every extra id is 0 (or `extras` is empty) this is exactly [`tokens_hash`], so a
+/// text-only block hashes the same whatever engine reported it. Otherwise it is XXH3-64 with
+/// `seed` over the token ids as little-endian u32 followed by the extra ids as little-endian
+/// u64: a multimodal block never matches a text-only block with the same placeholder ids
+/// (two images behind the same placeholder tokens differ in their extra ids). Callers pass one
+/// extra id per token; the bytes hashed are `tokens` then `extras`, whatever their lengths.
+pub fn tokens_hash_with_extras(tokens: &[u32], extras: &[u64], seed: u64) -> TokensHash {
+    if extras.iter().all(|&e| e == 0) {
+        return tokens_hash(tokens, seed);
+    }
+    let mut buf = Vec::with_capacity(tokens.len() * 4 + extras.len() * 8);
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    for e in extras {
+        buf.extend_from_slice(&e.to_le_bytes());
+    }
+    TokensHash(xxh3_64_with_seed(&buf, seed))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,5 +229,56 @@ mod tests {
         let head = seq_hashes(&tokens[..32], 16, BASE_SEED);
         extend_seq_hashes(&mut out, head.last().copied(), &tokens[32..], 16, BASE_SEED);
         assert_eq!(out, seq_hashes(&tokens, 16, BASE_SEED)[2..]);
+    }
+
+    #[test]
+    fn extras_all_zero_hash_as_plain_tokens() {
+        let tokens: Vec<u32> = (100..132).collect();
+        let seed = lora_seed(Some("3"));
+        assert_eq!(
+            tokens_hash_with_extras(&tokens, &[0; 32], seed),
+            tokens_hash(&tokens, seed)
+        );
+        assert_eq!(
+            tokens_hash_with_extras(&tokens, &[], BASE_SEED),
+            tokens_hash(&tokens, BASE_SEED)
+        );
+    }
+
+    #[test]
+    fn one_non_zero_extra_changes_the_hash() {
+        let tokens = [7u32; 4];
+        let text = tokens_hash_with_extras(&tokens, &[0, 0, 0, 0], BASE_SEED);
+        let image_a = tokens_hash_with_extras(&tokens, &[0, 0, 0, 1], BASE_SEED);
+        let image_b = tokens_hash_with_extras(&tokens, &[0, 0, 0, 2], BASE_SEED);
+        assert_ne!(text, image_a);
+        assert_ne!(image_a, image_b);
+        assert_ne!(
+            image_a,
+            tokens_hash_with_extras(&tokens, &[0, 0, 0, 1], lora_seed(Some("a")))
+        );
+    }
+
+    #[test]
+    fn extras_fixed_vector_from_the_definition() {
+        // The definition, spelled out with xxhash_rust: u32 LE token ids, then u64 LE extras.
+        let tokens = [1u32, 2, 3, 4];
+        let extras = [0u64, 0xdead_beef, 0, 1 << 40];
+        let mut bytes = Vec::new();
+        for t in tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        for e in extras {
+            bytes.extend_from_slice(&e.to_le_bytes());
+        }
+        assert_eq!(bytes.len(), 4 * 4 + 4 * 8);
+        let want = xxh3_64_with_seed(&bytes, BASE_SEED);
+        // Pinned once from the line above, so a change to xxhash_rust itself shows too.
+        assert_eq!(want, 7794040231365195869);
+        assert_eq!(
+            tokens_hash_with_extras(&tokens, &extras, BASE_SEED),
+            TokensHash(want)
+        );
+        assert_ne!(want, tokens_hash(&tokens, BASE_SEED).0);
     }
 }

@@ -312,6 +312,12 @@ impl Router {
             .map_err(RouteError::Engine)
     }
 
+    /// The worker key a routed request of this router is on, while it is active.
+    pub fn worker_of(&self, name: &str) -> Option<WorkerKey> {
+        let id = self.id(name).ok()?;
+        self.scheduler.active_request(id).map(|(key, ..)| key)
+    }
+
     /// Frees request `name` (finished or cancelled).
     pub fn finish(&mut self, name: &str) -> std::result::Result<(), RouteError> {
         let id = self.id(name)?;

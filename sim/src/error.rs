@@ -82,6 +82,9 @@ pub enum SimError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// A simulated worker that has stopped (or is stopping) was asked something.
+    #[error("the simulated worker has stopped")]
+    Stopped,
 }
 
 /// `Result` with [`SimError`].

@@ -15,8 +15,10 @@
 //! * [`cluster`]: the closed loop and its per-mode [`cluster::ModeReport`].
 //! * [`server`]: simulated vLLM workers you can run and talk to: an [`engine::SimEngine`]
 //!   driven in (scaled) real time behind an OpenAI-compatible HTTP server, publishing its KV
-//!   events over ZMQ; as aggregated, prefill or decode workers speaking vLLM's, SGLang's and
-//!   TensorRT-LLM's disaggregated hand-offs. The only part that reads a clock and does I/O.
+//!   events over ZMQ as vLLM does, or serving them as TensorRT-LLM does
+//!   (`POST /kv_cache_events`); as aggregated, prefill or decode workers speaking vLLM's,
+//!   SGLang's and TensorRT-LLM's disaggregated hand-offs. The only part that reads a clock
+//!   and does I/O.
 //! * [`error`]: the crate's [`SimError`].
 //!
 //! # Invariants

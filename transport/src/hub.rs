@@ -137,6 +137,9 @@ pub struct WorkerInfo {
     pub loads: Vec<(DpRank, Option<ActiveLoad>, Option<WorkerLoad>)>,
     /// Ranks whose stores the bounds refused, and why ([`crate::bounds`]).
     pub degraded: Vec<(DpRank, Degraded)>,
+    /// Per rank: its GPU KV cache in blocks, where the worker reports it (TensorRT-LLM's
+    /// `created` event).
+    pub kv_capacity: Vec<(DpRank, u64)>,
 }
 
 /// Where the router's subscription to a worker's ZMQ event stream stands.
@@ -172,6 +175,8 @@ struct WorkerEntry {
     block_size: u32,
     /// Ranks whose stores the bounds refused, and why.
     degraded: BTreeSet<(DpRank, Degraded)>,
+    /// GPU KV cache size in blocks per rank, where reported.
+    kv_capacity: BTreeMap<DpRank, u64>,
 }
 
 pub use engine::router::{RouteCall, Routed};
@@ -201,6 +206,8 @@ pub struct Hub {
     budget: IndexBudget,
     /// Router replicas ([`crate::replicas`]): where this router's load events go.
     replicas: OnceLock<Arc<dyn LoadSink>>,
+    /// TensorRT-LLM workers' pollers, woken when a request finishes on their worker.
+    trtllm_pokes: crate::trtllm::Pokes,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -257,6 +264,7 @@ impl Hub {
             limits: Limits::default(),
             budget: IndexBudget::default(),
             replicas: OnceLock::new(),
+            trtllm_pokes: crate::trtllm::Pokes::default(),
         })
     }
 
@@ -468,6 +476,7 @@ impl Hub {
             stream: None,
             block_size: default_block_size,
             degraded: BTreeSet::new(),
+            kv_capacity: BTreeMap::new(),
         });
         let role = reg.role.unwrap_or(entry.registration.role());
         let model = reg
@@ -614,6 +623,11 @@ impl Hub {
         }
     }
 
+    /// The wake-ups of TensorRT-LLM workers' pollers ([`crate::trtllm::Pokes`]).
+    pub fn trtllm_pokes(&self) -> &crate::trtllm::Pokes {
+        &self.trtllm_pokes
+    }
+
     /// The HTTP base URL `worker` registered, if any.
     pub fn worker_url(&self, worker: WorkerId) -> Option<String> {
         self.registry_read()
@@ -685,8 +699,17 @@ impl Hub {
                     })
                     .collect(),
                 degraded: e.degraded.iter().copied().collect(),
+                kv_capacity: e.kv_capacity.iter().map(|(&r, &b)| (r, b)).collect(),
             })
             .collect()
+    }
+
+    /// Records the GPU KV cache size `key` reported, in blocks (TensorRT-LLM's `created`
+    /// event). Shown in `/v1/workers`; ignored for unregistered workers.
+    pub fn note_kv_capacity(&self, key: WorkerKey, blocks: u64) {
+        if let Some(e) = self.registry_write().get_mut(&key.worker) {
+            e.kv_capacity.insert(key.dp_rank, blocks);
+        }
     }
 
     // ----- events -----
@@ -1135,11 +1158,18 @@ impl Hub {
     pub fn finish(&self, request_id: &str) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         let mut routing = lock(&self.routing);
-        routing
-            .with_request(request_id, |r| r.finish(request_id))
+        let key = routing
+            .with_request(request_id, |r| {
+                let key = r.worker_of(request_id);
+                r.finish(request_id).map(|()| key)
+            })
             .map_err(refused)?;
         if let Some(sink) = self.replicas.get() {
             sink.freed(request_id);
+        }
+        if let Some(key) = key {
+            // A TensorRT-LLM worker's new blocks are only seen when it is polled.
+            self.trtllm_pokes.poke(key.worker);
         }
         Ok(())
     }

@@ -17,6 +17,7 @@ pub mod openai;
 pub mod replicas;
 pub mod state;
 pub mod stream;
+pub mod trtllm;
 pub mod zmq;
 
 pub use error::{DropReason, Result, TransportError};

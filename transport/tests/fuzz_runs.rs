@@ -1,9 +1,10 @@
 //! Fuzzing that runs on the stable toolchain, in the default test suite: every network
 //! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
-//! bodies, OpenAI request bodies, router replicas' NATS frames) gets a fixed budget of inputs mutated from a corpus of
-//! valid ones (the recorded fixtures under `../shared/data` when present, and inputs built
-//! here with the encoders), on top of the cargo-fuzz targets in `fuzz/` (which need
-//! nightly).
+//! bodies, OpenAI request bodies, router replicas' NATS frames, TensorRT-LLM event pages) gets
+//! a fixed budget of inputs mutated from a corpus of valid ones (the recorded fixtures under
+//! `../shared/data` when present, the hand-written TensorRT-LLM pages under
+//! `tests/data/trtllm`, and inputs built here with the encoders), on top of the cargo-fuzz
+//! targets in `fuzz/` (which need nightly).
 //!
 //! Each input must be decoded without a panic, and where a decoder has a reference (the
 //! `/v1/route` scanner and serde; the owned and in-place native frame decoders) the two must
@@ -468,5 +469,43 @@ fn replica_frames_survive_mutation() {
         }
         let resync = decode_resync(data);
         frame.is_ok() || resync.is_ok()
+    });
+}
+
+#[test]
+fn trtllm_pages_survive_mutation() {
+    use std::collections::BTreeMap;
+    use transport::trtllm::{PageEntry, RankConverter, decode_page};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/trtllm");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    let corpus: Vec<Vec<u8>> = files.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    for seed in &corpus {
+        let page = decode_page(seed).unwrap();
+        assert!(page.iter().all(|e| matches!(e, PageEntry::Event { .. })));
+    }
+    run("TensorRT-LLM pages", corpus, |data| {
+        match decode_page(data) {
+            Ok(page) => {
+                for block_size in [0, 16, 32] {
+                    let mut ranks: BTreeMap<u32, RankConverter> = BTreeMap::new();
+                    let mut out = Vec::new();
+                    for entry in &page {
+                        if let PageEntry::Event { event, .. } = entry {
+                            let rank = ranks
+                                .entry(event.attention_dp_rank.unwrap_or(0))
+                                .or_default();
+                            let _ = rank.convert(event.data.clone(), block_size, &mut out);
+                        }
+                    }
+                }
+                true
+            }
+            Err(_) => false,
+        }
     });
 }

@@ -60,6 +60,8 @@ pub struct ClusterConfig {
     /// Prefill and decode workers instead of `workers` aggregated ones (`workers` is then
     /// `P + D`).
     pub disagg: Option<DisaggSpec>,
+    /// How the workers hand out their KV events (vLLM's ZMQ, or TensorRT-LLM's HTTP drain).
+    pub events: sim::server::EventFormat,
 }
 
 impl ClusterConfig {
@@ -78,6 +80,7 @@ impl ClusterConfig {
             router_cost: cfg.router_cost,
             stall_weight: cfg.stall_weight,
             disagg: None,
+            events: cfg.events,
         }
     }
 
@@ -137,6 +140,7 @@ impl Cluster {
         let base = SimWorkerConfig {
             engine: cfg.engine.clone(),
             speedup: cfg.speedup,
+            events: cfg.events,
             ..SimWorkerConfig::default()
         };
         let workers = spawn_mixed_cluster(&cfg.roles(), base, None)

@@ -43,6 +43,7 @@
 pub mod client;
 pub mod cluster;
 pub mod disagg;
+pub mod index_check;
 pub mod plot;
 pub mod replicas;
 pub mod report;
@@ -249,6 +250,9 @@ pub struct ReplayConfig {
     /// Whether replicas share their load (false: independent routers, the control that
     /// shows what sharing buys; no NATS).
     pub share_load: bool,
+    /// How the simulated workers hand out their KV events: vLLM's ZMQ stream, or
+    /// TensorRT-LLM's `/kv_cache_events`, which the router polls.
+    pub events: sim::server::EventFormat,
 }
 
 /// The most router replicas a replay starts (each is an engine, a hub and an HTTP edge in
@@ -273,13 +277,48 @@ impl Default for ReplayConfig {
             disagg: None,
             replicas: 1,
             share_load: true,
+            events: sim::server::EventFormat::Vllm,
         }
     }
+}
+
+/// `--engine`: which inference engine the simulated workers imitate, as the format of their
+/// KV events: `vllm` (ZMQ) or `trtllm` (TensorRT-LLM's polled `/kv_cache_events`).
+pub fn parse_engine(s: &str) -> Result<sim::server::EventFormat, String> {
+    match s {
+        "vllm" => Ok(sim::server::EventFormat::Vllm),
+        "trtllm" | "tensorrt-llm" => Ok(sim::server::EventFormat::trtllm()),
+        _ => Err(format!("{s:?}: expected vllm or trtllm")),
+    }
+}
+
+/// The engine's default tokens per block: vLLM's 16, TensorRT-LLM's 32.
+pub fn default_block_size(events: sim::server::EventFormat) -> u32 {
+    if events.is_trtllm() {
+        transport::trtllm::DEFAULT_BLOCK_SIZE
+    } else {
+        engine::hash::DEFAULT_BLOCK_SIZE as u32
+    }
+}
+
+/// KV blocks per worker when not given: `blocks_of_16` 16-token blocks' worth of tokens at
+/// `block_size` (the same GPU memory whatever the page size), at least 1.
+pub fn default_kv_blocks(blocks_of_16: u32, block_size: u32) -> u32 {
+    let tokens = u64::from(blocks_of_16) * 16;
+    u32::try_from(tokens / u64::from(block_size.max(1)))
+        .unwrap_or(u32::MAX)
+        .max(1)
 }
 
 impl ReplayConfig {
     /// Rejects values outside their ranges.
     pub fn validate(&self) -> Result<()> {
+        if self.events.is_trtllm() && self.replicas > 1 {
+            bail!(
+                "TensorRT-LLM workers hand each event out once (POST /kv_cache_events drains \
+                 it): several routers polling one worker would each miss the others' events"
+            );
+        }
         if self.workers == 0 || self.workers > 256 {
             bail!("workers must be within 1..=256, not {}", self.workers);
         }
@@ -418,6 +457,20 @@ pub async fn run_one(
     .await;
     let wall = started.elapsed();
     let active_after = cluster.wait_idle(Duration::from_secs(2)).await;
+    // One router over aggregated workers with KV events: its index must equal the caches.
+    let index_check = if mode.kv_events() && cfg.replicas == 1 && cluster_cfg.disagg.is_none() {
+        Some(
+            index_check::check(&cluster, &workload.requests)
+                .await
+                .unwrap_or_else(|e| index_check::IndexCheck {
+                    mismatches: 1,
+                    first: Some(format!("the check failed: {e:#}")),
+                    ..index_check::IndexCheck::default()
+                }),
+        )
+    } else {
+        None
+    };
     let sync = cluster.sync_totals();
     let snapshots = cluster.snapshots();
     // The routers' own figures, summed over the replicas (one router without).
@@ -468,6 +521,7 @@ pub async fn run_one(
     let mut report = report::summarize(&info, &results);
     report.mode = run.label();
     report.disagg = disagg;
+    report.index_check = index_check;
     Ok(report)
 }
 

@@ -244,6 +244,10 @@ pub struct ModeReport {
     /// A disaggregated run's split figures (absent for aggregated runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disagg: Option<DisaggFigures>,
+    /// After a run with KV events: the router's index against the workers' caches
+    /// ([`super::index_check`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index_check: Option<super::index_check::IndexCheck>,
     /// With router replicas, the sync's figures (their fields, flattened; absent with one
     /// router).
     #[serde(flatten)]
@@ -350,6 +354,7 @@ pub fn summarize(info: &RunInfo, results: &[RequestResult]) -> ModeReport {
         errors: errors.len() as u64,
         workers: n,
         disagg: None,
+        index_check: None,
         sync: info.sync.map(|t| {
             let routed = results.iter().filter(|r| r.worker.is_some()).count();
             SyncFigures::of(&t, routed as u64)
@@ -432,6 +437,27 @@ pub fn legend(reports: &[ModeReport]) -> String {
          time that the chosen one lacked; load spread: the busiest worker's share of prefill \
          work over an even share, minus 1\n"
     )
+}
+
+/// One line per run whose index was checked against the workers' caches
+/// ([`super::index_check`]); empty when none was.
+pub fn index_summary(reports: &[ModeReport]) -> String {
+    let mut s = String::new();
+    for r in reports {
+        let Some(c) = &r.index_check else { continue };
+        s.push_str(&format!(
+            "index check ({}): {} prompts on every worker, {} mismatches, {} cached prompt \
+             blocks compared{}\n",
+            r.mode,
+            c.prompts,
+            c.mismatches,
+            c.cached_blocks,
+            c.first
+                .as_deref()
+                .map_or_else(String::new, |f| format!(" (first: {f})"))
+        ));
+    }
+    s
 }
 
 /// The replica sync's table: per run with router replicas, the replicas, frames, bytes,

@@ -5,7 +5,8 @@
 //!
 //! Each worker is registered under id `i + 1` (its index in the cluster) with its HTTP
 //! URL, ZMQ publisher and replay endpoints ([`SimWorkerHandle::registration`]), and
-//! subscribed to ([`spawn_subscriber`]). In [`super::RunMode::KvNoEvents`] the hub predicts the
+//! subscribed to ([`spawn_subscriber`]); a simulated TensorRT-LLM worker is polled instead
+//! ([`spawn_poller`] on its `/kv_cache_events`). In [`super::RunMode::KvNoEvents`] the hub predicts the
 //! caches from its own decisions ([`Hub::without_kv_events`]) and nothing is subscribed.
 //! Several routers may front the same workers (replicas, [`super::replicas`]): ZMQ PUB fans
 //! each worker's events out to every subscriber, so each router keeps the whole index.
@@ -34,7 +35,12 @@ use tokio::task::JoinHandle;
 use transport::http::{HttpConfig, router as http_router, serve_http};
 use transport::hub::{Hub, HubConfig, start_engine};
 use transport::openai::proxy::{ProxyConfig, openai_router};
+use transport::trtllm::{TrtllmSource, spawn_poller};
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
+
+/// How often a TensorRT-LLM worker's events are polled (in real time; each request that
+/// finishes on it also polls it at once).
+const TRTLLM_POLL: Duration = Duration::from_millis(20);
 
 /// How often the hub's per-worker cached-block totals (its tie-breaker) are refreshed.
 const REFRESH_EVERY: Duration = Duration::from_millis(500);
@@ -131,7 +137,11 @@ impl Router {
         for (w, id) in workers.iter().zip(worker_ids(workers)) {
             hub.register(w.registration(id))
                 .context("cannot register a worker")?;
-            if cfg.mode.kv_events() {
+            if cfg.mode.kv_events() && w.is_trtllm() {
+                let source = TrtllmSource::new(id, &w.url(), TRTLLM_POLL)
+                    .context("a TensorRT-LLM worker's URL")?;
+                subscribers.push(spawn_poller(hub.clone(), source));
+            } else if cfg.mode.kv_events() {
                 let source = ZmqSource::new(id, w.zmq_endpoint(), Some(w.replay_endpoint()))
                     .context("a worker's ZMQ endpoints")?;
                 subscribers.push(spawn_subscriber(

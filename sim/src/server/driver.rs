@@ -2,11 +2,12 @@
 //!
 //! It receives [`Command`]s over a channel, runs [`SimEngine::step`] whenever there is work,
 //! sleeps each step's duration divided by the speedup, then hands the step's outputs to the
-//! requests' channels and publishes its KV events. Simulated time is elapsed real time times
-//! the speedup: while the engine stays busy, steps follow each other back to back in
-//! simulated time (the driver sleeps until each step's end in real time, or runs on without
-//! sleeping when it is behind, so timer granularity never slows the simulation down); after
-//! an idle spell the next step starts at the current simulated time.
+//! requests' channels and publishes its KV events (over ZMQ, or into the TensorRT-LLM
+//! buffer). Simulated time is elapsed real time times the speedup: while the engine stays
+//! busy, steps follow each other back to back in simulated time (the driver sleeps until
+//! each step's end in real time, or runs on without sleeping when it is behind, so timer
+//! granularity never slows the simulation down); after an idle spell the next step starts
+//! at the current simulated time.
 //!
 //! # Invariants
 //! 1. A request's channel receives, in order, one [`Delivery::First`], then
@@ -18,12 +19,14 @@
 //!    every request's channel (their clients see the stream end).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use engine::RequestId;
 use tokio::sync::{mpsc, oneshot, watch};
 use transport::zmq::VllmPublisher;
 
+use super::trtllm::TrtllmEvents;
 use crate::engine::{EngineStats, Load, NewRequest, Output, RemotePrefill, SimEngine};
 use crate::error::Result;
 
@@ -88,10 +91,18 @@ pub struct Snapshot {
     pub sim_time: Duration,
 }
 
+/// Where the driver hands the engine's KV events.
+pub(super) enum EventSink {
+    /// vLLM's: published over ZMQ.
+    Zmq(VllmPublisher),
+    /// TensorRT-LLM's: buffered for `POST /kv_cache_events`.
+    Trtllm(Arc<TrtllmEvents>),
+}
+
 /// The driver's state.
 pub(super) struct Driver {
     pub(super) engine: SimEngine,
-    pub(super) publisher: VllmPublisher,
+    pub(super) sink: EventSink,
     pub(super) speedup: f64,
     pub(super) commands: mpsc::Receiver<Command>,
     pub(super) snapshot: watch::Sender<Snapshot>,
@@ -164,19 +175,33 @@ impl Driver {
                 }
                 _ => tokio::task::yield_now().await,
             }
+            if let EventSink::Trtllm(events) = &self.sink {
+                // Buffered before the outputs go out: a client that got its answer finds the
+                // step's events in the next `/kv_cache_events` drain.
+                while let Some(batch) = self.engine.poll_events() {
+                    events.push_batch(&batch);
+                }
+            }
             for output in step.outputs {
                 self.deliver(output);
             }
             while let Some(mut batch) = self.engine.poll_events() {
+                let publisher = match &mut self.sink {
+                    EventSink::Zmq(publisher) => publisher,
+                    EventSink::Trtllm(events) => {
+                        events.push_batch(&batch);
+                        continue;
+                    }
+                };
                 // vLLM stamps batches with the wall clock (`time.time()`); routers measure
                 // ingest lag against it.
                 batch.ts = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .ok()
                     .map(|d| d.as_secs_f64());
-                if let Err(e) = self.publisher.publish(&batch).await {
+                if let Err(e) = publisher.publish(&batch).await {
                     tracing::warn!(
-                        endpoint = self.publisher.endpoint(),
+                        endpoint = publisher.endpoint(),
                         "cannot publish KV events: {e}"
                     );
                 }

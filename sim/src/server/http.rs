@@ -1,7 +1,9 @@
 //! A worker's OpenAI-compatible HTTP server (axum): `/health`, `/v1/models`, `/load`,
 //! `/v1/completions` and `/v1/chat/completions`, answered whole or streamed as server-sent
-//! events, one chunk per token as the driver produces it; and SGLang's simulated bootstrap,
-//! `GET /sim/bootstrap/{room}` ([`super::bootstrap`]).
+//! events, one chunk per token as the driver produces it; SGLang's simulated bootstrap,
+//! `GET /sim/bootstrap/{room}` ([`super::bootstrap`]); and, on a worker serving
+//! TensorRT-LLM's events only, `POST /kv_cache_events` ([`super::trtllm`]: every event
+//! buffered since the last call, as a JSON array, emptying the buffer).
 //!
 //! Like vLLM's server, a worker with an API key answers 401 `{"error": "Unauthorized"}` to
 //! any request under `/v1` (unknown paths included) without `Authorization: Bearer KEY`,
@@ -44,12 +46,16 @@ use super::handoff::{self, Handoff};
 use super::openai::{Api, Envelope, OpenAiError, Usage, model_not_found, parse};
 use super::role::SimRole;
 use super::tokens::{Prompter, token_text};
+use super::trtllm::TrtllmEvents;
 use crate::error::SimError;
 
 /// What every handler shares.
 #[derive(Debug)]
 pub(super) struct AppState {
     pub(super) commands: mpsc::Sender<Command>,
+    /// TensorRT-LLM's event buffer (`POST /kv_cache_events`), on a worker serving that
+    /// format.
+    pub(super) trtllm: Option<Arc<TrtllmEvents>>,
     pub(super) snapshot: watch::Receiver<Snapshot>,
     pub(super) model: String,
     /// Required on `/v1` requests when set (vLLM's `--api-key`); never logged.
@@ -67,8 +73,14 @@ pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/load", get(load))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
-        .route("/sim/bootstrap/{room}", get(bootstrap_room))
-        .layer(DefaultBodyLimit::max(max_body_bytes));
+        .route("/sim/bootstrap/{room}", get(bootstrap_room));
+    // Only TensorRT-LLM serves its events over HTTP: elsewhere the path is unknown (404).
+    let routes = if state.trtllm.is_some() {
+        routes.route("/kv_cache_events", post(kv_cache_events))
+    } else {
+        routes
+    };
+    let routes = routes.layer(DefaultBodyLimit::max(max_body_bytes));
     // Layered last so that it also covers the fallback: vLLM refuses an unknown `/v1` path
     // without the key too (401 before 404).
     let routes = if state.api_key.is_some() {
@@ -144,6 +156,15 @@ async fn load(State(s): State<Arc<AppState>>) -> Json<Value> {
         "kv_blocks": st.kv_blocks,
         "stored_blocks": st.stored_blocks,
     }))
+}
+
+/// `trtllm-serve`'s `POST /kv_cache_events`: every buffered event, oldest first (`[]`
+/// when none), the buffer emptied.
+async fn kv_cache_events(State(s): State<Arc<AppState>>) -> Response {
+    match &s.trtllm {
+        Some(events) => Json(events.drain()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn bootstrap_room(State(s): State<Arc<AppState>>, Path(room): Path<String>) -> Response {

@@ -1,20 +1,35 @@
-//! Simulated vLLM workers you can run and talk to: each one a [`SimEngine`] driven in real
-//! time (or `speedup` times faster) behind an OpenAI-compatible HTTP server, publishing its
-//! KV events over ZMQ exactly as vLLM does.
+//! Simulated vLLM and TensorRT-LLM workers you can run and talk to: each one a [`SimEngine`]
+//! driven in real time (or `speedup` times faster) behind an OpenAI-compatible HTTP server,
+//! handing out its KV events as vLLM does (published over ZMQ) or, with
+//! [`EventFormat::Trtllm`], as TensorRT-LLM's `trtllm-serve` does (drained by
+//! `POST /kv_cache_events`, see below).
 //!
-//! One worker ([`spawn_worker`]) is three tasks on the current tokio runtime:
+//! One worker ([`spawn_worker`]) is three tasks on the current tokio runtime (two with
+//! [`EventFormat::Trtllm`]):
 //! * the driver ([`driver`]): owns the engine, takes requests and aborts over a channel,
 //!   steps the engine while it has work, sleeps each step's duration / `speedup`, delivers
-//!   the outputs to each request's channel and publishes the step's KV events with a
-//!   [`VllmPublisher`] (ZMQ PUB plus the replay ROUTER);
+//!   the outputs to each request's channel and hands the step's KV events on: to a
+//!   [`VllmPublisher`] (ZMQ PUB plus the replay ROUTER), or to the TensorRT-LLM buffer;
 //! * the HTTP server (`http.rs`): `GET /health`, `GET /v1/models`, `GET /load` (the engine's
 //!   `num_requests_waiting`, `num_requests_running`, `kv_usage`, the worker's `role` and
 //!   counters), `POST /v1/completions` and `POST /v1/chat/completions` ([`openai`]), whole
-//!   or streamed (SSE, one chunk per token, flushed as produced), and SGLang's simulated
-//!   bootstrap `GET /sim/bootstrap/{room}` (`bootstrap.rs`). As vLLM's server does, it
-//!   answers a completion naming another model than its own 404, and with an API key
-//!   ([`SimWorkerConfig::api_key`]) refuses `/v1` requests without it (401);
-//! * the publisher's replay task.
+//!   or streamed (SSE, one chunk per token, flushed as produced), SGLang's simulated
+//!   bootstrap `GET /sim/bootstrap/{room}` (`bootstrap.rs`) and, with
+//!   [`EventFormat::Trtllm`] only (else 404), `POST /kv_cache_events`. As vLLM's server
+//!   does, it answers a completion naming another model than its own 404, and with an API
+//!   key ([`SimWorkerConfig::api_key`]) refuses `/v1` requests without it (401);
+//! * the publisher's replay task (vLLM format only).
+//!
+//! # TensorRT-LLM's KV events
+//! With [`EventFormat::Trtllm`] no ZMQ socket is bound (the handle's ZMQ endpoints are
+//! empty and its [`SimWorkerHandle::registration`] names none). The engine's events are
+//! converted to TensorRT-LLM's ([`trtllm`]: `created` first, as event 0, then `stored` and
+//! `removed`, consecutive `event_id`s from 0) into a buffer of `buffer` events that drops
+//! the oldest when full, and `POST /kv_cache_events` answers everything buffered since the
+//! last call as a JSON array (`[]` when nothing is), emptying it: a router polls
+//! [`SimWorkerHandle::kv_events_url`] (kvengine's `--trtllm-worker ID=URL`). TensorRT-LLM's
+//! default `tokens_per_block` is 32 (`kvengine sim --engine trtllm` defaults to it). The
+//! OpenAI API, the load report and the disaggregated hand-offs are the same in both modes.
 //!
 //! # Disaggregated serving
 //! A worker has a [`SimRole`] and a KV [`TransferModel`]. It recognises the prefill and
@@ -45,6 +60,7 @@ pub mod openai;
 pub mod role;
 pub mod tokens;
 pub mod transfer;
+pub mod trtllm;
 
 mod bootstrap;
 mod handoff;
@@ -68,8 +84,9 @@ use transport::zmq::VllmPublisher;
 
 use crate::engine::{EngineConfig, SimEngine};
 use crate::error::{Result, SimError};
-use driver::{Driver, Snapshot};
+use driver::{Command, Driver, EventSink, Snapshot};
 use tokens::Prompter;
+use trtllm::TrtllmEvents;
 
 /// Commands queued to a driver before senders wait.
 const COMMAND_QUEUE: usize = 4096;
@@ -77,6 +94,35 @@ const COMMAND_QUEUE: usize = 4096;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// [`SimWorkerConfig::bootstrap_timeout`]'s default.
 pub const DEFAULT_BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How a worker hands out its KV events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EventFormat {
+    /// As vLLM: msgpack batches published over ZMQ (PUB plus the replay ROUTER).
+    #[default]
+    Vllm,
+    /// As TensorRT-LLM: buffered and drained by `POST /kv_cache_events` ([`trtllm`]); no
+    /// ZMQ socket is bound.
+    Trtllm {
+        /// Events kept (TensorRT-LLM's `event_buffer_max_size`): at least 1; when full the
+        /// oldest is dropped.
+        buffer: usize,
+    },
+}
+
+impl EventFormat {
+    /// TensorRT-LLM's format with the default buffer ([`trtllm::DEFAULT_EVENT_BUFFER`]).
+    pub const fn trtllm() -> Self {
+        Self::Trtllm {
+            buffer: trtllm::DEFAULT_EVENT_BUFFER,
+        }
+    }
+
+    /// Whether it is TensorRT-LLM's.
+    pub const fn is_trtllm(self) -> bool {
+        matches!(self, Self::Trtllm { .. })
+    }
+}
 
 /// One simulated worker's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -95,11 +141,16 @@ pub struct SimWorkerConfig {
     pub api_key: Option<String>,
     /// Where the HTTP server listens (port 0: any free port).
     pub http: SocketAddr,
-    /// Where KV events are published: `tcp://HOST:PORT` (port 0: any free port).
+    /// How KV events are handed out: vLLM's ZMQ (the default) or TensorRT-LLM's
+    /// `POST /kv_cache_events`.
+    pub events: EventFormat,
+    /// Where KV events are published: `tcp://HOST:PORT` (port 0: any free port). Unused
+    /// with [`EventFormat::Trtllm`].
     pub zmq_pub: String,
-    /// The replay (ROUTER) endpoint: `tcp://HOST:PORT` (port 0: any free port).
+    /// The replay (ROUTER) endpoint: `tcp://HOST:PORT` (port 0: any free port). Unused
+    /// with [`EventFormat::Trtllm`].
     pub zmq_replay: String,
-    /// Event batches kept for replay.
+    /// Event batches kept for replay (vLLM format).
     pub replay_buffer: usize,
     /// Request bodies larger than this are refused with 413.
     pub max_body_bytes: usize,
@@ -120,6 +171,7 @@ impl Default for SimWorkerConfig {
             model: "kvengine-sim".into(),
             api_key: None,
             http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            events: EventFormat::Vllm,
             zmq_pub: "tcp://127.0.0.1:0".into(),
             zmq_replay: "tcp://127.0.0.1:0".into(),
             replay_buffer: 4096,
@@ -156,6 +208,12 @@ impl SimWorkerConfig {
                 reason: "must be printable ASCII without spaces, and not empty",
             });
         }
+        if let EventFormat::Trtllm { buffer: 0 } = self.events {
+            return Err(SimError::InvalidConfig {
+                name: "events.buffer",
+                reason: "must be at least 1",
+            });
+        }
         self.transfer.validate()?;
         let timeout = Duration::from_millis(1)..=Duration::from_secs(86_400);
         if !timeout.contains(&self.bootstrap_timeout) {
@@ -172,8 +230,14 @@ impl SimWorkerConfig {
 #[derive(Debug)]
 pub struct SimWorkerHandle {
     http: SocketAddr,
+    events: EventFormat,
+    /// Empty with [`EventFormat::Trtllm`].
     zmq_pub: String,
+    /// Empty with [`EventFormat::Trtllm`].
     zmq_replay: String,
+    /// With [`EventFormat::Trtllm`]: the buffer `/kv_cache_events` drains.
+    trtllm: Option<Arc<TrtllmEvents>>,
+    commands: mpsc::Sender<Command>,
     model: String,
     /// Sent by the router on the requests it forwards ([`SimWorkerHandle::registration`]).
     api_key: Option<String>,
@@ -196,14 +260,55 @@ impl SimWorkerHandle {
         format!("http://{}", self.http)
     }
 
-    /// The bound KV-event PUB endpoint.
+    /// The bound KV-event PUB endpoint; empty with [`EventFormat::Trtllm`] (no socket).
     pub fn zmq_endpoint(&self) -> &str {
         &self.zmq_pub
     }
 
-    /// The bound replay endpoint.
+    /// The bound replay endpoint; empty with [`EventFormat::Trtllm`] (no socket).
     pub fn replay_endpoint(&self) -> &str {
         &self.zmq_replay
+    }
+
+    /// How it hands out its KV events.
+    pub fn event_format(&self) -> EventFormat {
+        self.events
+    }
+
+    /// Whether it serves its KV events as TensorRT-LLM does (`POST /kv_cache_events`).
+    pub fn is_trtllm(&self) -> bool {
+        self.events.is_trtllm()
+    }
+
+    /// Where TensorRT-LLM's KV events are drained: `http://HOST:PORT/kv_cache_events`
+    /// (answered only with [`EventFormat::Trtllm`], 404 otherwise).
+    pub fn kv_events_url(&self) -> String {
+        format!("{}/kv_cache_events", self.url())
+    }
+
+    /// With [`EventFormat::Trtllm`]: the events dropped so far because its buffer was full
+    /// (0 otherwise).
+    pub fn dropped_kv_events(&self) -> u64 {
+        self.trtllm.as_ref().map_or(0, |t| t.dropped())
+    }
+
+    /// How many leading full blocks of `prompt` (token ids, base model) its engine has
+    /// cached right now: what a router's index should answer for this worker.
+    ///
+    /// # Errors
+    /// [`SimError::Stopped`] when the worker has stopped.
+    pub async fn cached_prefix_blocks(&self, prompt: &[u32]) -> Result<u32> {
+        let (ack, answer) = tokio::sync::oneshot::channel();
+        let lookup = Command::Lookup {
+            prompt: prompt.to_vec(),
+            ack,
+        };
+        self.commands
+            .send(lookup)
+            .await
+            .map_err(|_| SimError::Stopped)?;
+        let pages = answer.await.map_err(|_| SimError::Stopped)?;
+        Ok(pages.len() as u32)
     }
 
     /// The served model's name.
@@ -216,14 +321,16 @@ impl SimWorkerHandle {
         self.role
     }
 
-    /// How a router registers it as worker `id`: its URL, KV-event endpoints and role, its
-    /// API key (if it has one, so that forwarded requests get in), and (for SGLang's
-    /// hand-off) its HTTP port as the bootstrap port, where it serves its rooms.
+    /// How a router registers it as worker `id`: its URL, KV-event endpoints (none with
+    /// [`EventFormat::Trtllm`]: its events are polled from its URL) and role, its API key
+    /// (if it has one, so that forwarded requests get in), and (for SGLang's hand-off) its
+    /// HTTP port as the bootstrap port, where it serves its rooms.
     pub fn registration(&self, id: WorkerId) -> Registration {
+        let zmq = !self.is_trtllm();
         Registration {
             url: Some(self.url()),
-            zmq: Some(self.zmq_endpoint().to_owned()),
-            replay: Some(self.replay_endpoint().to_owned()),
+            zmq: zmq.then(|| self.zmq_endpoint().to_owned()),
+            replay: zmq.then(|| self.replay_endpoint().to_owned()),
             role: Some(self.role),
             bootstrap_port: Some(self.http_addr().port()),
             api_key: self.api_key.clone(),
@@ -238,9 +345,26 @@ impl SimWorkerHandle {
     }
 
     /// The value of kvengine's `--zmq-worker` flag for this worker under id `worker`:
-    /// `ID=tcp://HOST:PORT,replay=tcp://HOST:PORT`.
+    /// `ID=tcp://HOST:PORT,replay=tcp://HOST:PORT` (meaningless with
+    /// [`EventFormat::Trtllm`]: see [`SimWorkerHandle::trtllm_worker_flag`]).
     pub fn zmq_worker_flag(&self, worker: u64) -> String {
         format!("{worker}={},replay={}", self.zmq_pub, self.zmq_replay)
+    }
+
+    /// The value of kvengine's `--trtllm-worker` flag for this worker under id `worker`:
+    /// `ID=http://HOST:PORT`.
+    pub fn trtllm_worker_flag(&self, worker: u64) -> String {
+        format!("{worker}={}", self.url())
+    }
+
+    /// The flag (name and value) that points kvengine at this worker's KV events under id
+    /// `worker`: `--zmq-worker` or, with [`EventFormat::Trtllm`], `--trtllm-worker`.
+    pub fn router_flag(&self, worker: u64) -> (&'static str, String) {
+        if self.is_trtllm() {
+            ("--trtllm-worker", self.trtllm_worker_flag(worker))
+        } else {
+            ("--zmq-worker", self.zmq_worker_flag(worker))
+        }
     }
 
     /// The engine's load and counters after its last step or command.
@@ -273,22 +397,38 @@ impl Drop for SimWorkerHandle {
     }
 }
 
-/// Starts one worker on the current tokio runtime: binds its ZMQ and HTTP sockets (port 0
-/// allowed: the handle tells the bound ones) and spawns its tasks. `tokenizer`: the model's
-/// tokenizer (`None`: the built-in fallback, see [`tokens`]).
+/// Starts one worker on the current tokio runtime: binds its ZMQ (vLLM format only) and
+/// HTTP sockets (port 0 allowed: the handle tells the bound ones) and spawns its tasks.
+/// `tokenizer`: the model's tokenizer (`None`: the built-in fallback, see [`tokens`]).
 pub async fn spawn_worker(
     cfg: SimWorkerConfig,
     tokenizer: Option<Arc<PromptTokenizer>>,
 ) -> Result<SimWorkerHandle> {
     cfg.validate()?;
     let engine = SimEngine::new(cfg.engine.clone())?;
-    let publisher =
-        VllmPublisher::bind(&cfg.zmq_pub, Some(&cfg.zmq_replay), cfg.replay_buffer).await?;
-    let zmq_pub = publisher.endpoint().to_owned();
-    let zmq_replay = publisher
-        .replay_endpoint()
-        .unwrap_or(&cfg.zmq_replay)
-        .to_owned();
+    let (sink, zmq_pub, zmq_replay, trtllm) = match cfg.events {
+        EventFormat::Vllm => {
+            let publisher =
+                VllmPublisher::bind(&cfg.zmq_pub, Some(&cfg.zmq_replay), cfg.replay_buffer).await?;
+            let zmq_pub = publisher.endpoint().to_owned();
+            let zmq_replay = publisher
+                .replay_endpoint()
+                .unwrap_or(&cfg.zmq_replay)
+                .to_owned();
+            (EventSink::Zmq(publisher), zmq_pub, zmq_replay, None)
+        }
+        EventFormat::Trtllm { buffer } => {
+            let e = &cfg.engine;
+            let events = Arc::new(TrtllmEvents::new(
+                buffer,
+                e.kv_blocks,
+                e.block_size,
+                e.dp_rank,
+            ));
+            let sink = EventSink::Trtllm(events.clone());
+            (sink, String::new(), String::new(), Some(events))
+        }
+    };
     let listener = tokio::net::TcpListener::bind(cfg.http)
         .await
         .map_err(|source| SimError::Io {
@@ -305,7 +445,7 @@ pub async fn spawn_worker(
     let (shutdown, shutdown_rx) = watch::channel(false);
     let driver = Driver {
         engine,
-        publisher,
+        sink,
         speedup: cfg.speedup,
         commands,
         snapshot: snapshot_tx,
@@ -330,7 +470,8 @@ pub async fn spawn_worker(
         bootstrap_timeout: cfg.bootstrap_timeout,
     };
     let state = Arc::new(http::AppState {
-        commands: commands_tx,
+        commands: commands_tx.clone(),
+        trtllm: trtllm.clone(),
         snapshot: snapshot.clone(),
         model: cfg.model.clone(),
         api_key: cfg.api_key.clone(),
@@ -352,11 +493,14 @@ pub async fn spawn_worker(
         }
     });
     tracing::info!(%http, zmq = %zmq_pub, replay = %zmq_replay, role = %cfg.role,
-                   "simulated worker up");
+                   trtllm = cfg.events.is_trtllm(), "simulated worker up");
     Ok(SimWorkerHandle {
         http,
+        events: cfg.events,
         zmq_pub,
         zmq_replay,
+        trtllm,
+        commands: commands_tx,
         model: cfg.model,
         api_key: cfg.api_key,
         role: cfg.role,
@@ -395,11 +539,15 @@ fn offset_endpoint(endpoint: &str, by: usize, name: &'static str) -> Result<Stri
 }
 
 /// The configuration of worker `i` of a cluster built from `base`: HTTP port `base + i`,
-/// PUB port `base + 2i`, replay port `base + 2i` (ports 0 stay 0: any free port).
+/// PUB port `base + 2i`, replay port `base + 2i` (ports 0 stay 0: any free port; the ZMQ
+/// endpoints are left as they are with [`EventFormat::Trtllm`], which binds none).
 pub fn cluster_member(base: &SimWorkerConfig, i: usize) -> Result<SimWorkerConfig> {
     let mut cfg = base.clone();
     cfg.http
         .set_port(offset_port(base.http.port(), i, "http port")?);
+    if cfg.events.is_trtllm() {
+        return Ok(cfg);
+    }
     let twice = i.saturating_mul(2);
     cfg.zmq_pub = offset_endpoint(&base.zmq_pub, twice, "zmq_pub")?;
     cfg.zmq_replay = offset_endpoint(&base.zmq_replay, twice, "zmq_replay")?;
@@ -498,6 +646,41 @@ mod tests {
             assert!(cfg.validate().is_err());
         }
         SimWorkerConfig::default().validate().unwrap();
+        let empty = SimWorkerConfig {
+            events: EventFormat::Trtllm { buffer: 0 },
+            ..SimWorkerConfig::default()
+        };
+        assert!(empty.validate().is_err());
+        let trt = SimWorkerConfig {
+            events: EventFormat::trtllm(),
+            ..SimWorkerConfig::default()
+        };
+        trt.validate().unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_trtllm_worker_binds_no_zmq_and_registers_none() {
+        let cfg = SimWorkerConfig {
+            events: EventFormat::Trtllm { buffer: 8 },
+            // Would fail to bind if it were used.
+            zmq_pub: "nonsense".into(),
+            ..SimWorkerConfig::default()
+        };
+        assert_eq!(cluster_member(&cfg, 3).unwrap().zmq_pub, "nonsense");
+        let w = spawn_worker(cfg, None).await.unwrap();
+        assert!(w.is_trtllm());
+        assert_eq!(w.zmq_endpoint(), "");
+        assert_eq!(w.replay_endpoint(), "");
+        let reg = w.registration(WorkerId(4));
+        assert_eq!((reg.zmq, reg.replay), (None, None));
+        assert_eq!(reg.url, Some(w.url()));
+        assert_eq!(w.kv_events_url(), format!("{}/kv_cache_events", w.url()));
+        assert_eq!(
+            w.router_flag(4),
+            ("--trtllm-worker", format!("4={}", w.url()))
+        );
+        assert_eq!(w.cached_prefix_blocks(&[1, 2, 3]).await.unwrap(), 0);
+        w.shutdown().await;
     }
 
     #[tokio::test]

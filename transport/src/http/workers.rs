@@ -20,6 +20,9 @@ pub(super) struct LoadJson {
     active_requests: u64,
     num_requests_waiting: Option<u64>,
     kv_usage: Option<f64>,
+    /// Its GPU KV cache in blocks, where the worker reports it (TensorRT-LLM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_capacity_blocks: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -84,6 +87,7 @@ impl From<WorkerInfo> for WorkerJson {
                 .loads
                 .into_iter()
                 .map(|(rank, active, reported)| {
+                    let capacity = w.kv_capacity.iter().find(|(r, _)| *r == rank);
                     let active = active.unwrap_or_default();
                     LoadJson {
                         dp_rank: rank.0,
@@ -92,6 +96,7 @@ impl From<WorkerInfo> for WorkerJson {
                         active_requests: active.active_requests,
                         num_requests_waiting: reported.map(|l| l.num_requests_waiting),
                         kv_usage: reported.map(|l| l.kv_usage),
+                        kv_capacity_blocks: capacity.map(|&(_, b)| b),
                     }
                 })
                 .collect(),

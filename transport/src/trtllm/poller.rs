@@ -1,0 +1,152 @@
+//! One task per TensorRT-LLM worker: `POST {url}/kv_cache_events` every poll interval, and
+//! at once when a request finishes on the worker ([`super::Pokes`]); each answer is fenced
+//! and applied by [`WorkerEvents`].
+//!
+//! # Invariants
+//! 1. One poll at a time per worker, so pages apply in the order the server drained them.
+//! 2. A failed poll (connection refused, timeout, non-2xx, an answer over
+//!    [`MAX_PAGE_BYTES`], or not a JSON array) is logged once per outage and retried next
+//!    tick; the stream shows `connecting` until a poll succeeds. The server still holds
+//!    what it did not hand out, so nothing is lost unless its buffer overflows, which the
+//!    next page's ids reveal.
+//! 3. Nothing stops the task but aborting it; on abort the worker's wake-up is removed.
+
+use super::apply::WorkerEvents;
+use super::source::TrtllmSource;
+use super::wire::{MAX_PAGE_BYTES, decode_page};
+use crate::hub::{Hub, StreamState};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// The longest a poll may take before it counts as failed.
+const POLL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Starts `source`'s poller on the runtime `on` (with the edge on the cores: the worker's
+/// home core, so its pages are applied on one thread). The worker must be registered first.
+pub fn spawn_poller_on(
+    on: &tokio::runtime::Handle,
+    hub: Arc<Hub>,
+    source: TrtllmSource,
+) -> JoinHandle<()> {
+    let resume = hub.persisted().take_resume(source.worker);
+    on.spawn(async move {
+        let events = match resume {
+            Some(r) => WorkerEvents::resume(&hub, source.worker, r.last_seq, &r.ranks),
+            None => WorkerEvents::new(source.worker),
+        };
+        let _unregister = Unregister {
+            hub: hub.clone(),
+            worker: source.worker,
+        };
+        run(hub, source, events).await;
+    })
+}
+
+/// Starts `source`'s poller on the current runtime.
+pub fn spawn_poller(hub: Arc<Hub>, source: TrtllmSource) -> JoinHandle<()> {
+    spawn_poller_on(&tokio::runtime::Handle::current(), hub, source)
+}
+
+/// Removes the worker's wake-up when the task ends (or is aborted).
+struct Unregister {
+    hub: Arc<Hub>,
+    worker: engine::WorkerId,
+}
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        self.hub.trtllm_pokes().unregister(self.worker);
+    }
+}
+
+async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents) {
+    let worker = source.worker;
+    let wake = hub.trtllm_pokes().register(worker);
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(
+            source
+                .poll_interval
+                .saturating_mul(4)
+                .max(Duration::from_secs(2)),
+        )
+        .build_http();
+    let uri: hyper::Uri = match source.events_url().parse() {
+        Ok(u) => u,
+        Err(e) => {
+            tracing::error!(worker = %worker, url = %source.url, "cannot poll: {e}");
+            return;
+        }
+    };
+    hub.note_stream(worker, StreamState::Connecting);
+    // Whether the last poll succeeded (None: none yet): state changes are logged once.
+    let mut reachable: Option<bool> = None;
+    tracing::info!(worker = %worker, url = %source.events_url(),
+        interval_ms = source.poll_interval.as_millis() as u64, "polling TensorRT-LLM KV events");
+    loop {
+        match poll(&client, &uri).await {
+            Ok(body) => {
+                if reachable != Some(true) {
+                    tracing::info!(worker = %worker, "TensorRT-LLM KV events reachable");
+                    hub.note_stream(worker, StreamState::Subscribed);
+                }
+                reachable = Some(true);
+                match decode_page(&body) {
+                    Ok(page) => events.apply_page(&hub, page),
+                    Err(e) => {
+                        hub.metrics().drop_input(
+                            e.reason(),
+                            1,
+                            &format_args!("worker {worker}: /kv_cache_events: {e}"),
+                        );
+                    }
+                }
+            }
+            Err(e) => {
+                if reachable != Some(false) {
+                    tracing::warn!(worker = %worker, url = %source.events_url(),
+                        "cannot poll KV events, retrying: {e}");
+                    hub.note_stream(worker, StreamState::Connecting);
+                }
+                reachable = Some(false);
+            }
+        }
+        // A request that finished meanwhile asks for the next poll at once.
+        tokio::select! {
+            () = tokio::time::sleep(source.poll_interval) => {}
+            () = wake.notified() => {}
+        }
+    }
+}
+
+/// One drain: the answer's body, or why there is none.
+async fn poll(client: &HttpClient, uri: &hyper::Uri) -> Result<Bytes, String> {
+    let attempt = async {
+        let request = hyper::Request::post(uri.clone())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let resp = client.request(request).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_PAGE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!("status {status}"));
+        }
+        Ok(body)
+    };
+    match tokio::time::timeout(POLL_TIMEOUT, attempt).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("no answer within {POLL_TIMEOUT:?}")),
+    }
+}
