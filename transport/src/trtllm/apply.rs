@@ -172,6 +172,10 @@ impl WorkerEvents {
                 };
                 let _ = clear_keys(hub, [key], kind, &why);
                 rank.convert.reset();
+                if kind == ClearKind::Restart {
+                    // A new process may serve another model, with other windows.
+                    rank.window = None;
+                }
             }
         }
         rank.last_id = Some(id.seq);
