@@ -410,18 +410,53 @@ fn events_of(body: &[u8]) -> Vec<TrtEvent> {
         .collect()
 }
 
+/// Each element of the array `body`, decoded as a page of its own: its unreadable id.
+/// (In one page, consecutive unreadable elements are one entry: see
+/// `a_run_of_unreadable_elements_is_one_entry`.)
 fn unreadable_ids(body: &str) -> Vec<Option<u64>> {
-    decode_page(body.as_bytes())
-        .unwrap()
-        .into_iter()
-        .map(|e| match e {
-            PageEntry::Unreadable { event_id, error } => {
-                assert!(!error.is_empty());
-                event_id
+    let elements: Vec<Box<serde_json::value::RawValue>> = serde_json::from_str(body).unwrap();
+    elements
+        .iter()
+        .map(|e| {
+            let page = decode_page(format!("[{}]", e.get()).as_bytes()).unwrap();
+            match <[PageEntry; 1]>::try_from(page) {
+                Ok([PageEntry::Unreadable { event_id, error }]) => {
+                    assert!(!error.is_empty());
+                    event_id
+                }
+                other => panic!("{}: {other:?}", e.get()),
             }
-            PageEntry::Event { event, .. } => panic!("decoded {event:?}"),
         })
         .collect()
+}
+
+#[test]
+fn a_run_of_unreadable_elements_is_one_entry() {
+    let page = decode_page(
+        br#"[{"event_id": 4, "data": 0}, 1, 2, {"event_id": 6},
+             {"event_id": 7, "data": {"type": "removed", "block_hashes": [1]}},
+             3, {"event_id": 9, "data": {"type": "removed", "block_hashes": [1]}}]"#,
+    )
+    .unwrap();
+    let shape: Vec<(bool, Option<u64>)> = page
+        .iter()
+        .map(|e| match e {
+            PageEntry::Event { event, .. } => (true, Some(event.event_id)),
+            PageEntry::Unreadable { event_id, .. } => (false, *event_id),
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        vec![
+            (false, Some(4)),
+            (true, Some(7)),
+            (false, None),
+            (true, Some(9))
+        ]
+    );
+    // A large page of junk is one entry.
+    let junk = format!("[{}0]", "0,".repeat(100_000));
+    assert_eq!(decode_page(junk.as_bytes()).unwrap().len(), 1);
 }
 
 #[test]
