@@ -75,6 +75,7 @@ async fn created_first_then_the_prompts_stored_chain_then_nothing() {
             },
             window_size: Some(WINDOW_SIZE),
             attention_dp_rank: None,
+            layer_group_id: None,
         }]
     );
 

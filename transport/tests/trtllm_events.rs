@@ -620,6 +620,7 @@ fn written_events_decode_back_equal() {
             },
             window_size: Some(4096),
             attention_dp_rank: Some(1),
+            layer_group_id: None,
         },
         TrtEvent {
             event_id: 1,
@@ -632,6 +633,7 @@ fn written_events_decode_back_equal() {
             },
             window_size: None,
             attention_dp_rank: None,
+            layer_group_id: None,
         },
         TrtEvent {
             event_id: 2,
@@ -648,6 +650,7 @@ fn written_events_decode_back_equal() {
             },
             window_size: Some(4096),
             attention_dp_rank: Some(1),
+            layer_group_id: None,
         },
         TrtEvent {
             event_id: 3,
@@ -658,6 +661,7 @@ fn written_events_decode_back_equal() {
             },
             window_size: Some(128),
             attention_dp_rank: None,
+            layer_group_id: None,
         },
         TrtEvent {
             event_id: 4,
@@ -666,6 +670,7 @@ fn written_events_decode_back_equal() {
             },
             window_size: Some(4096),
             attention_dp_rank: Some(0),
+            layer_group_id: None,
         },
     ];
     let body = serde_json::to_vec(&page).unwrap();

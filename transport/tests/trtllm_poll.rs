@@ -190,6 +190,19 @@ async fn pages_reach_the_index_and_broken_streams_are_counted() {
         }).unwrap(),
     ]));
     until("the removal", || script.drained()).await;
+    // Newer servers: one pool per layer group, each reporting the same blocks; only the
+    // lowest group counts.
+    let e = tokens(6, 1);
+    script.push(json!([
+        {"event_id": 6, "window_size": 4096, "layer_group_id": 0, "hash_algo": "v1",
+         "data": {"type": "removed", "block_hashes": [999]}},
+        stored(7, None, &e, 600).as_object().map(|o| {
+            let mut o = o.clone();
+            o.insert("layer_group_id".into(), json!(1));
+            Value::Object(o)
+        }).unwrap(),
+    ]));
+    until("the layer groups", || script.drained()).await;
     // Two polls after the page was taken, it has been applied.
     let calls = script.calls();
     until("two more polls", || script.calls() >= calls + 2).await;
@@ -199,6 +212,7 @@ async fn pages_reach_the_index_and_broken_streams_are_counted() {
         0,
         "the 512-token window's store must not count"
     );
+    assert_eq!(overlap(&hub, &e), 0, "layer group 1's store must not count");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

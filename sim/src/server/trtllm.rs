@@ -159,6 +159,7 @@ impl TrtllmEvents {
             data,
             window_size: Some(WINDOW_SIZE),
             attention_dp_rank: self.attention_dp_rank,
+            layer_group_id: None,
         });
     }
 
@@ -288,6 +289,7 @@ mod tests {
                 },
                 window_size: Some(WINDOW_SIZE),
                 attention_dp_rank: None,
+                layer_group_id: None,
             }]
         );
         assert!(buf.drain().is_empty());

@@ -18,7 +18,8 @@
 //! * After a clear, a rank's converter forgets its offload memory: nothing it knew is held.
 //! * With several attention windows (`window_size`), only the largest window's events are
 //!   converted (each window's pool reports the same blocks); the others still consume
-//!   their ids.
+//!   their ids. Likewise with several layer groups (`layer_group_id`, newer servers): only
+//!   the lowest group's.
 //!
 //! # Invariants
 //! 1. Events of one rank reach the hub in id order, in one hand-over per run of applied
@@ -45,6 +46,8 @@ struct Rank {
     last_id: Option<u64>,
     /// The largest attention window seen: only its events are applied.
     window: Option<u64>,
+    /// The lowest layer group seen: only its events are applied.
+    group: Option<u64>,
 }
 
 /// One worker's ranks (see the module docs).
@@ -173,8 +176,9 @@ impl WorkerEvents {
                 let _ = clear_keys(hub, [key], kind, &why);
                 rank.convert.reset();
                 if kind == ClearKind::Restart {
-                    // A new process may serve another model, with other windows.
+                    // A new process may serve another model, with other windows and groups.
                     rank.window = None;
+                    rank.group = None;
                 }
             }
         }
@@ -186,6 +190,13 @@ impl WorkerEvents {
             match rank.window {
                 Some(max) if w < max => return,
                 _ => rank.window = Some(w),
+            }
+        }
+        // Likewise one pool per layer group (newer servers): each reports the same blocks.
+        if let Some(g) = event.layer_group_id {
+            match rank.group {
+                Some(min) if g > min => return,
+                _ => rank.group = Some(g),
             }
         }
         let outcome = rank

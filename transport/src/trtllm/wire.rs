@@ -100,6 +100,10 @@ pub struct TrtEvent {
     /// The attention data-parallel rank that sent it (absent: rank 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_dp_rank: Option<u32>,
+    /// Newer servers (KV cache manager v2): the layer group whose pool the event is from.
+    /// Every group reports the same blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_group_id: Option<u64>,
 }
 
 /// An event's body, tagged by `"type"`.
