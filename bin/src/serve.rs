@@ -880,6 +880,7 @@ fn register_file_workers(
             role,
             api_key: w.api_key.clone(),
             model: w.model.clone(),
+            trtllm_poll: w.trtllm_source()?.map(|s| s.poll_interval),
             ..Registration::new(id)
         })?;
         if let Some(source) = w.trtllm_source()? {
@@ -1083,6 +1084,7 @@ async fn serve(
     for source in &args.trtllm_workers {
         hub.register(Registration {
             url: Some(source.url.clone()),
+            trtllm_poll: Some(source.poll_interval),
             ..Registration::new(source.worker)
         })?;
         println!("kvengine: polling TensorRT-LLM worker {source}");
@@ -1183,6 +1185,17 @@ async fn serve(
     let on_register = {
         let (hub, subs, spawner) = (hub.clone(), subs.clone(), spawner.clone());
         Arc::new(move |reg: &Registration| {
+            if let (Some(interval), Some(url)) = (reg.trtllm_poll, &reg.url) {
+                match TrtllmSource::new(reg.worker, url, interval) {
+                    Ok(source) => {
+                        // A worker that moved from ZMQ (or another URL) keeps one source.
+                        unsubscribe(&subs, reg.worker, Some(&source.events_url()));
+                        poll(&hub, &subs, &spawner, source);
+                    }
+                    Err(e) => tracing::warn!(worker = %reg.worker, "not polling: {e}"),
+                }
+                return;
+            }
             let Some(zmq) = &reg.zmq else { return };
             match ZmqSource::new(reg.worker, zmq, reg.replay.as_deref()) {
                 Ok(source) => subscribe(&hub, &subs, &spawner, source),

@@ -1,6 +1,8 @@
 //! `kvengine sim` starts simulated workers, prints how to reach them, answers OpenAI
 //! requests on each, and stops on a signal.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -213,6 +215,67 @@ fn trtllm_workers_print_their_http_flag_and_serve_kv_cache_events() {
             32
         );
     }
+    let (rest, ok) = stop(child, out, "-TERM");
+    assert!(ok, "{text}{rest}");
+}
+
+#[test]
+fn a_trtllm_worker_registered_over_http_is_polled() {
+    let (child, out, text) = start(
+        &[
+            "--engine",
+            "trtllm",
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--speedup",
+            "1000",
+        ],
+        &[],
+    );
+    let url = text
+        .lines()
+        .find_map(|l| l.split("--trtllm-worker ").nth(1))
+        .and_then(|f| f.trim().split_once('='))
+        .map(|(_, u)| u.to_owned())
+        .unwrap_or_else(|| panic!("no worker flag: {text}"));
+    // Workers registered over the API bring no block size: the router is told TensorRT-LLM's.
+    let r = common::Router::start(&["--kv-cache-block-size", "32", "--tokenizer", "stand-in"]);
+    let (status, body) = r.call(
+        "POST",
+        "/v1/workers",
+        &serde_json::json!({"worker_id": 7, "url": url, "events": "trtllm", "poll_ms": 20})
+            .to_string(),
+    );
+    assert_eq!(status, 201, "{body}");
+    let prompt: Vec<u32> = (500..596).collect();
+    let (status, body) = r.call(
+        "POST",
+        "/v1/completions",
+        &serde_json::json!({"model": "kvengine-sim", "prompt": prompt, "max_tokens": 1})
+            .to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    let query = serde_json::json!({"token_ids": prompt}).to_string();
+    let start = std::time::Instant::now();
+    loop {
+        let (_, body) = r.call("POST", "/v1/overlap", &query);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if v["scores"] == serde_json::json!([{"worker_id": 7, "dp_rank": 0, "overlap_blocks": 3}]) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "never indexed: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, body) = r.call("GET", "/v1/workers", "");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["workers"][0]["stream"], "subscribed", "{body}");
+    assert_eq!(v["workers"][0]["event_source"], "trtllm", "{body}");
+    drop(r);
     let (rest, ok) = stop(child, out, "-TERM");
     assert!(ok, "{text}{rest}");
 }

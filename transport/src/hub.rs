@@ -85,6 +85,9 @@ pub struct Registration {
     /// The model it serves (`None`: keep the registered one; the default namespace for a
     /// new worker). See [`crate::models`].
     pub model: Option<String>,
+    /// A TensorRT-LLM worker: its KV events are polled from `{url}/kv_cache_events` at this
+    /// interval ([`crate::trtllm`]; `None`: keep the registered one, none for a new worker).
+    pub trtllm_poll: Option<std::time::Duration>,
 }
 
 impl Registration {
@@ -100,6 +103,7 @@ impl Registration {
             bootstrap_port: None,
             api_key: None,
             model: None,
+            trtllm_poll: None,
         }
     }
 
@@ -509,6 +513,7 @@ impl Hub {
         e.zmq = reg.zmq.or(e.zmq.take());
         e.replay = reg.replay.or(e.replay.take());
         e.api_key = reg.api_key.or(e.api_key.take());
+        e.trtllm_poll = reg.trtllm_poll.or(e.trtllm_poll);
         e.dp_ranks = entry.ranks.iter().copied().collect();
         drop(registry);
         if moved && !new {

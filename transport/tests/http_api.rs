@@ -621,6 +621,73 @@ async fn workers_register_list_and_delete() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensorrt_llm_workers_register_with_their_poll_interval() {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hooked = seen.clone();
+    let cfg = HttpConfig {
+        on_register: Some(Arc::new(move |reg| {
+            hooked.lock().unwrap().push(reg.trtllm_poll);
+        })),
+        ..HttpConfig::default()
+    };
+    let s = start(cfg).await;
+    let (st, v) = s
+        .post(
+            "/v1/workers",
+            json!({"worker_id": 8, "url": "http://127.0.0.1:1", "events": "trtllm", "poll_ms": 40}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    assert_eq!(v["event_source"], "trtllm");
+    assert_eq!(v["poll_ms"], 40);
+    assert_eq!(v["zmq"], Value::Null);
+    // A re-registration without the fields keeps them; the default interval is 100 ms.
+    let (st, v) = s
+        .post("/v1/workers", json!({"worker_id": 8, "dp_ranks": [1]}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["poll_ms"], 40);
+    let (st, v) = s
+        .post(
+            "/v1/workers",
+            json!({"worker_id": 9, "url": "http://127.0.0.1:2", "events": "trtllm"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    assert_eq!(v["poll_ms"], 100);
+    let ms = |n| Some(std::time::Duration::from_millis(n));
+    assert_eq!(*seen.lock().unwrap(), vec![ms(40), ms(40), ms(100)]);
+    // A ZMQ worker shows no event source.
+    let (st, v) = s
+        .post(
+            "/v1/workers",
+            json!({"worker_id": 10, "zmq": "tcp://127.0.0.1:5557"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    assert!(v.get("event_source").is_none(), "{v}");
+    assert_eq!(seen.lock().unwrap().last(), Some(&None));
+    for bad in [
+        json!({"worker_id": 11, "events": "trtllm"}),
+        json!({"worker_id": 11, "url": "http://127.0.0.1:1", "events": "trtllm",
+               "zmq": "tcp://127.0.0.1:5557"}),
+        json!({"worker_id": 11, "url": "http://127.0.0.1:1", "events": "trtllm", "poll_ms": 0}),
+        json!({"worker_id": 11, "url": "http://127.0.0.1:1", "poll_ms": 10}),
+        json!({"worker_id": 11, "url": "http://127.0.0.1:1", "events": "nats"}),
+        json!({"worker_id": 11, "url": "http://127.0.0.1:1/v1", "events": "trtllm"}),
+    ] {
+        let (st, v) = s.post("/v1/workers", bad.clone()).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        assert_eq!(error_code(&v), "invalid_argument", "{bad}");
+    }
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        4,
+        "refused registrations reach no hook"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_reports_are_validated_and_shown() {
     let s = start(HttpConfig::default()).await;
     s.register(1).await;

@@ -334,6 +334,9 @@ impl SimWorkerHandle {
             role: Some(self.role),
             bootstrap_port: Some(self.http_addr().port()),
             api_key: self.api_key.clone(),
+            trtllm_poll: self
+                .is_trtllm()
+                .then_some(transport::trtllm::DEFAULT_POLL_INTERVAL),
             ..Registration::new(id)
         }
     }

@@ -11,6 +11,7 @@ use axum::response::Response;
 use engine::sched::{WorkerLoad, WorkerRole};
 use engine::{DpRank, WorkerId, WorkerKey};
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 #[derive(Serialize)]
 pub(super) struct LoadJson {
@@ -38,6 +39,11 @@ pub(super) struct WorkerJson {
     api_key: bool,
     /// Its ZMQ event stream: `connecting`, `subscribed`, or `null` (none subscribed to).
     stream: Option<&'static str>,
+    /// A TensorRT-LLM worker: `"trtllm"`, and its poll interval (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    event_source: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    poll_ms: Option<u64>,
     /// The model it serves (`null`: none named).
     model: Option<String>,
     healthy: bool,
@@ -70,6 +76,10 @@ impl From<WorkerInfo> for WorkerJson {
             bootstrap_port: r.bootstrap_port,
             api_key: r.api_key.is_some(),
             stream: w.stream.map(|s| s.as_str()),
+            event_source: r.trtllm_poll.map(|_| "trtllm"),
+            poll_ms: r
+                .trtllm_poll
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             model: r.model,
             healthy: w.healthy,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
@@ -136,6 +146,13 @@ struct RegisterBody {
     /// The model it serves (see `crate::models`); `""` is the default namespace.
     #[serde(default)]
     model: Option<String>,
+    /// `zmq` (the default) or `trtllm`: a TensorRT-LLM worker, whose events are polled from
+    /// `{url}/kv_cache_events`.
+    #[serde(default)]
+    events: Option<String>,
+    /// With `events: "trtllm"`: the poll interval in milliseconds (default 100).
+    #[serde(default)]
+    poll_ms: Option<u64>,
 }
 
 /// Accepts `http://host[:port][/path]` (what the health checker can reach).
@@ -230,6 +247,33 @@ pub(super) async fn register(
     if let Some(r) = &b.replay {
         check_endpoint("replay", r)?;
     }
+    let trtllm_poll = match (b.events.as_deref(), b.poll_ms) {
+        (None | Some("zmq"), None) => None,
+        (None | Some("zmq"), Some(_)) => {
+            return Err(ApiError::invalid("poll_ms is for events \"trtllm\""));
+        }
+        (Some("trtllm"), ms) => {
+            if b.zmq.is_some() || b.replay.is_some() {
+                return Err(ApiError::invalid(
+                    "events \"trtllm\" polls the worker's url; it takes no zmq or replay",
+                ));
+            }
+            let Some(url) = &b.url else {
+                return Err(ApiError::invalid(
+                    "events \"trtllm\" needs the worker's url (trtllm-serve)",
+                ));
+            };
+            let interval = ms.map_or(crate::trtllm::DEFAULT_POLL_INTERVAL, Duration::from_millis);
+            crate::trtllm::TrtllmSource::new(WorkerId(b.worker_id), url, interval)
+                .map_err(|e| ApiError::invalid(e.to_string()))?;
+            Some(interval)
+        }
+        (Some(other), _) => {
+            return Err(ApiError::invalid(format!(
+                "invalid events {other:?}: \"zmq\" or \"trtllm\""
+            )));
+        }
+    };
     let role = match b.role.as_deref() {
         None => None,
         Some(r) => Some(
@@ -253,6 +297,7 @@ pub(super) async fn register(
         bootstrap_port: b.bootstrap_port,
         api_key: b.api_key.filter(|k| !k.is_empty()),
         model: b.model,
+        trtllm_poll,
     })?;
     let Some(info) = hub
         .workers()

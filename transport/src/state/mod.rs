@@ -118,6 +118,9 @@ struct SavedWorker {
     bootstrap_port: Option<u16>,
     api_key: Option<String>,
     model: Option<String>,
+    /// A TensorRT-LLM worker's poll interval (absent in older snapshots).
+    #[serde(default)]
+    trtllm_poll_ms: Option<u64>,
 }
 
 impl SavedWorker {
@@ -132,6 +135,9 @@ impl SavedWorker {
             bootstrap_port: r.bootstrap_port,
             api_key: r.api_key.clone(),
             model: r.model.clone(),
+            trtllm_poll_ms: r
+                .trtllm_poll
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         }
     }
 
@@ -156,6 +162,7 @@ impl SavedWorker {
             bootstrap_port: self.bootstrap_port,
             api_key: self.api_key.clone(),
             model: self.model.clone(),
+            trtllm_poll: self.trtllm_poll_ms.map(std::time::Duration::from_millis),
         })
     }
 }
