@@ -1165,7 +1165,12 @@ impl Hub {
         let mut routing = lock(&self.routing);
         let key = routing
             .with_request(request_id, |r| {
-                let key = r.worker_of(request_id);
+                // The worker is looked up only where a TensorRT-LLM poller may want a poke.
+                let key = self
+                    .trtllm_pokes
+                    .any()
+                    .then(|| r.worker_of(request_id))
+                    .flatten();
                 r.finish(request_id).map(|()| key)
             })
             .map_err(refused)?;

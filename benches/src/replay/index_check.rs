@@ -66,6 +66,7 @@ fn sample(requests: &[ReplayRequest]) -> Vec<&[u32]> {
 
 async fn probe(cluster: &Cluster, prompts: &[&[u32]]) -> Result<IndexCheck> {
     let hub = cluster.hub();
+    let ids = cluster.worker_ids();
     let mut out = IndexCheck {
         prompts: prompts.len(),
         ..IndexCheck::default()
@@ -74,7 +75,7 @@ async fn probe(cluster: &Cluster, prompts: &[&[u32]]) -> Result<IndexCheck> {
         let (_, _, matches) = hub
             .overlap(None, prompt, None)
             .context("the router's overlap")?;
-        for (w, &id) in cluster.workers().iter().zip(&cluster.worker_ids()) {
+        for (w, &id) in cluster.workers().iter().zip(&ids) {
             let want = w
                 .cached_prefix_blocks(prompt)
                 .await

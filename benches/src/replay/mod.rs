@@ -401,10 +401,12 @@ pub fn run(workload: &Workload, modes: &[RunMode], cfg: &ReplayConfig) -> Result
     let per_mode = workload.requests.len() as u64;
     let bar = progress_bar(per_mode * runs.len() as u64, cfg.progress);
     let mut reports = Vec::with_capacity(runs.len());
+    // One LRU pass over the trace, the same for every mode.
+    let bound = capacity_bound(workload, cfg);
     for &r in &runs {
         bar.set_prefix(r.label());
         let report = runtime
-            .block_on(run_one(workload, r, cfg, &bar))
+            .block_on(replay_one(workload, r, cfg, &bar, bound))
             .with_context(|| format!("mode {r}"))?;
         reports.push(report);
     }
@@ -431,6 +433,26 @@ pub async fn run_one(
     run: Run,
     cfg: &ReplayConfig,
     bar: &ProgressBar,
+) -> Result<ModeReport> {
+    replay_one(workload, run, cfg, bar, capacity_bound(workload, cfg)).await
+}
+
+/// `workload`'s capacity-aware hit-rate bound on `cfg`'s cluster (`trace::capacity_hit_bound`).
+fn capacity_bound(workload: &Workload, cfg: &ReplayConfig) -> f64 {
+    trace::capacity_hit_bound(
+        &workload.requests,
+        cfg.engine.block_size,
+        cfg.workers as u64 * u64::from(cfg.engine.kv_blocks),
+    )
+}
+
+/// [`run_one`] with the workload's capacity bound already computed.
+async fn replay_one(
+    workload: &Workload,
+    run: Run,
+    cfg: &ReplayConfig,
+    bar: &ProgressBar,
+    capacity_hit_bound: f64,
 ) -> Result<ModeReport> {
     let mode = run.mode;
     let cluster_cfg = match (run.disagg, &cfg.disagg) {
@@ -503,11 +525,7 @@ pub async fn run_one(
         kv_blocks: cfg.engine.kv_blocks,
         rate_scale: cfg.rate_scale,
         hit_rate_bound: workload.bound.hit_rate(),
-        capacity_hit_bound: trace::capacity_hit_bound(
-            &workload.requests,
-            cfg.engine.block_size,
-            cfg.workers as u64 * u64::from(cfg.engine.kv_blocks),
-        ),
+        capacity_hit_bound,
         router_cost: cfg.router_cost,
         wall_s: wall.as_secs_f64(),
         router_active_after: active_after,

@@ -43,9 +43,15 @@ impl Pokes {
         self.any.store(!map.is_empty(), Ordering::Release);
     }
 
+    /// Whether any worker has a poller (one atomic load): callers skip finding out which
+    /// worker to poke when none does.
+    pub fn any(&self) -> bool {
+        self.any.load(Ordering::Acquire)
+    }
+
     /// Wakes `worker`'s poller, if it has one.
     pub fn poke(&self, worker: WorkerId) {
-        if !self.any.load(Ordering::Acquire) {
+        if !self.any() {
             return;
         }
         let map = self
