@@ -25,6 +25,17 @@
 //!    store's blocks, not the new entries they would make (a block stored again adds a copy,
 //!    not an entry), so it is decided without a lookup; removals and clears always apply.
 //!
+//! 5. A store that starts a sequence (no parent) and names only blocks the worker key holds
+//!    already, each under the same engine hash and at the same seq_hash, adds nothing: it
+//!    reports held blocks, it does not cache them again. vLLM sends exactly this for a request
+//!    with `kv_cache_report_mode: "full"` (its prefix-cache hits, re-announced from block 0),
+//!    and removes each block once when it evicts it; counting those reports as copies kept
+//!    evicted blocks in the index. A store with a parent still adds a copy per block (vLLM
+//!    caches a recomputed block again when a whole prompt was a hit, and removes each
+//!    physical copy). The one case this reads the other way, a one-block prompt recomputed
+//!    into a second physical block, undercounts: the index may miss that block after one
+//!    copy is evicted, never claim a block that is gone.
+//!
 //! # Concurrency
 //! Single writer: owned by the thread that decodes these workers' events.
 
@@ -165,6 +176,10 @@ impl<R: BlockRef> Directories<R> {
         if blocks.is_empty() {
             return Ok(0);
         }
+        if parent.is_none() && self.holds_root_chain(key, blocks, store) {
+            // A report of blocks the worker holds already (invariant 5): no copy added.
+            return Ok(0);
+        }
         let held = self.engine_hashes(key);
         if held.saturating_add(blocks.len()) > self.max_per_key {
             return Err(EngineError::WorkerFull {
@@ -209,6 +224,27 @@ impl<R: BlockRef> Directories<R> {
         Err(match conflict {
             Some(block) => EngineError::EngineHashConflict { worker: key, block },
             None => EngineError::UnknownPosition,
+        })
+    }
+
+    /// Does `key` hold every one of `blocks`, chained from the root, already: each under its
+    /// engine hash and at its seq_hash (invariant 5)? Allocates nothing.
+    fn holds_root_chain(
+        &self,
+        key: WorkerKey,
+        blocks: &[StoredBlock],
+        store: &impl BlockStore<R>,
+    ) -> bool {
+        let Some(dir) = self.dirs.get(&key) else {
+            return false;
+        };
+        let mut prev = None;
+        blocks.iter().all(|b| {
+            let s = seq_hash(prev, b.tokens_hash);
+            prev = Some(s);
+            dir.get(b.engine_hash)
+                .and_then(|r| store.seq_of(r))
+                .is_some_and(|have| have == s)
         })
     }
 
@@ -358,6 +394,32 @@ mod tests {
     }
 
     #[test]
+    fn a_root_chain_held_already_is_a_report_not_a_copy() {
+        let mut ix = KvIndex::new();
+        let a = WorkerKey::new(1, 0);
+        let removed = |h: &[u64]| KvEvent::Removed {
+            blocks: h.iter().map(|&h| EngineHash(h)).collect(),
+        };
+        ix.apply(a, &chain(None, &[1, 2, 3])).unwrap();
+        // vLLM's "full" report of a two-block prefix hit, twice: no copies added.
+        for _ in 0..2 {
+            assert_eq!(ix.apply(a, &chain(None, &[1, 2])).unwrap().blocks, 0);
+        }
+        // A recomputed last block cached again under its parent is a second copy.
+        assert_eq!(ix.apply(a, &chain(Some(2), &[3])).unwrap().blocks, 1);
+        // A root chain only partly held is a store: every block gets a copy.
+        assert_eq!(ix.apply(a, &chain(None, &[1, 2, 3, 4])).unwrap().blocks, 4);
+        assert_eq!(ix.cached_blocks(a), 4);
+        // One eviction per physical block: 1 and 2 had two stores (the reports added none),
+        // 3 had three, 4 one.
+        ix.apply(a, &removed(&[1, 2, 3, 3, 4])).unwrap();
+        assert_eq!(ix.cached_blocks(a), 3);
+        ix.apply(a, &removed(&[1, 2, 3])).unwrap();
+        assert_eq!(ix.cached_blocks(a), 0, "nothing outlives its evictions");
+        assert_eq!(ix.stats().directory_entries, 0);
+    }
+
+    #[test]
     fn a_store_past_the_cap_is_refused_whole_and_counted() {
         let mut ix = KvIndex::new().with_max_blocks_per_key(Some(4));
         let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(1, 1));
@@ -377,8 +439,10 @@ mod tests {
         // Exactly up to the cap is fine; another rank has its own cap.
         ix.apply(a, &chain(Some(3), &[4])).unwrap();
         ix.apply(b, &chain(None, &[1, 2, 3, 4])).unwrap();
-        // At the cap even a block stored again is refused: the rule counts blocks.
-        assert!(ix.apply(a, &chain(None, &[1])).is_err());
+        // At the cap even a block stored again under its parent is refused: the rule
+        // counts blocks. A report of held blocks from the root adds nothing: not refused.
+        assert!(ix.apply(a, &chain(Some(1), &[2])).is_err());
+        assert_eq!(ix.apply(a, &chain(None, &[1, 2])).map(|a| a.blocks), Ok(0));
         // Removals still apply and make room.
         ix.apply(
             a,

@@ -55,6 +55,19 @@ impl Model {
                 }
             },
         };
+        // A chain from the root whose every block is held at the same place already is a
+        // report of held blocks (vLLM's `kv_cache_report_mode: "full"`): nothing changes.
+        if parent.is_none() {
+            let mut at = None;
+            let held = blocks.iter().all(|&(e, t)| {
+                let s = seq_hash(at, TokensHash(t));
+                at = Some(s);
+                w.dir.get(&e).is_some_and(|&(have, _)| have == s.0)
+            });
+            if held {
+                return true;
+            }
+        }
         if self.cap.is_some_and(|cap| w.dir.len() + blocks.len() > cap) {
             self.worker_full += 1;
             return false;

@@ -246,6 +246,7 @@ fn run(mut ix: impl Target, ops: Vec<Op>) {
                 });
                 let mut prev = parent.map(SeqHash);
                 let mut blocks = Vec::new();
+                let mut seqs = Vec::new();
                 for &t in &tokens {
                     // Real XXH3 token hashes, so first blocks land on every shard.
                     let t = real_tokens_hash(t).0;
@@ -255,14 +256,26 @@ fn run(mut ix: impl Target, ops: Vec<Op>) {
                         engine_hash: engine(s.0),
                         tokens_hash: TokensHash(t),
                     });
-                    *m.held.entry(key).or_default().entry(s.0).or_default() += 1;
+                    seqs.push(s.0);
                     prev = Some(s);
+                }
+                // A chain from the root that is held already is a report, not a store
+                // (vLLM's `kv_cache_report_mode: "full"`): no copy added.
+                let report = parent.is_none()
+                    && m.held
+                        .get(&key)
+                        .is_some_and(|h| seqs.iter().all(|s| h.contains_key(s)));
+                if !report {
+                    for &s in &seqs {
+                        *m.held.entry(key).or_default().entry(s).or_default() += 1;
+                    }
                 }
                 let ev = KvEvent::Stored {
                     parent: parent.map(engine),
                     blocks,
                 };
-                assert_eq!(ix.apply(key, &ev).unwrap().blocks, tokens.len());
+                let added = if report { 0 } else { tokens.len() };
+                assert_eq!(ix.apply(key, &ev).unwrap().blocks, added);
             }
             Op::Remove { w, dp, picks } => {
                 let key = WorkerKey::new(w, dp);

@@ -21,6 +21,22 @@ impl Model {
     pub fn apply(&mut self, key: WorkerKey, ev: &KvEvent) {
         match ev {
             KvEvent::Stored { parent, blocks } => {
+                // A chain from the root whose every block is held at the same place already
+                // is a report of held blocks (vLLM's `kv_cache_report_mode: "full"`).
+                if parent.is_none()
+                    && let Some(dir) = self.dirs.get(&key)
+                {
+                    let mut at = None;
+                    let held = blocks.iter().all(|b| {
+                        let s = seq_hash(at, b.tokens_hash);
+                        at = Some(s);
+                        dir.get(&b.engine_hash.0)
+                            .is_some_and(|&(have, _)| have == s.0)
+                    });
+                    if held {
+                        return;
+                    }
+                }
                 let dir = self.dirs.entry(key).or_default();
                 let mut prev = match parent {
                     None => None,
