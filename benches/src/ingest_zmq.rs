@@ -71,6 +71,7 @@ fn batch(cfg: &IngestConfig, worker: u64, i: usize) -> WireBatch {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         });
     }
     for s in removed.into_iter().flatten() {

@@ -25,6 +25,7 @@ fn store(n: u64) -> WireBatch {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         }],
         unknown_events: 0,
     }

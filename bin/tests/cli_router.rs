@@ -223,6 +223,7 @@ fn zmq_worker_flags_subscribe_to_every_rank_publisher() {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         }],
         unknown_events: 0,
     };

@@ -118,6 +118,7 @@ fn next_batch(
             let mut path = parent.map_or_else(Vec::new, |p| cache.blocks[&p].0.clone());
             let mut hashes = Vec::new();
             let mut tokens = Vec::new();
+            let mut chain = Vec::new();
             for _ in 0..rng.random_range(1..4) {
                 let depth = path.len() / BS;
                 let t = block_tokens(rng.random_range(0..3), depth);
@@ -125,9 +126,19 @@ fn next_batch(
                 tokens.extend_from_slice(&t);
                 let engine = seqs(&path).last().unwrap().0;
                 hashes.push(engine);
-                cache.blocks.entry(engine).or_insert((path.clone(), 0)).1 += 1;
-                cache.history.entry(engine).or_default().push((seq, 'S'));
+                chain.push((engine, path.clone()));
                 paths.insert(path.clone());
+            }
+            // DESIGN.md's multiset, with kvengine's one refinement: a chain from the root
+            // whose every block is held already is a report (vLLM's
+            // `kv_cache_report_mode: "full"`), not new copies ('P' in the history).
+            let report = parent.is_none() && hashes.iter().all(|h| cache.blocks.contains_key(h));
+            for (engine, path) in chain {
+                if !report {
+                    cache.blocks.entry(engine).or_insert((path, 0)).1 += 1;
+                }
+                let mark = if report { 'P' } else { 'S' };
+                cache.history.entry(engine).or_default().push((seq, mark));
             }
             events.push(WireEvent::Stored {
                 block_hashes: hashes,
@@ -137,6 +148,7 @@ fn next_batch(
                 lora_id: None,
                 lora_name: None,
                 medium: Some("GPU".into()),
+                extra_keys: None,
             });
         } else {
             let gone: Vec<u64> = (0..rng.random_range(1..3))

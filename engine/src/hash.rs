@@ -8,6 +8,13 @@
 //!   ([`tokens_hash_with_extras`]); an all-zero block hashes as plain `tokens_hash`.
 //! * `seq_hash` chains: block 0's is its tokens_hash; block i's is XXH3-64 (seed 1337) of
 //!   `seq_hash[i-1].to_le_bytes() ++ tokens_hash[i].to_le_bytes()`.
+//! * Extra keys other than the LoRA adapter (vLLM's `cache_salt`, multimodal items, prompt
+//!   embedding digests; see [`ExtraKey`]) are folded into the block's tokens_hash:
+//!   `tokens_hash' = XXH3-64(seed 1337)(tokens_hash.to_le_bytes() ++ extras_digest.to_le_bytes())`
+//!   where `extras_digest` is [`extras_digest`] of the block's items in order. A block without
+//!   such items keeps its plain tokens_hash, so the reference vectors and LoRA seeds are
+//!   unchanged. vLLM puts the salt in block 0's key only; since seq_hashes chain, every block
+//!   of a salted prompt differs from the unsalted one ([`seq_hashes_salted`]).
 //!
 //! These match NVIDIA Dynamo's router, so Dynamo workers and kvengine agree on every hash.
 //!
@@ -104,6 +111,127 @@ pub fn chain(parent: Option<SeqHash>, blocks: &[TokensHash]) -> Vec<SeqHash> {
             s
         })
         .collect()
+}
+
+/// One extra key of a block besides its tokens and its LoRA adapter (the adapter is in the
+/// seed, [`lora_seed`]), as vLLM keys its blocks (`generate_block_hash_extra_keys`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ExtraKey {
+    /// The request's `cache_salt` (vLLM keys only the block starting at token 0 with it).
+    CacheSalt(String),
+    /// A multimodal item overlapping the block: its identifier (vLLM's `mm_hash` /
+    /// `identifier`) and its start offset relative to the block (may be negative in principle;
+    /// vLLM writes the offset it computed).
+    Multimodal {
+        /// The item's identifier.
+        identifier: String,
+        /// Its offset as vLLM publishes it.
+        offset: i64,
+    },
+    /// The digest of the block's prompt embeddings (vLLM: SHA-256 bytes).
+    PromptEmbeds(Vec<u8>),
+}
+
+/// Tag bytes of the canonical encoding of [`ExtraKey`] items ([`extras_digest`]).
+const TAG_SALT: u8 = 1;
+const TAG_MM: u8 = 2;
+const TAG_EMBEDS: u8 = 3;
+
+/// Appends one item's canonical encoding: a tag byte, the byte length of its payload as u64
+/// little-endian, the payload; for a multimodal item the offset follows as i64 little-endian.
+fn encode_item(buf: &mut Vec<u8>, tag: u8, payload: &[u8]) {
+    buf.push(tag);
+    buf.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    buf.extend_from_slice(payload);
+}
+
+fn encode_extra(buf: &mut Vec<u8>, key: &ExtraKey) {
+    match key {
+        ExtraKey::CacheSalt(s) => encode_item(buf, TAG_SALT, s.as_bytes()),
+        ExtraKey::Multimodal { identifier, offset } => {
+            encode_item(buf, TAG_MM, identifier.as_bytes());
+            buf.extend_from_slice(&offset.to_le_bytes());
+        }
+        ExtraKey::PromptEmbeds(b) => encode_item(buf, TAG_EMBEDS, b),
+    }
+}
+
+/// The digest of a block's non-LoRA extra keys: XXH3-64 (seed 0) over the concatenated
+/// canonical encodings of `items`, in order. Each item is encoded as
+///
+/// * cache salt: `0x01`, `len(utf8) as u64 LE`, the salt's UTF-8 bytes;
+/// * multimodal item: `0x02`, `len(identifier) as u64 LE`, the identifier's UTF-8 bytes,
+///   `offset as i64 LE`;
+/// * prompt embeds: `0x03`, `len(digest) as u64 LE`, the digest bytes.
+///
+/// The length prefixes make the encoding injective, so different item lists never share an
+/// encoding. `None` for an empty list (such a block is not folded).
+pub fn extras_digest(items: &[ExtraKey]) -> Option<u64> {
+    if items.is_empty() {
+        return None;
+    }
+    let mut buf = Vec::new();
+    for item in items {
+        encode_extra(&mut buf, item);
+    }
+    Some(xxh3_64(&buf))
+}
+
+/// Folds an extras digest into a block's tokens_hash:
+/// `XXH3-64(seed 1337)(tokens_hash.to_le_bytes() ++ digest.to_le_bytes())`.
+#[inline]
+pub fn fold_digest(block: TokensHash, digest: u64) -> TokensHash {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&block.0.to_le_bytes());
+    bytes[8..].copy_from_slice(&digest.to_le_bytes());
+    TokensHash(xxh3_64_with_seed(&bytes, BASE_SEED))
+}
+
+/// A block's tokens_hash with its non-LoRA extra keys folded in ([`fold_digest`] of
+/// [`extras_digest`]); `block` itself when `items` is empty.
+pub fn fold_extras(block: TokensHash, items: &[ExtraKey]) -> TokensHash {
+    match extras_digest(items) {
+        None => block,
+        Some(d) => fold_digest(block, d),
+    }
+}
+
+/// The extras digest of a block whose only extra key is the cache salt `salt`: equal to
+/// `extras_digest(&[ExtraKey::CacheSalt(salt.into())])`, without the allocation.
+pub fn salt_digest(salt: &str) -> u64 {
+    let mut buf = Vec::with_capacity(9 + salt.len());
+    encode_item(&mut buf, TAG_SALT, salt.as_bytes());
+    xxh3_64(&buf)
+}
+
+/// A request's cache salt as vLLM applies it: an empty salt is no salt (vLLM tests the salt's
+/// truthiness).
+#[inline]
+pub fn effective_salt(cache_salt: Option<&str>) -> Option<&str> {
+    cache_salt.filter(|s| !s.is_empty())
+}
+
+/// The seq_hash of every full block of a request's `tokens` with its `cache_salt` (see
+/// [`effective_salt`]): block 0's tokens_hash is folded with [`salt_digest`], later blocks
+/// are plain and differ through the chain. Without a salt this is [`seq_hashes`].
+pub fn seq_hashes_salted(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    cache_salt: Option<&str>,
+) -> Vec<SeqHash> {
+    let Some(salt) = effective_salt(cache_salt) else {
+        return seq_hashes(tokens, block_size, seed);
+    };
+    if block_size == 0 || tokens.len() < block_size {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let (head, rest) = tokens.split_at(block_size);
+    let first = SeqHash(fold_digest(tokens_hash(head, seed), salt_digest(salt)).0);
+    out.push(first);
+    extend_seq_hashes(&mut out, Some(first), rest, block_size, seed);
+    out
 }
 
 #[inline]
@@ -229,6 +357,119 @@ mod tests {
         let head = seq_hashes(&tokens[..32], 16, BASE_SEED);
         extend_seq_hashes(&mut out, head.last().copied(), &tokens[32..], 16, BASE_SEED);
         assert_eq!(out, seq_hashes(&tokens, 16, BASE_SEED)[2..]);
+    }
+
+    #[test]
+    fn salted_prompt_differs_in_every_block() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let plain = seq_hashes(&tokens, 16, BASE_SEED);
+        let a = seq_hashes_salted(&tokens, 16, BASE_SEED, Some("tenant-a"));
+        let b = seq_hashes_salted(&tokens, 16, BASE_SEED, Some("tenant-b"));
+        assert_eq!(a.len(), 4);
+        for i in 0..4 {
+            assert_ne!(a[i], plain[i], "block {i}");
+            assert_ne!(a[i], b[i], "block {i}");
+        }
+        // Blocks 1.. are plain tokens hashes chained onto the salted block 0.
+        let th = tokens_hashes(&tokens, 16, BASE_SEED);
+        let salted0 = fold_extras(th[0], &[ExtraKey::CacheSalt("tenant-a".into())]);
+        let mut blocks = th.clone();
+        blocks[0] = salted0;
+        assert_eq!(chain(None, &blocks), a);
+        // Same salt, same hashes; an empty salt is no salt.
+        assert_eq!(
+            seq_hashes_salted(&tokens, 16, BASE_SEED, Some("tenant-a")),
+            a
+        );
+        assert_eq!(seq_hashes_salted(&tokens, 16, BASE_SEED, Some("")), plain);
+        assert_eq!(seq_hashes_salted(&tokens, 16, BASE_SEED, None), plain);
+        // Partial blocks and a zero block size behave as in `seq_hashes`.
+        assert!(seq_hashes_salted(&tokens[..15], 16, BASE_SEED, Some("s")).is_empty());
+        assert!(seq_hashes_salted(&tokens, 0, BASE_SEED, Some("s")).is_empty());
+        assert_eq!(
+            seq_hashes_salted(&tokens[..20], 16, BASE_SEED, Some("tenant-a")),
+            a[..1]
+        );
+    }
+
+    #[test]
+    fn salt_folding_follows_the_definition() {
+        // Spelled out from the documented encoding: 0x01, len as u64 LE, UTF-8 bytes.
+        let mut enc = vec![1u8];
+        enc.extend_from_slice(&5u64.to_le_bytes());
+        enc.extend_from_slice(b"salty");
+        let digest = xxh3_64(&enc);
+        assert_eq!(salt_digest("salty"), digest);
+        assert_eq!(
+            extras_digest(&[ExtraKey::CacheSalt("salty".into())]),
+            Some(digest)
+        );
+        let t0 = tokens_hash(&[1, 2, 3, 4], BASE_SEED);
+        let mut bytes = Vec::new();
+        bytes.extend_from_slice(&t0.0.to_le_bytes());
+        bytes.extend_from_slice(&digest.to_le_bytes());
+        let want = xxh3_64_with_seed(&bytes, BASE_SEED);
+        assert_eq!(
+            seq_hashes_salted(&[1, 2, 3, 4], 4, BASE_SEED, Some("salty")),
+            vec![SeqHash(want)]
+        );
+        assert_eq!(extras_digest(&[]), None);
+        assert_eq!(fold_extras(t0, &[]), t0);
+    }
+
+    #[test]
+    fn extra_key_kinds_and_order_are_distinct() {
+        let t = tokens_hash(&[9, 9, 9, 9], BASE_SEED);
+        let salt = ExtraKey::CacheSalt("x".into());
+        let mm = ExtraKey::Multimodal {
+            identifier: "x".into(),
+            offset: 0,
+        };
+        let mm4 = ExtraKey::Multimodal {
+            identifier: "x".into(),
+            offset: 4,
+        };
+        let emb = ExtraKey::PromptEmbeds(b"x".to_vec());
+        let all = [
+            fold_extras(t, std::slice::from_ref(&salt)),
+            fold_extras(t, std::slice::from_ref(&mm)),
+            fold_extras(t, std::slice::from_ref(&mm4)),
+            fold_extras(t, std::slice::from_ref(&emb)),
+            fold_extras(t, &[mm.clone(), salt.clone()]),
+            fold_extras(t, &[salt, mm]),
+            t,
+        ];
+        for i in 0..all.len() {
+            for j in i + 1..all.len() {
+                assert_ne!(all[i], all[j], "{i} vs {j}");
+            }
+        }
+        // Length prefixes: ("ab") and ("a", "b") encode differently.
+        assert_ne!(
+            extras_digest(&[ExtraKey::CacheSalt("ab".into())]),
+            extras_digest(&[
+                ExtraKey::CacheSalt("a".into()),
+                ExtraKey::CacheSalt("b".into())
+            ])
+        );
+    }
+
+    #[test]
+    fn lora_and_salt_compose_and_lora_alone_is_unchanged() {
+        let tokens: Vec<u32> = (0..32).collect();
+        let seed = lora_seed(Some("adapter"));
+        assert_eq!(
+            seq_hashes_salted(&tokens, 16, seed, None),
+            seq_hashes(&tokens, 16, seed)
+        );
+        let both = seq_hashes_salted(&tokens, 16, seed, Some("s"));
+        assert_ne!(both, seq_hashes_salted(&tokens, 16, BASE_SEED, Some("s")));
+        assert_ne!(both, seq_hashes(&tokens, 16, seed));
+        let th = tokens_hashes(&tokens, 16, seed);
+        assert_eq!(
+            both[0],
+            SeqHash(fold_extras(th[0], &[ExtraKey::CacheSalt("s".into())]).0)
+        );
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub struct RouteCall<'a> {
     pub tokens: &'a [u32],
     /// The LoRA adapter, if any (selects the hash seed).
     pub lora_name: Option<&'a str>,
+    /// The request's `cache_salt`, if any (folded into block 0's hash as vLLM does; an
+    /// empty salt is no salt, see [`crate::hash::seq_hashes_salted`]).
+    pub cache_salt: Option<&'a str>,
     /// Per-call settings.
     pub overrides: RouteOverrides,
 }

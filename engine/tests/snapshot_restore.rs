@@ -161,6 +161,7 @@ fn a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut() {
                             worker: WorkerId(w),
                             stream: 0,
                             seq: batches.len() as u64,
+                            digest: Some(batches.len() as u64 ^ 0xabc),
                         };
                         let slice: Arc<[(WorkerKey, KvEvent)]> =
                             batch.iter().map(|e| (k, e.clone())).collect();
@@ -191,6 +192,7 @@ fn a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut() {
             let mut batches = 0;
             for m in image.cores.iter().flat_map(|c| &c.marks) {
                 assert_eq!(m.stream, 0);
+                assert_eq!(m.digest, Some(m.seq ^ 0xabc), "the mark keeps its digest");
                 for (k, batch) in &log[&m.worker][..=m.seq as usize] {
                     batches += 1;
                     for ev in batch {

@@ -517,6 +517,7 @@ impl KvRouter {
                 request_id,
                 tokens: &tokens,
                 lora_name: lora_name.as_deref(),
+                cache_salt: None,
                 overrides,
             };
             let hub = shared.hub();

@@ -200,6 +200,7 @@ fn an_engine_batch_converts_to_trtllm_events() {
                 lora_id: Some(5),
                 lora_name: Some("adapter".into()),
                 medium: Some("GPU".into()),
+                extra_keys: None,
             },
             WireEvent::Cleared,
             WireEvent::Removed {

@@ -63,6 +63,7 @@ fn stored(tokens: &[u32], first_hash: u64) -> WireBatch {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         }],
         unknown_events: 0,
     }
@@ -140,6 +141,7 @@ fn batches(base: u64) -> (Vec<u8>, Vec<u8>) {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         });
         remove.events.push(WireEvent::Removed {
             block_hashes: hashes,

@@ -18,6 +18,13 @@
 //! 6. With a replica sink ([`crate::replicas`]), each route, prefill and finish of this
 //!    router's own requests is handed to it under the routing lock, once the state changed,
 //!    so the sink sees them in the order they happened.
+//! 7. An *unverified* worker key ([`Hub::distrust`]: restored from a snapshot, or its
+//!    stream reconnected, and its stream's continuity not proven yet) keeps its blocks but
+//!    has overlap 0 in every answer (routing, `/v1/overlap`) and shows as resyncing, until
+//!    [`Hub::trust`], a clear, or a batch of its applies; a ZMQ batch (one that carries a
+//!    digest) does not end it: the subscriber trusts its ranks once a replay has been
+//!    applied, since the replay's first batches are older than what the worker holds now.
+//!    So a stale entry is never a hit.
 //!
 //! # Concurrency
 //! Shared as `Arc<Hub>` by every task and thread. The engine is reached one of two ways:
@@ -41,7 +48,7 @@ use crate::replicas::LoadSink;
 use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
-use engine::hash::{lora_seed, seq_hashes};
+use engine::hash::{lora_seed, seq_hashes, seq_hashes_salted};
 use engine::router::{NameError, RouteError, check_request_id};
 use engine::runtime::{CoreHost, CoreSummary, IngestHandle, QueryHandle, home_core};
 use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
@@ -129,7 +136,9 @@ pub struct WorkerInfo {
     pub registration: Registration,
     /// Whether it takes part in routing (false after failed health checks).
     pub healthy: bool,
-    /// Ranks whose event stream broke and was cleared; cleared again when a batch applies.
+    /// Ranks routed as uncached: their event stream broke and was cleared (until a batch
+    /// applies), or their blocks await proof of continuity (restored from a snapshot, or
+    /// the stream reconnected: [`Hub::distrust`]).
     pub resyncing: Vec<DpRank>,
     /// The first configuration error seen in its events (a foreign block size).
     pub config_error: Option<String>,
@@ -212,6 +221,70 @@ pub struct Hub {
     replicas: OnceLock<Arc<dyn LoadSink>>,
     /// TensorRT-LLM workers' pollers, woken when a request finishes on their worker.
     trtllm_pokes: crate::trtllm::Pokes,
+    /// Worker keys whose blocks are not trusted yet (invariant 7).
+    unverified: Unverified,
+}
+
+/// Worker keys routed as uncached until their stream proves continuity (invariant 7). One
+/// atomic load per query while there are none.
+#[derive(Debug, Default)]
+struct Unverified {
+    any: AtomicBool,
+    keys: Mutex<BTreeSet<WorkerKey>>,
+}
+
+impl Unverified {
+    fn insert(&self, key: WorkerKey) {
+        let mut keys = lock(&self.keys);
+        keys.insert(key);
+        self.any.store(true, Relaxed);
+    }
+
+    fn remove(&self, key: WorkerKey) {
+        if !self.any.load(Relaxed) {
+            return;
+        }
+        let mut keys = lock(&self.keys);
+        keys.remove(&key);
+        self.any.store(!keys.is_empty(), Relaxed);
+    }
+
+    fn forget_worker(&self, worker: WorkerId) {
+        if !self.any.load(Relaxed) {
+            return;
+        }
+        let mut keys = lock(&self.keys);
+        keys.retain(|k| k.worker != worker);
+        self.any.store(!keys.is_empty(), Relaxed);
+    }
+
+    fn ranks_of(&self, worker: WorkerId) -> Vec<DpRank> {
+        if !self.any.load(Relaxed) {
+            return Vec::new();
+        }
+        lock(&self.keys)
+            .iter()
+            .filter(|k| k.worker == worker)
+            .map(|k| k.dp_rank)
+            .collect()
+    }
+
+    /// `matches` without the unverified keys' overlaps.
+    fn filter(&self, matches: Matches) -> Matches {
+        if !self.any.load(Relaxed) {
+            return matches;
+        }
+        let keys = lock(&self.keys);
+        if !matches.overlaps.iter().any(|(k, _)| keys.contains(k)) {
+            return matches;
+        }
+        Matches::from_overlaps(
+            matches
+                .overlaps
+                .into_iter()
+                .filter(|(k, _)| !keys.contains(k)),
+        )
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -269,6 +342,7 @@ impl Hub {
             budget: IndexBudget::default(),
             replicas: OnceLock::new(),
             trtllm_pokes: crate::trtllm::Pokes::default(),
+            unverified: Unverified::default(),
         })
     }
 
@@ -339,7 +413,8 @@ impl Hub {
         {
             return Ok(m);
         }
-        Ok(self.on_query(&mut |q| q.find_matches(seqs))?)
+        let matches = self.on_query(&mut |q| q.find_matches(seqs))?;
+        Ok(self.unverified.filter(matches))
     }
 
     /// The router's block size, in tokens (the default namespace's: `--kv-cache-block-size`).
@@ -563,6 +638,7 @@ impl Hub {
         }
         drop(registry);
         self.persisted.forget_worker(worker);
+        self.unverified.forget_worker(worker);
         {
             let mut routing = lock(&self.routing);
             routing.unplace(worker);
@@ -686,7 +762,11 @@ impl Hub {
             .map(|e| WorkerInfo {
                 registration: e.registration.clone(),
                 healthy: e.healthy,
-                resyncing: e.resyncing.iter().copied().collect(),
+                resyncing: {
+                    let mut r = e.resyncing.clone();
+                    r.extend(self.unverified.ranks_of(e.registration.worker));
+                    r.into_iter().collect()
+                },
                 config_error: e.config_error.clone(),
                 events: e.events,
                 stream: e.stream,
@@ -722,8 +802,17 @@ impl Hub {
     /// Counts the events of `key` handed to the engine. With `refuse_stores` (the index is
     /// over its budget) its stores are not handed over: they are counted as `index_full`
     /// drops and the rank is marked degraded, until a batch whose stores are handed over.
-    /// Returns how many stores were refused.
-    fn count_events(&self, key: WorkerKey, events: &[KvEvent], refuse_stores: bool) -> u64 {
+    /// Returns how many stores were refused. `proves_continuity`: the batch itself shows its
+    /// stream continues (its fence accepted it and the source cannot prove more), so an
+    /// unverified key is trusted again (invariant 7); false for ZMQ batches, whose
+    /// subscriber trusts its ranks itself once a replay is applied.
+    fn count_events(
+        &self,
+        key: WorkerKey,
+        events: &[KvEvent],
+        refuse_stores: bool,
+        proves_continuity: bool,
+    ) -> u64 {
         let (mut stored, mut removed, mut stores) = (0u64, 0u64, 0u64);
         for e in events {
             match e {
@@ -755,6 +844,10 @@ impl Hub {
         if let Some(e) = registry.get_mut(&key.worker) {
             e.events += forwarded;
             e.resyncing.remove(&key.dp_rank);
+            if proves_continuity {
+                // A batch its stream's fence accepted: the stream continues.
+                self.unverified.remove(key);
+            }
             let mark = (key.dp_rank, Degraded::IndexFull);
             if refused > 0 {
                 e.degraded.insert(mark);
@@ -776,17 +869,33 @@ impl Hub {
     }
 
     /// Like [`Hub::ingest`] for batch `seq` of `key.worker`'s numbered stream (its ZMQ
-    /// stream): the engine records the number with the events, so a snapshot holds a batch
-    /// exactly when it holds its number. Sent even with no events (the number is still
-    /// taken).
-    pub fn ingest_marked(&self, key: WorkerKey, events: Vec<KvEvent>, seq: u64) -> Result<()> {
-        self.hand_over(key, events, Some(seq))
+    /// stream), whose bytes had `digest` (the stream's `BatchId::digest`; `None` where the
+    /// source has none): the engine records both with the events, so a snapshot holds a
+    /// batch exactly when it holds its number, and a restart can check that the publisher
+    /// still has that very batch. Sent even with no events (the number is still taken).
+    pub fn ingest_marked(
+        &self,
+        key: WorkerKey,
+        events: Vec<KvEvent>,
+        seq: u64,
+        digest: Option<u64>,
+    ) -> Result<()> {
+        self.hand_over(key, events, Some((seq, digest)))
     }
 
-    fn hand_over(&self, key: WorkerKey, mut events: Vec<KvEvent>, seq: Option<u64>) -> Result<()> {
+    fn hand_over(
+        &self,
+        key: WorkerKey,
+        mut events: Vec<KvEvent>,
+        seq: Option<(u64, Option<u64>)>,
+    ) -> Result<()> {
         self.refuse_events_if_approximate()?;
         self.admit(key)?;
-        if self.count_events(key, &events, self.budget.is_full()) > 0 {
+        // A batch with a digest comes from a ZMQ stream, whose subscriber decides when its
+        // ranks are trusted again: a replay's first batches are older than what the
+        // publisher holds now, so they must not end the distrust (invariant 7).
+        let proves_continuity = !matches!(seq, Some((_, Some(_))));
+        if self.count_events(key, &events, self.budget.is_full(), proves_continuity) > 0 {
             events.retain(|e| !matches!(e, KvEvent::Stored { .. }));
         }
         if events.is_empty() && seq.is_none() {
@@ -795,11 +904,12 @@ impl Hub {
         let batch: Arc<[(WorkerKey, KvEvent)]> = events.into_iter().map(|e| (key, e)).collect();
         match seq {
             None => self.on_ingest(key.worker, &mut |e| e.send(&batch))?,
-            Some(seq) => {
+            Some((seq, digest)) => {
                 let mark = StreamMark {
                     worker: key.worker,
                     stream: 0,
                     seq,
+                    digest,
                 };
                 self.on_ingest(key.worker, &mut |e| e.send_marked(&batch, mark))?;
             }
@@ -821,7 +931,9 @@ impl Hub {
     /// Drops every block of `worker` from the index, registered or not (a restored
     /// snapshot's workers that are gone, or whose streams cannot be resumed).
     pub fn forget_index(&self, worker: WorkerId) -> Result<usize> {
-        Ok(self.on_ingest(worker, &mut |e| e.remove_worker(worker))?)
+        let n = self.on_ingest(worker, &mut |e| e.remove_worker(worker))?;
+        self.unverified.forget_worker(worker);
+        Ok(n)
     }
 
     /// The warm-restart state (`crate::state`).
@@ -842,7 +954,7 @@ impl Hub {
         self.refuse_events_if_approximate()?;
         self.admit(key)?;
         let full = self.budget.is_full();
-        self.count_events(key, events, full);
+        self.count_events(key, events, full, true);
         let out = self.on_ingest(key.worker, &mut |engine| {
             let mut out = Vec::with_capacity(events.len());
             for e in events {
@@ -873,10 +985,26 @@ impl Hub {
         Ok(out)
     }
 
-    /// Drops every block of `key` (a publisher restarted).
+    /// Drops every block of `key` (a publisher restarted). Its blocks being gone, nothing
+    /// of it is left to distrust.
     pub fn clear(&self, key: WorkerKey) -> Result<usize> {
         self.admit(key)?;
-        Ok(self.on_ingest(key.worker, &mut |e| e.clear(key))?)
+        let n = self.on_ingest(key.worker, &mut |e| e.clear(key))?;
+        self.unverified.remove(key);
+        Ok(n)
+    }
+
+    /// Routes `key` as uncached (overlap 0, shown resyncing) while keeping its blocks, until
+    /// [`Hub::trust`], a clear or its next applied batch (invariant 7): its stream cannot
+    /// tell yet whether they are current (restored from a snapshot, or reconnected). Works
+    /// for keys not registered yet (a restore runs before registration).
+    pub fn distrust(&self, key: WorkerKey) {
+        self.unverified.insert(key);
+    }
+
+    /// `key`'s stream proved continuity: its blocks count again.
+    pub fn trust(&self, key: WorkerKey) {
+        self.unverified.remove(key);
     }
 
     /// Clears `key` because its stream could not be repaired and marks it resyncing until
@@ -1010,8 +1138,26 @@ impl Hub {
         tokens: &[u32],
         lora_name: Option<&str>,
     ) -> Result<(u32, usize, Matches)> {
+        self.overlap_salted(model, tokens, lora_name, None)
+    }
+
+    /// [`Hub::overlap`] for a request with a `cache_salt` (vLLM's per-request cache
+    /// namespace, folded into block 0's hash; `None` or `""` is no salt): only blocks stored
+    /// under the same salt (and adapter) match.
+    pub fn overlap_salted(
+        &self,
+        model: Option<&str>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<(u32, usize, Matches)> {
         let (model, block_size) = self.resolve_model(model)?;
-        let seqs = seq_hashes(tokens, block_size as usize, lora_seed(lora_name));
+        let seqs = seq_hashes_salted(
+            tokens,
+            block_size as usize,
+            lora_seed(lora_name),
+            cache_salt,
+        );
         let mut matches = self.find_matches(&model, &seqs, Instant::now())?;
         {
             let routing = lock(&self.routing);
@@ -1056,7 +1202,7 @@ impl Hub {
         let hosted = matches!(self.engine, Engine::Hosted { .. }) && !self.approximate;
         let matches = match hosted {
             true => match cores::find_matches(&seqs).await {
-                Some(r) => r?,
+                Some(r) => self.unverified.filter(r?),
                 None => self.find_matches(&model, &seqs, now)?,
             },
             false => self.find_matches(&model, &seqs, now)?,
@@ -1067,7 +1213,12 @@ impl Hub {
     /// The namespace of the call and its prompt's seq hashes at that model's block size.
     fn prepare(&self, model: Option<&str>, call: &RouteCall<'_>) -> Result<(String, Vec<SeqHash>)> {
         let (model, block_size) = self.resolve_model(model)?;
-        let seqs = seq_hashes(call.tokens, block_size as usize, lora_seed(call.lora_name));
+        let seqs = seq_hashes_salted(
+            call.tokens,
+            block_size as usize,
+            lora_seed(call.lora_name),
+            call.cache_salt,
+        );
         Ok((model, seqs))
     }
 

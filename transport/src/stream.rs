@@ -24,6 +24,20 @@
 //!     the batch is not the new process's first, its earlier batches (sent while the
 //!     subscription reconnected) are replayed from 0 first.
 //!
+//! * A (re)connection, and a resume from a snapshot ([`EventStream::connected`]): the
+//!   continuity of the stream is unknown (the publisher may have restarted meanwhile, and
+//!   vLLM numbers from 0 in each process, so numbers alone cannot tell). The last batch
+//!   applied, `(seq, digest)`, is the proof: the replay socket is asked for the batches
+//!   from `seq` on, and if its first answer is that very batch (same number, same bytes),
+//!   the publisher is the same process and the rest is catch-up ([`Continuity::Same`]).
+//!   Anything else (another batch first, none, a failed replay) means it restarted or its
+//!   buffer moved on ([`Continuity::Broken`]): the stream's ranks are cleared (a restart),
+//!   then the publisher's history is replayed from 0; if it starts at 0 it is the new
+//!   process's whole history (exact), otherwise the ranks are marked resyncing
+//!   ([`EventStream::history_from`]). Without a replay endpoint nothing can be proven: the
+//!   ranks are cleared, counted as a restart. Until the check ends the ranks are
+//!   distrusted (`Hub::distrust`: routed as uncached, blocks kept).
+//!
 //! Until this module, HTTP took only `seq == 0` for a restart and any other lower number for
 //! a duplicate, so a publisher that restarted and reached seq 5 before its first batch was
 //! seen kept the blocks of its previous life. A restart is now recognised the same way on
@@ -36,6 +50,9 @@
 //! 2. After a [`Action::Replay`], the caller feeds every replayed batch to
 //!    [`EventStream::replayed`], then calls [`EventStream::replay_ended`], then offers the
 //!    live batch again.
+//! 3. A stream's blocks are trusted after a (re)connection only once [`EventStream::verified`]
+//!    answered [`Continuity::Same`] for the last batch applied, or after a clear; never on
+//!    the number of the next batch alone.
 
 use crate::error::{DropReason, Result};
 use crate::fence::{Fence, Verdict};
@@ -73,6 +90,31 @@ pub enum Action {
         /// while the subscription was reconnecting).
         restarted: bool,
     },
+}
+
+/// What a stream must do when its connection to the publisher is (re)established.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnConnect {
+    /// Nothing applied since the stream started afresh: nothing to check.
+    Nothing,
+    /// Ask the replay socket for the batches from this one's number on; the first answer
+    /// goes to [`EventStream::verified`].
+    Verify(BatchId),
+    /// No replay socket: continuity cannot be proven; clear the ranks (a restart). The
+    /// stream starts afresh.
+    Clear,
+}
+
+/// What the first batch of a verification replay says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Continuity {
+    /// The last batch applied, byte for byte: the same publisher process; the rest of the
+    /// replay is catch-up.
+    Same,
+    /// Anything else: the publisher restarted, or its buffer no longer reaches back. The
+    /// caller clears the ranks (a restart) and replays the history from 0; the stream has
+    /// started afresh.
+    Broken,
 }
 
 /// A batch as the stream sees it: its number and a digest of its bytes (to tell a retry from
@@ -116,13 +158,76 @@ impl EventStream {
         }
     }
 
-    /// A stream restored from a snapshot that holds every batch up to `last`: the next
-    /// number is `last + 1`, and anything else is a gap or a restart.
+    /// A stream restored from a snapshot that holds every batch up to `last` (a source
+    /// without digests: TensorRT-LLM's event ids): the next number is `last + 1`, and
+    /// anything else is a gap or a restart.
     pub fn resume(can_replay: bool, last: u64) -> Self {
         let mut s = Self::new(can_replay);
         s.fresh = false;
         s.fence.accept(last);
         s
+    }
+
+    /// Like [`EventStream::resume`] with the last batch's digest: its first connection
+    /// verifies that the publisher still has that very batch ([`EventStream::connected`]).
+    pub fn resume_from(can_replay: bool, last: BatchId) -> Self {
+        let mut s = Self::resume(can_replay, last.seq);
+        s.last = Some(last);
+        s
+    }
+
+    /// The last batch applied (or restored), if any since the stream started afresh.
+    pub fn last(&self) -> Option<BatchId> {
+        self.last
+    }
+
+    /// The connection to the publisher is up (again): what to check before trusting the
+    /// blocks (module docs).
+    pub fn connected(&mut self) -> OnConnect {
+        match self.last {
+            None => {
+                // Its first batches may have gone out before this connection took effect.
+                self.fresh = self.can_replay;
+                OnConnect::Nothing
+            }
+            Some(last) if self.can_replay => OnConnect::Verify(last),
+            Some(_) => {
+                self.start_afresh();
+                OnConnect::Clear
+            }
+        }
+    }
+
+    /// The first answer of the replay asked for by [`OnConnect::Verify`] (`None`: no batch
+    /// at or after the last one, or the replay failed).
+    pub fn verified(&mut self, first: Option<BatchId>) -> Continuity {
+        match first {
+            Some(b) if Some(b) == self.last => Continuity::Same,
+            _ => {
+                self.start_afresh();
+                Continuity::Broken
+            }
+        }
+    }
+
+    /// After [`Continuity::Broken`] (and the clear): the history replay from 0 starts with
+    /// batch `first` (`None`: the publisher has published nothing yet). The clear still
+    /// needed: none when it starts at 0 (the new process's whole history: exact), else a
+    /// resync (its first batches are gone).
+    pub fn history_from(&self, first: Option<u64>) -> Option<ClearKind> {
+        match first {
+            None | Some(0) => None,
+            Some(_) => Some(ClearKind::Resync),
+        }
+    }
+
+    /// Forgets the position: the next batch starts the stream (and, where the source can
+    /// replay and that batch is not a publisher's first, the batches before it are asked
+    /// for first).
+    pub fn start_afresh(&mut self) {
+        self.fence.reset();
+        self.last = None;
+        self.fresh = self.can_replay;
     }
 
     /// A catch-up replay from `from` ran to its end: live copies of what it delivered
@@ -414,6 +519,78 @@ mod tests {
         assert_eq!(EventStream::new(true).live(id(0, 0)), Action::Apply);
         assert_eq!(EventStream::new(false).live(id(4, 4)), Action::Apply);
         assert_eq!(EventStream::resume(true, 3).live(id(4, 4)), Action::Apply);
+        assert_eq!(
+            EventStream::resume_from(true, id(3, 3)).live(id(4, 4)),
+            Action::Apply
+        );
+    }
+
+    #[test]
+    fn a_reconnection_verifies_the_last_batch_before_trusting_anything() {
+        // Same process: the replay from the last batch starts with that very batch.
+        let mut s = EventStream::new(true);
+        for seq in 0..5 {
+            assert_eq!(s.live(id(seq, seq)), Action::Apply);
+        }
+        assert_eq!(s.connected(), OnConnect::Verify(id(4, 4)));
+        assert_eq!(s.verified(Some(id(4, 4))), Continuity::Same);
+        // The rest of that replay is catch-up: the verified batch is not applied twice.
+        assert_eq!(s.replayed(id(4, 4)), Action::Skip);
+        assert_eq!(s.replayed(id(5, 5)), Action::Apply);
+        s.caught_up(4);
+        assert_eq!(
+            s.live(id(5, 5)),
+            Action::Skip,
+            "a live copy of the catch-up"
+        );
+        assert_eq!(s.live(id(6, 6)), Action::Apply);
+
+        // A restarted process: same number, other bytes; or no batch that far; or another
+        // number first (the buffer moved on): broken, the stream starts afresh.
+        for first in [Some(id(6, 99)), None, Some(id(9, 9))] {
+            let mut s = EventStream::new(true);
+            for seq in 0..=6 {
+                s.live(id(seq, seq));
+            }
+            assert_eq!(s.connected(), OnConnect::Verify(id(6, 6)));
+            assert_eq!(s.verified(first), Continuity::Broken, "{first:?}");
+            assert_eq!(s.last(), None);
+            assert_eq!(s.next_expected(), None);
+            // The history replay from 0 then applies in order.
+            assert_eq!(s.replayed(id(0, 100)), Action::Apply);
+            assert_eq!(s.replayed(id(1, 101)), Action::Apply);
+            s.caught_up(0);
+            assert_eq!(s.live(id(1, 101)), Action::Skip);
+            assert_eq!(s.live(id(2, 102)), Action::Apply);
+        }
+        let s = EventStream::new(true);
+        assert_eq!(s.history_from(None), None, "nothing published yet: exact");
+        assert_eq!(s.history_from(Some(0)), None, "the whole history: exact");
+        assert_eq!(s.history_from(Some(3)), Some(ClearKind::Resync));
+
+        // Without a replay socket nothing can be proven: clear, then start afresh.
+        let mut s = EventStream::new(false);
+        s.live(id(7, 7));
+        assert_eq!(s.connected(), OnConnect::Clear);
+        assert_eq!(s.last(), None);
+        assert_eq!(s.live(id(0, 0)), Action::Apply);
+
+        // Nothing applied yet: nothing to verify; a replay source asks for its history
+        // at the first batch past 0.
+        let mut s = EventStream::new(true);
+        assert_eq!(s.connected(), OnConnect::Nothing);
+        assert_eq!(
+            s.live(id(3, 3)),
+            Action::Replay {
+                from: 0,
+                restarted: false
+            }
+        );
+        // Resumed from a snapshot: its mark is verified like any last batch.
+        let mut s = EventStream::resume_from(true, id(41, 7));
+        assert_eq!(s.last(), Some(id(41, 7)));
+        assert_eq!(s.connected(), OnConnect::Verify(id(41, 7)));
+        assert_eq!(s.verified(Some(id(41, 8))), Continuity::Broken);
     }
 
     #[test]

@@ -2,9 +2,9 @@
 //! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
 //! bodies, OpenAI request bodies, router replicas' NATS frames, TensorRT-LLM event pages) gets
 //! a fixed budget of inputs mutated from a corpus of valid ones (the recorded fixtures under
-//! `../shared/data` when present, the hand-written TensorRT-LLM pages under
-//! `tests/data/trtllm`, and inputs built here with the encoders), on top of the cargo-fuzz
-//! targets in `fuzz/` (which need nightly).
+//! `../shared/data` when present and vLLM 0.32's under `tests/data/vllm-0.32.0`, the
+//! hand-written TensorRT-LLM pages under `tests/data/trtllm`, and inputs built here with the
+//! encoders), on top of the cargo-fuzz targets in `fuzz/` (which need nightly).
 //!
 //! Each input must be decoded without a panic, and where a decoder has a reference (the
 //! `/v1/route` scanner and serde; the owned and in-place native frame decoders) the two must
@@ -18,7 +18,9 @@ use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use transport::json_events::{parse_events_body, to_engine};
-use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
+use transport::kv_events::{
+    ConvertConfig, WireBatch, WireEvent, WireExtraItem, WireExtraKeys, convert, decode_batch,
+};
 use transport::native::frame::{
     FrameBuf, access_client_frame, batch_events, decode_client_frame, encode_batch,
     encode_client_frame,
@@ -192,8 +194,19 @@ fn run(name: &str, corpus: Vec<Vec<u8>>, check: impl Fn(&[u8]) -> bool) {
     );
 }
 
-/// The recorded msgpack fixtures, when the shared data is there.
+/// The recorded msgpack fixtures: vLLM 0.32's under `tests/data/vllm-0.32.0`, and the shared
+/// ones when the shared data is there.
 fn recorded_msgpack() -> Vec<Vec<u8>> {
+    let own = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/vllm-0.32.0");
+    let mut out: Vec<Vec<u8>> = ["stored_salted.msgpack"]
+        .iter()
+        .map(|f| std::fs::read(own.join(f)).unwrap())
+        .collect();
+    out.extend(shared_msgpack());
+    out
+}
+
+fn shared_msgpack() -> Vec<Vec<u8>> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/kv_events");
     let Ok(entries) = std::fs::read_dir(&dir) else {
         return Vec::new();
@@ -215,6 +228,20 @@ fn wire_batches() -> Vec<Vec<u8>> {
         lora_id: lora.map(|_| 3),
         lora_name: lora.map(str::to_owned),
         medium: Some("GPU".into()),
+        // vLLM 0.32's per-block extra keys: the adapter's name first, block 0 salted, a
+        // multimodal item and an embeddings digest on block 1.
+        extra_keys: Some(WireExtraKeys::Blocks(vec![
+            Some(
+                lora.map(|l| WireExtraItem::Str(l.into()))
+                    .into_iter()
+                    .chain([WireExtraItem::Str("salt".into())])
+                    .collect(),
+            ),
+            Some(vec![
+                WireExtraItem::Mm("img".into(), 4),
+                WireExtraItem::Bin(vec![7; 32]),
+            ]),
+        ])),
     };
     let batches = [
         vec![stored(1, None)],

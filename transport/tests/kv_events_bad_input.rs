@@ -12,7 +12,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
 use transport::kv_events::{
-    ConvertConfig, MAX_BATCH_BYTES, WireBatch, WireEvent, convert, decode_batch,
+    ConvertConfig, MAX_BATCH_BYTES, WireBatch, WireEvent, WireExtraItem, WireExtraKeys, convert,
+    decode_batch,
 };
 use transport::{DropReason, TransportError};
 
@@ -75,9 +76,14 @@ fn stored_positional(len: usize) -> V {
         V::Nil,
         V::S("GPU"),
         V::Nil,
+        // vLLM 0.32's extra keys: block 1 with a multimodal item, a salt and a digest.
         V::A(vec![
             V::Nil,
-            V::A(vec![V::S("k"), V::M(vec![(V::U(1), V::B(vec![1]))])]),
+            V::A(vec![
+                V::A(vec![V::S("img"), V::U(3)]),
+                V::S("k"),
+                V::B(vec![1]),
+            ]),
         ]),
         V::U(0),
         V::S("full_attention"),
@@ -553,6 +559,13 @@ fn map_events_with_unknown_keys_in_any_order() {
     let e = V::M(vec![
         (
             V::S("extra_keys"),
+            V::A(vec![
+                V::A(vec![V::S("ad")]),
+                V::A(vec![V::S("ad"), V::A(vec![V::S("img"), V::U(2)])]),
+            ]),
+        ),
+        (
+            V::S("future"),
             V::A(vec![V::Nil, V::M(vec![(V::S("a"), V::B(vec![1]))])]),
         ),
         (V::S("token_ids"), toks(32)),
@@ -577,6 +590,13 @@ fn map_events_with_unknown_keys_in_any_order() {
             lora_id: Some(-3),
             lora_name: Some("ad".into()),
             medium: Some("GPU".into()),
+            extra_keys: Some(WireExtraKeys::Blocks(vec![
+                Some(vec![WireExtraItem::Str("ad".into())]),
+                Some(vec![
+                    WireExtraItem::Str("ad".into()),
+                    WireExtraItem::Mm("img".into(), 2)
+                ]),
+            ])),
         }]
     );
     // Same keys with an extra map, `type` first.

@@ -9,12 +9,17 @@ mod common;
 use common::{V, bytes};
 
 use engine::event::{KvEvent, StoredBlock};
-use engine::hash::{BASE_SEED, lora_seed, tokens_hash};
-use engine::{DpRank, EngineHash};
+use engine::hash::{
+    BASE_SEED, ExtraKey, chain, fold_extras, lora_seed, seq_hashes, seq_hashes_salted, tokens_hash,
+    tokens_hashes,
+};
+use engine::{DpRank, EngineHash, SeqHash, TokensHash};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use transport::DropReason;
-use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
+use transport::kv_events::{
+    ConvertConfig, WireBatch, WireEvent, WireExtraItem, WireExtraKeys, convert, decode_batch,
+};
 
 const BS: ConvertConfig = ConvertConfig { block_size: 16 };
 
@@ -82,6 +87,7 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: None,
                     lora_name: None,
                     medium: None,
+                    extra_keys: None,
                 },
                 WireEvent::Removed {
                     block_hashes: vec![-5i64 as u64],
@@ -93,8 +99,9 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
         },
     ));
 
-    // vLLM 0.10+: [ts, events, dp_rank], 12-element stores with nested extra keys, u64 hashes,
-    // a LoRA adapter by name, a removal with a trailing group index.
+    // vLLM 0.10+: [ts, events, dp_rank], 12-element stores with extra keys (the adapter's
+    // name on every block) and a nested trailing value, u64 hashes, a LoRA adapter by name,
+    // a removal with a trailing group index.
     let b = V::A(vec![
         V::U(1_789_095_808),
         V::A(vec![
@@ -107,10 +114,13 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                 V::U(2),
                 V::S("GPU"),
                 V::S("sql-adapter"),
-                V::A(vec![V::Nil, V::A(vec![V::S("x"), V::M(vec![])])]),
+                V::A(vec![
+                    V::A(vec![V::S("sql-adapter")]),
+                    V::A(vec![V::S("sql-adapter")]),
+                ]),
                 V::U(0),
                 V::S("full_attention"),
-                V::Nil,
+                V::A(vec![V::S("x"), V::M(vec![])]),
             ]),
             V::A(vec![
                 V::S("BlockRemoved"),
@@ -136,6 +146,10 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: Some(2),
                     lora_name: Some("sql-adapter".into()),
                     medium: Some("GPU".into()),
+                    extra_keys: Some(WireExtraKeys::Blocks(vec![
+                        Some(vec![WireExtraItem::Str("sql-adapter".into())]),
+                        Some(vec![WireExtraItem::Str("sql-adapter".into())]),
+                    ])),
                 },
                 WireEvent::Removed {
                     block_hashes: vec![u64::MAX - 1],
@@ -196,6 +210,7 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    extra_keys: Some(WireExtraKeys::Blocks(vec![None])),
                 },
                 WireEvent::Removed {
                     block_hashes: vec![fold(&digest(1))],
@@ -242,6 +257,7 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: Some(7),
                     lora_name: None,
                     medium: None,
+                    extra_keys: None,
                 },
                 WireEvent::Cleared,
             ],
@@ -289,6 +305,7 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    extra_keys: None,
                 },
                 WireEvent::Stored {
                     block_hashes: vec![2],
@@ -298,6 +315,7 @@ fn hand_built() -> Vec<(&'static str, Vec<u8>, WireBatch)> {
                     lora_id: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    extra_keys: None,
                 },
             ],
             unknown_events: 0,
@@ -449,6 +467,29 @@ fn json_tokens(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// `extra_keys` of a generic (JSON) event: per block null or untagged items (JSON has no
+/// bin, so prompt-embeds digests do not occur in the recorded fixtures).
+fn json_extra_keys(v: &Value) -> WireExtraKeys {
+    let item = |v: &Value| match v {
+        Value::String(s) => WireExtraItem::Str(s.clone()),
+        Value::Array(a) => {
+            WireExtraItem::Mm(a[0].as_str().unwrap().to_owned(), a[1].as_i64().unwrap())
+        }
+        _ => panic!("extra key {v}"),
+    };
+    WireExtraKeys::Blocks(
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                json_opt(Some(e), |e| {
+                    e.as_array().unwrap().iter().map(item).collect()
+                })
+            })
+            .collect(),
+    )
+}
+
 /// The expected decoding of one generic (JSON) event; `None` for an unknown type.
 fn json_event(v: &Value) -> Option<WireEvent> {
     let tag = match v {
@@ -471,6 +512,7 @@ fn json_event(v: &Value) -> Option<WireEvent> {
             lora_id: json_opt(field(5, "lora_id"), |v| v.as_i64().unwrap()),
             medium: json_opt(field(6, "medium"), s),
             lora_name: json_opt(field(7, "lora_name"), s),
+            extra_keys: json_opt(field(8, "extra_keys"), json_extra_keys),
         },
         "BlockRemoved" => WireEvent::Removed {
             block_hashes: json_hashes(field(1, "block_hashes").unwrap()),
@@ -675,4 +717,297 @@ fn decode_convert_throughput() {
         (b.len() * iters) as f64 / s / 1e6,
         blocks as f64 / s2 / 1e6,
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// vLLM 0.32 `BlockStored.extra_keys` (cache_salt, LoRA name, multimodal, prompt embeds).
+
+fn vllm_0_32(file: &str) -> Vec<u8> {
+    let path = format!(
+        "{}/tests/data/vllm-0.32.0/{file}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn stored_blocks(e: &KvEvent) -> Vec<TokensHash> {
+    match e {
+        KvEvent::Stored { blocks, .. } => blocks.iter().map(|b| b.tokens_hash).collect(),
+        other => panic!("not a store: {other:?}"),
+    }
+}
+
+#[test]
+fn recorded_vllm_0_32_salted_stores_key_blocks_as_the_request_side() {
+    let raw = vllm_0_32("stored_salted.msgpack");
+    let batch = decode_batch(&raw).unwrap();
+    let salt = |s: &str| WireExtraItem::Str(s.into());
+    let extras: Vec<Option<WireExtraKeys>> = batch
+        .events
+        .iter()
+        .map(|e| match e {
+            WireEvent::Stored { extra_keys, .. } => extra_keys.clone(),
+            other => panic!("not a store: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        extras,
+        vec![
+            Some(WireExtraKeys::Blocks(vec![
+                Some(vec![salt("salt-a")]),
+                None,
+                None
+            ])),
+            Some(WireExtraKeys::Blocks(vec![
+                Some(vec![salt("sql-adapter"), salt("salt-b")]),
+                Some(vec![salt("sql-adapter")]),
+            ])),
+            Some(WireExtraKeys::Blocks(vec![Some(vec![
+                WireExtraItem::Mm("img-0123".into(), 3),
+                salt("salt-c"),
+                WireExtraItem::Bin((0..32).collect()),
+            ])])),
+            None,
+        ]
+    );
+
+    let conv = convert(batch, &BS);
+    assert!(conv.drops.is_empty(), "{:?}", conv.drops);
+    assert_eq!(conv.events.len(), 4);
+    let tokens: Vec<u32> = (0..48).map(|t| (t * 7919) % 150_000).collect();
+    let plain = seq_hashes(&tokens, 16, BASE_SEED);
+
+    // 1: the salt keys block 0; the request side with the same salt gives the same chain, and
+    // every block differs from the unsalted chain.
+    let got = chain(None, &stored_blocks(&conv.events[0]));
+    assert_eq!(
+        got,
+        seq_hashes_salted(&tokens, 16, BASE_SEED, Some("salt-a"))
+    );
+    for i in 0..3 {
+        assert_ne!(got[i], plain[i], "block {i}");
+    }
+    assert_eq!(
+        stored_blocks(&conv.events[0])[1..],
+        tokens_hashes(&tokens, 16, BASE_SEED)[1..]
+    );
+
+    // 2: the adapter's name is in the seed, not folded again; the salt is.
+    let seed = lora_seed(Some("sql-adapter"));
+    let got = chain(None, &stored_blocks(&conv.events[1]));
+    assert_eq!(
+        got,
+        seq_hashes_salted(&tokens[..32], 16, seed, Some("salt-b"))
+    );
+    assert_ne!(got, seq_hashes(&tokens[..32], 16, seed));
+
+    // 3: multimodal item, salt and embeddings digest, folded in order.
+    let want = fold_extras(
+        tokens_hash(&tokens[..16], BASE_SEED),
+        &[
+            ExtraKey::Multimodal {
+                identifier: "img-0123".into(),
+                offset: 3,
+            },
+            ExtraKey::CacheSalt("salt-c".into()),
+            ExtraKey::PromptEmbeds((0..32).collect()),
+        ],
+    );
+    assert_eq!(stored_blocks(&conv.events[2]), vec![want]);
+    assert_ne!(
+        SeqHash(want.0),
+        seq_hashes_salted(&tokens[..16], 16, BASE_SEED, Some("salt-c"))[0]
+    );
+    assert_ne!(SeqHash(want.0), plain[0]);
+
+    // 4: no extra keys: the plain hash.
+    assert_eq!(
+        stored_blocks(&conv.events[3]),
+        tokens_hashes(&tokens[..16], 16, BASE_SEED)
+    );
+}
+
+/// A positional (array-like) store with `extra_keys` at index 8, as older array-like vLLM
+/// events place it after `lora_name`.
+fn positional_store(hash: u64, lora: Option<&'static str>, extra: V) -> V {
+    V::A(vec![
+        V::S("BlockStored"),
+        V::A(vec![V::U(hash), V::U(hash + 1)]),
+        V::Nil,
+        toks(0..32),
+        V::U(16),
+        V::Nil,
+        V::S("GPU"),
+        lora.map_or(V::Nil, V::S),
+        extra,
+    ])
+}
+
+#[test]
+fn malformed_extra_keys_drop_their_event_only() {
+    let good = V::A(vec![V::A(vec![V::S("s")]), V::Nil]);
+    let events = vec![
+        // Not a list.
+        positional_store(10, None, V::U(5)),
+        // One entry for two blocks.
+        positional_store(20, None, V::A(vec![V::Nil])),
+        // An entry that is neither nil nor a list.
+        positional_store(30, None, V::A(vec![V::S("s"), V::Nil])),
+        // An item of an unknown shape (a map; a three-element array).
+        positional_store(40, None, V::A(vec![V::A(vec![V::M(vec![])]), V::Nil])),
+        positional_store(
+            50,
+            None,
+            V::A(vec![
+                V::A(vec![V::A(vec![V::S("img"), V::U(1), V::U(2)])]),
+                V::Nil,
+            ]),
+        ),
+        // A LoRA store whose entry does not start with the adapter's name.
+        positional_store(
+            60,
+            Some("adapter"),
+            V::A(vec![V::A(vec![V::S("s")]), V::Nil]),
+        ),
+        // Applied: a salted store, and nil extra keys.
+        positional_store(70, None, good),
+        positional_store(80, None, V::Nil),
+    ];
+    let b = bytes(&V::A(vec![V::F(0.0), V::A(events)]));
+    let batch = decode_batch(&b).unwrap();
+    assert_eq!(batch.events.len(), 8);
+    let conv = convert(batch, &BS);
+    assert_eq!(conv.drops, vec![(DropReason::MalformedMsgpack, 6)]);
+    assert_eq!(conv.events.len(), 2);
+    let tokens = tok_vec(0..32);
+    assert_eq!(
+        chain(None, &stored_blocks(&conv.events[0])),
+        seq_hashes_salted(&tokens, 16, BASE_SEED, Some("s"))
+    );
+    assert_eq!(
+        stored_blocks(&conv.events[1]),
+        tokens_hashes(&tokens, 16, BASE_SEED)
+    );
+
+    // Bytes that end inside `extra_keys` refuse the batch (as any truncation does).
+    let whole = bytes(&V::A(vec![
+        V::F(0.0),
+        V::A(vec![positional_store(
+            90,
+            None,
+            V::A(vec![V::A(vec![V::S("salt")]), V::Nil]),
+        )]),
+    ]));
+    for cut in 1..12 {
+        assert!(
+            decode_batch(&whole[..whole.len() - cut]).is_err(),
+            "cut {cut}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Payloads a real vLLM 0.32.0 server published in the conformance suite (`observed_*`,
+// conformance/vllm_suite.py with KVENGINE_RECORD_FIXTURES=1): events as maps with "type".
+
+const BS32: ConvertConfig = ConvertConfig { block_size: 32 };
+
+fn observed(file: &str) -> Vec<KvEvent> {
+    let batch = decode_batch(&vllm_0_32(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    assert_eq!(batch.dp_rank, Some(0), "{file}");
+    let conv = convert(batch, &BS32);
+    assert!(conv.drops.is_empty(), "{file}: {:?}", conv.drops);
+    assert_eq!(conv.block_size_mismatch, None);
+    conv.events
+}
+
+#[test]
+fn payloads_observed_from_a_real_vllm_0_32_server_convert() {
+    let stored = observed("observed_stored.msgpack");
+    assert!(
+        matches!(&stored[..], [KvEvent::Stored { parent: Some(_), blocks }] if blocks.len() == 1),
+        "{stored:?}"
+    );
+    let removed = observed("observed_removed.msgpack");
+    assert!(
+        matches!(&removed[..], [KvEvent::Removed { blocks }] if blocks.len() == 1),
+        "{removed:?}"
+    );
+    assert_eq!(observed("observed_cleared.msgpack"), vec![KvEvent::Cleared]);
+
+    // A salted chain (the suite's `cache_salt` step): its first block carries the salt in
+    // `extra_keys`, so its hash is not the plain hash of its tokens.
+    let raw = decode_batch(&vllm_0_32("observed_salted_stored.msgpack")).unwrap();
+    let salted: Vec<(Vec<u32>, String)> = raw
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            WireEvent::Stored {
+                parent: None,
+                token_ids,
+                extra_keys: Some(WireExtraKeys::Blocks(keys)),
+                ..
+            } => match keys.first() {
+                Some(Some(items)) => match items.as_slice() {
+                    [WireExtraItem::Str(salt)] => Some((token_ids.clone(), salt.clone())),
+                    _ => None,
+                },
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect();
+    assert!(!salted.is_empty(), "no salted root store in the recording");
+    let events = observed("observed_salted_stored.msgpack");
+    for (tokens, salt) in &salted {
+        let want = seq_hashes_salted(tokens, 32, BASE_SEED, Some(salt));
+        let got = events.iter().find_map(|e| match e {
+            KvEvent::Stored { parent: None, .. } => {
+                let c = chain(None, &stored_blocks(e));
+                (c == want).then_some(c)
+            }
+            _ => None,
+        });
+        assert!(
+            got.is_some(),
+            "salt {salt:?}: no store keyed as the request side"
+        );
+        assert_ne!(want[0], seq_hashes(tokens, 32, BASE_SEED)[0]);
+    }
+}
+
+/// vLLM's `kv_cache_report_mode: "full"` re-announce, as a real server sent it: a root chain
+/// of blocks the worker holds. Applied after the blocks' store it adds no copy, so one
+/// eviction per block empties the worker.
+#[test]
+fn a_real_full_mode_reannounce_adds_no_copy() {
+    let events = observed("observed_full_reannounce.msgpack");
+    let [
+        reannounce @ KvEvent::Stored {
+            parent: None,
+            blocks,
+        },
+    ] = &events[..]
+    else {
+        panic!("{events:?}");
+    };
+    assert_eq!(blocks.len(), 7);
+    let key = engine::WorkerKey::new(1, 0);
+    let mut ix = engine::kv_index::KvIndex::new();
+    assert_eq!(
+        ix.apply(key, reannounce).unwrap().blocks,
+        7,
+        "first seen: a store"
+    );
+    assert_eq!(
+        ix.apply(key, reannounce).unwrap().blocks,
+        0,
+        "then a report"
+    );
+    assert_eq!(ix.cached_blocks(key), 7);
+    let evict = KvEvent::Removed {
+        blocks: blocks.iter().map(|b| b.engine_hash).collect(),
+    };
+    ix.apply(key, &evict).unwrap();
+    assert_eq!(ix.cached_blocks(key), 0, "nothing outlives its eviction");
 }

@@ -455,3 +455,99 @@ async fn the_front_door_measures_what_it_forwards() {
 async fn metrics_page(base: &str) -> String {
     common::raw_request(base, "GET", "/metrics", "", "").await.2
 }
+
+/// Stores `tokens`' full blocks on `worker` (rank 0) as vLLM keys them for a request with
+/// `cache_salt`: the salt folded into block 0 (what a `BlockStored` with the salt in its
+/// `extra_keys` converts to).
+fn cache_salted(hub: &Hub, worker: u64, tokens: &[u32], salt: &str) {
+    use engine::hash::{ExtraKey, fold_extras};
+    let blocks = tokens
+        .chunks_exact(16)
+        .enumerate()
+        .map(|(i, c)| {
+            let plain = tokens_hash(c, lora_seed(None));
+            let salted = fold_extras(plain, &[ExtraKey::CacheSalt(salt.into())]);
+            StoredBlock {
+                engine_hash: EngineHash(worker << 32 | i as u64),
+                tokens_hash: if i == 0 { salted } else { plain },
+            }
+        })
+        .collect();
+    let key = WorkerKey {
+        worker: WorkerId(worker),
+        dp_rank: DpRank(0),
+    };
+    hub.ingest(
+        key,
+        vec![KvEvent::Stored {
+            parent: None,
+            blocks,
+        }],
+    )
+    .unwrap();
+    hub.sync().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_salted_request_routes_only_on_blocks_of_its_salt() {
+    let good = Behaviour::Good {
+        n: 1,
+        gap: Duration::from_millis(1),
+    };
+    let (a, b) = (stub(good).await, stub(good).await);
+    let r = router_with(&[(1, &a), (2, &b)]).await;
+    let tokens: Vec<u32> = (0..64).map(|t| 1000 + t).collect();
+    cache(&r.hub, 1, &tokens);
+    cache_salted(&r.hub, 2, &tokens, "tenant-a");
+
+    // The salted request goes to the worker holding its salt's blocks, body unchanged.
+    let body = json!({"prompt": tokens, "max_tokens": 1, "cache_salt": "tenant-a"}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!((a.hits.load(SeqCst), b.hits.load(SeqCst)), (0, 1));
+    assert_eq!(b.bodies.lock().unwrap()[0], Bytes::from(body));
+    idle(&r.hub).await;
+
+    // Unsalted (absent or empty salt): the unsalted blocks only.
+    for body in [
+        json!({"prompt": tokens, "max_tokens": 1}),
+        json!({"prompt": tokens, "max_tokens": 1, "cache_salt": ""}),
+    ] {
+        let (status, text) = post_raw(&r.base, "/v1/completions", &body.to_string()).await;
+        assert_eq!(status, 200, "{text}");
+        idle(&r.hub).await;
+    }
+    assert_eq!((a.hits.load(SeqCst), b.hits.load(SeqCst)), (2, 1));
+
+    // Another tenant's salt matches nothing; `/v1/overlap` shows the same keying.
+    let overlap = |salt: Option<&str>| {
+        let mut v = json!({"token_ids": tokens});
+        if let Some(s) = salt {
+            v["cache_salt"] = s.into();
+        }
+        v.to_string()
+    };
+    for (salt, want) in [
+        (
+            None,
+            json!([{"worker_id": 1, "dp_rank": 0, "overlap_blocks": 4}]),
+        ),
+        (
+            Some("tenant-a"),
+            json!([{"worker_id": 2, "dp_rank": 0, "overlap_blocks": 4}]),
+        ),
+        (Some("tenant-b"), json!([])),
+    ] {
+        let (status, text) = post_raw(&r.base, "/v1/overlap", &overlap(salt)).await;
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["scores"], want, "{salt:?}");
+    }
+
+    // A salt that is not a string is refused, as vLLM refuses it, and not forwarded.
+    let body = json!({"prompt": tokens, "cache_salt": 5}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("cache_salt"), "{text}");
+    assert_eq!((a.hits.load(SeqCst), b.hits.load(SeqCst)), (2, 1));
+}

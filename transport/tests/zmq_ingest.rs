@@ -1,5 +1,7 @@
 //! vLLM-style ZMQ ingest end to end: a real PUB/ROUTER publisher, the subscriber task, the
-//! hub and a two-core engine. Gaps, replays, restarts, bad payloads and foreign block sizes.
+//! hub and a two-core engine. Gaps, replays (vLLM's and SGLang's reply shapes, and a
+//! conversation recorded from vLLM 0.32), restarts, reconnections and their continuity
+//! check, resumes from a snapshot, bad payloads and foreign block sizes.
 
 mod common;
 
@@ -10,9 +12,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 use transport::DropReason;
+use transport::hub::StreamState;
 use transport::hub::{Hub, Registration};
 use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
-use transport::zmq::{SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
+use transport::zmq::{ReplayShape, SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
 const BS: usize = 16;
 
@@ -28,6 +31,7 @@ fn store(p: u32, blocks: usize) -> WireEvent {
         lora_id: None,
         lora_name: None,
         medium: Some("GPU".into()),
+        extra_keys: None,
     }
 }
 
@@ -105,9 +109,13 @@ impl Rig {
 }
 
 async fn setup(worker: u64, replay: bool) -> (Rig, VllmPublisher) {
+    setup_shaped(worker, replay, ReplayShape::Vllm).await
+}
+
+async fn setup_shaped(worker: u64, replay: bool, shape: ReplayShape) -> (Rig, VllmPublisher) {
     let (hub, runtime) = common::hub(2);
     let replay_ep = replay.then_some("tcp://127.0.0.1:0");
-    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", replay_ep, 64)
+    let mut publisher = VllmPublisher::bind_shaped("tcp://127.0.0.1:0", replay_ep, 64, shape)
         .await
         .unwrap();
     let source = ZmqSource::new(
@@ -170,9 +178,15 @@ async fn batches_apply_in_order_for_each_rank() {
     rig.stop(publisher).await;
 }
 
+/// Both replay reply shapes: vLLM's `["", topic, seq, batch]` and SGLang's `["", seq, batch]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_repaired_from_the_replay_socket() {
-    let (rig, mut publisher) = setup(4, true).await;
+    gap_repaired(ReplayShape::Vllm).await;
+    gap_repaired(ReplayShape::Sglang).await;
+}
+
+async fn gap_repaired(shape: ReplayShape) {
+    let (rig, mut publisher) = setup_shaped(4, true, shape).await;
     let hub = rig.hub.clone();
     let base = hub.metrics().events_forwarded.load(Relaxed);
     publisher
@@ -518,4 +532,695 @@ async fn an_undecodable_batch_is_replayed_or_resynced() {
     assert_eq!(hub.metrics().resyncs.load(Relaxed), 1);
     drop(hub);
     rig.stop(publisher).await;
+}
+
+/// POSTs `body` to the HTTP edge at `base` + `path`; the status and the JSON answer.
+async fn post_json(base: &str, path: &str, body: serde_json::Value) -> (u16, serde_json::Value) {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let req = hyper::Request::post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).unwrap())
+}
+
+/// `/v1/overlap` over HTTP for `tokens` with `cache_salt` (left out when `None`): the
+/// `(worker_id, overlap_blocks)` of every worker with a positive overlap.
+async fn http_overlap(base: &str, tokens: &[u32], cache_salt: Option<&str>) -> Vec<(u64, u64)> {
+    let mut body = serde_json::json!({ "token_ids": tokens });
+    if let Some(s) = cache_salt {
+        body["cache_salt"] = s.into();
+    }
+    let (status, v) = post_json(base, "/v1/overlap", body).await;
+    assert_eq!(status, 200, "{v}");
+    v["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["worker_id"].as_u64().unwrap(),
+                s["overlap_blocks"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// vLLM's `cache_salt` end to end: a store whose `extra_keys` carry a salt on block 0
+/// (published over ZMQ as vLLM 0.32 does) is matched over HTTP, by `/v1/overlap` and
+/// `/v1/route`, only by requests with the same salt; the unsalted store of the same tokens
+/// only by unsalted ones (an empty salt is no salt).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salted_blocks_match_only_requests_with_the_same_salt() {
+    use transport::kv_events::{WireExtraItem, WireExtraKeys};
+    let (rig, mut publisher) = setup(9, false).await;
+    let hub = rig.hub.clone();
+    let (url, stop) =
+        common::http_server(hub.clone(), transport::http::HttpConfig::default()).await;
+    let base = hub.metrics().events_forwarded.load(Relaxed);
+    let mut salted = store(7, 3);
+    if let WireEvent::Stored { extra_keys, .. } = &mut salted {
+        *extra_keys = Some(WireExtraKeys::Blocks(vec![
+            Some(vec![WireExtraItem::Str("tenant-a".into())]),
+            None,
+            None,
+        ]));
+    }
+    publisher.publish(&batch(0, vec![salted])).await.unwrap();
+    forwarded_at_least(&hub, base + 1).await;
+    hub.sync().unwrap();
+    let p = prompt(7, 3);
+    assert_eq!(http_overlap(&url, &p, None).await, vec![]);
+    assert_eq!(http_overlap(&url, &p, Some("")).await, vec![]);
+    assert_eq!(http_overlap(&url, &p, Some("tenant-b")).await, vec![]);
+    assert_eq!(http_overlap(&url, &p, Some("tenant-a")).await, vec![(9, 3)]);
+    assert_eq!(
+        http_overlap(&url, &p[..2 * BS], Some("tenant-a")).await,
+        vec![(9, 2)]
+    );
+
+    // The same tokens stored without a salt (other engine hashes): a second chain.
+    let mut plain = store(7, 3);
+    if let WireEvent::Stored { block_hashes, .. } = &mut plain {
+        for h in block_hashes.iter_mut() {
+            *h += 100;
+        }
+    }
+    publisher.publish(&batch(0, vec![plain])).await.unwrap();
+    forwarded_at_least(&hub, base + 2).await;
+    hub.sync().unwrap();
+    assert_eq!(http_overlap(&url, &p, None).await, vec![(9, 3)]);
+    assert_eq!(http_overlap(&url, &p, Some("")).await, vec![(9, 3)]);
+    assert_eq!(http_overlap(&url, &p, Some("tenant-b")).await, vec![]);
+    assert_eq!(http_overlap(&url, &p, Some("tenant-a")).await, vec![(9, 3)]);
+
+    // `/v1/route` keys the request the same way.
+    for (salt, want) in [("tenant-a", 3), ("tenant-b", 0)] {
+        let (status, v) = post_json(
+            &url,
+            "/v1/route",
+            serde_json::json!({ "token_ids": p, "cache_salt": salt }),
+        )
+        .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["overlap_blocks"], want, "{salt}: {v}");
+    }
+    let m = hub.metrics();
+    assert_eq!(m.dropped(DropReason::MalformedMsgpack), 0);
+    drop(stop);
+    drop(hub);
+    rig.stop(publisher).await;
+}
+
+fn unhex(s: &str) -> Bytes {
+    let bytes: Vec<u8> = (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect();
+    Bytes::from(bytes)
+}
+
+fn frames_of(v: &serde_json::Value) -> Vec<Bytes> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|f| unhex(f.as_str().unwrap()))
+        .collect()
+}
+
+/// vLLM 0.32's own publisher, recorded (tests/data/vllm-0.32.0): its live frames and its
+/// replay conversation, served from real ZMQ sockets. A subscription that joins at the
+/// last batch catches up through vLLM's 4-frame replay replies and its end marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_subscription_catches_up_through_vllms_recorded_replay() {
+    use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("data/vllm-0.32.0/kv_events_replay.json")).unwrap();
+    let live: Vec<Vec<Bytes>> = fixture["live"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(frames_of)
+        .collect();
+    let replays: Vec<(Vec<Bytes>, Vec<Vec<Bytes>>)> = fixture["replays"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let replies = r["replies"].as_array().unwrap().iter().map(frames_of);
+            (frames_of(&r["request"]), replies.collect())
+        })
+        .collect();
+    // vLLM's replies: ["", topic, seq, batch] and ["", "", END, ""].
+    assert!(replays.iter().flat_map(|r| &r.1).all(|f| f.len() == 4));
+
+    let (hub, runtime) = common::hub(2);
+    let mut live_socket = PubSocket::new();
+    let publish_ep = live_socket
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap()
+        .to_string();
+    let mut router = RouterSocket::new();
+    let replay_ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let unknown_requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let unknown = unknown_requests.clone();
+    let server = tokio::spawn(async move {
+        while let Ok(request) = router.recv().await {
+            let frames = request.into_vec();
+            let Some((identity, body)) = frames.split_first() else {
+                continue;
+            };
+            let Some((_, replies)) = replays.iter().find(|(req, _)| req[..] == *body) else {
+                unknown.fetch_add(1, Relaxed);
+                continue;
+            };
+            for reply in replies {
+                let mut out = vec![identity.clone()];
+                out.extend(reply.iter().cloned());
+                router
+                    .send(ZmqMessage::try_from(out).unwrap())
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    let source = ZmqSource::new(WorkerId(21), &publish_ep, Some(&replay_ep))
+        .unwrap()
+        .with_topic(fixture["topic"].as_str().unwrap());
+    hub.register(Registration {
+        zmq: Some(source.publisher.clone()),
+        replay: source.replay.clone(),
+        ..Registration::new(WorkerId(21))
+    })
+    .unwrap();
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    // The last batch live, resent until seen (PUB drops what goes out before the
+    // subscription is up; a resent copy is a retry).
+    let last = live.last().unwrap().clone();
+    let start = Instant::now();
+    while hub.metrics().replayed_batches.load(Relaxed) < 4 {
+        assert!(start.elapsed() < Duration::from_secs(20), "no catch-up");
+        live_socket
+            .send(ZmqMessage::try_from(last.clone()).unwrap())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Batches 0..=3: stores of prompts 1 and 2 (2 blocks each), 2001 removed, prompt 3.
+    wait_for("the recorded batches", || {
+        overlap(&hub, 3, 1) == vec![(key(21, 0), 1)]
+    })
+    .await;
+    assert_eq!(overlap(&hub, 1, 2), vec![(key(21, 0), 2)]);
+    assert_eq!(overlap(&hub, 2, 2), vec![(key(21, 0), 1)]);
+    let m = hub.metrics();
+    assert_eq!(m.dropped(DropReason::MalformedMsgpack), 0);
+    assert_eq!(m.resyncs.load(Relaxed), 0);
+    assert_eq!(
+        m.blocks_stored.load(Relaxed),
+        2 + 2 + 1,
+        "nothing applied twice"
+    );
+    assert_eq!(unknown_requests.load(Relaxed), 0, "asked from seq 0");
+    task.abort();
+    let _ = task.await;
+    server.abort();
+    drop(hub);
+    let _ = runtime;
+}
+
+/// A TCP relay between the subscriber and a publisher's socket: its connections can be
+/// cut, new ones refused, and its target changed (a restarted worker on the same address).
+struct Relay {
+    addr: String,
+    target: Arc<std::sync::Mutex<std::net::SocketAddr>>,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn to(endpoint: &str) -> Self {
+        let target: std::net::SocketAddr = endpoint.trim_start_matches("tcp://").parse().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("tcp://{}", listener.local_addr().unwrap());
+        let target = Arc::new(std::sync::Mutex::new(target));
+        let open = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (cut, cuts) = tokio::sync::watch::channel(0u64);
+        let (t, o) = (target.clone(), open.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if !o.load(Relaxed) {
+                    continue; // dropped: refused
+                }
+                let to = *t.lock().unwrap();
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await else {
+                    continue;
+                };
+                let mut cuts = cuts.clone();
+                cuts.borrow_and_update();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cuts.changed() => {}
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            target,
+            open,
+            cut,
+            task,
+        }
+    }
+
+    /// Cuts every connection and refuses new ones until [`Relay::reopen`].
+    fn cut_off(&self) {
+        self.open.store(false, Relaxed);
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    fn reopen(&self, endpoint: &str) {
+        *self.target.lock().unwrap() = endpoint.trim_start_matches("tcp://").parse().unwrap();
+        self.open.store(true, Relaxed);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.cut.send_modify(|n| *n += 1);
+    }
+}
+
+/// A subscription to `publisher` through relays for both of its sockets.
+async fn setup_relayed(worker: u64, publisher: &mut VllmPublisher) -> (Rig, Relay, Relay) {
+    let (hub, runtime) = common::hub(2);
+    let live = Relay::to(publisher.endpoint()).await;
+    let replay = Relay::to(publisher.replay_endpoint().unwrap()).await;
+    let source = ZmqSource::new(WorkerId(worker), &live.addr, Some(&replay.addr)).unwrap();
+    hub.register(Registration {
+        zmq: Some(source.publisher.clone()),
+        replay: source.replay.clone(),
+        ..Registration::new(WorkerId(worker))
+    })
+    .unwrap();
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    connect(&hub, publisher).await;
+    (Rig { hub, runtime, task }, live, replay)
+}
+
+/// Publishes stores of prompt `p` until the router has it (right after a reconnection the
+/// subscription may not have reached the publisher yet, and PUB drops what it sends before).
+async fn publish_until_seen(hub: &Hub, publisher: &mut VllmPublisher, p: u32, blocks: usize) {
+    let start = Instant::now();
+    while overlap(hub, p, blocks).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "prompt {p} never applied"
+        );
+        publisher
+            .publish(&batch(0, vec![store(p, blocks)]))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn stream_of(hub: &Hub) -> Option<StreamState> {
+    hub.workers()[0].stream
+}
+
+/// The connection drops; the publisher (the same process) goes on meanwhile. While cut off
+/// the worker shows `connecting` and resyncing and is routed as uncached (its blocks may be
+/// stale); once back, the replay's first batch is the last one applied, so the missed
+/// batches are caught up and the old blocks trusted again: nothing lost, nothing cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_same_process_reconnection_loses_and_clears_nothing() {
+    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    let (rig, live, _replay) = setup_relayed(31, &mut publisher).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    wait_for("prompt 1", || !overlap(&hub, 1, 2).is_empty()).await;
+    assert_eq!(stream_of(&hub), Some(StreamState::Subscribed));
+
+    live.cut_off();
+    wait_for("connecting", || {
+        stream_of(&hub) == Some(StreamState::Connecting)
+    })
+    .await;
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "not routed on while unverified"
+    );
+    assert_eq!(hub.workers()[0].resyncing, vec![DpRank(0)]);
+    // Published while the router is cut off: lost on the live stream, kept for replay.
+    publisher
+        .publish(&batch(0, vec![store(2, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish(&batch(0, vec![store(3, 1)]))
+        .await
+        .unwrap();
+    live.reopen(publisher.endpoint());
+    wait_for("caught up", || !overlap(&hub, 3, 1).is_empty()).await;
+    assert_eq!(stream_of(&hub), Some(StreamState::Subscribed));
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![(key(31, 0), 2)],
+        "kept and trusted"
+    );
+    assert_eq!(overlap(&hub, 2, 2), vec![(key(31, 0), 2)]);
+    assert!(hub.workers()[0].resyncing.is_empty());
+    let m = hub.metrics();
+    assert_eq!(m.restarts.load(Relaxed), 0);
+    assert_eq!(m.resyncs.load(Relaxed), 0);
+    assert!(m.replayed_batches.load(Relaxed) >= 2);
+    // The stream goes on live.
+    publish_until_seen(&hub, &mut publisher, 4, 1).await;
+    drop(hub);
+    rig.stop(publisher).await;
+}
+
+/// A worker killed and restarted while the router is cut off: the new process numbers from
+/// 0 again. On reconnection its replay does not hold the last batch applied, so the old
+/// blocks are cleared (a restart) before anything of the new process is trusted, and the
+/// new process's whole history (from 0) is replayed: the index is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restarted_while_disconnected_is_cleared_before_its_new_blocks() {
+    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    let (rig, live, replay) = setup_relayed(32, &mut publisher).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish(&batch(0, vec![store(2, 2)]))
+        .await
+        .unwrap();
+    wait_for("prompt 2", || !overlap(&hub, 2, 2).is_empty()).await;
+
+    live.cut_off();
+    replay.cut_off();
+    drop(publisher); // SIGKILL
+    wait_for("connecting", || {
+        stream_of(&hub) == Some(StreamState::Connecting)
+    })
+    .await;
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "not routed on while unverified"
+    );
+    let mut restarted = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    // Its first batches go out before the router is back.
+    restarted
+        .publish(&batch(0, vec![store(3, 1)]))
+        .await
+        .unwrap();
+    restarted
+        .publish(&batch(0, vec![store(4, 2)]))
+        .await
+        .unwrap();
+    replay.reopen(restarted.replay_endpoint().unwrap());
+    live.reopen(restarted.endpoint());
+    wait_for("the new process's history", || {
+        !overlap(&hub, 4, 2).is_empty() && !overlap(&hub, 3, 1).is_empty()
+    })
+    .await;
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "the old process's blocks are gone"
+    );
+    assert_eq!(overlap(&hub, 2, 2), vec![]);
+    let m = hub.metrics();
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    assert_eq!(m.resyncs.load(Relaxed), 0, "its history from 0 is exact");
+    assert!(hub.workers()[0].resyncing.is_empty());
+    publish_until_seen(&hub, &mut restarted, 5, 1).await;
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    drop(hub);
+    rig.stop(restarted).await;
+}
+
+/// A worker without a replay socket: a reconnection cannot be verified, so its blocks are
+/// cleared and counted as a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnection_without_replay_clears_the_worker() {
+    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", None, 64)
+        .await
+        .unwrap();
+    let (hub, runtime) = common::hub(2);
+    let live = Relay::to(publisher.endpoint()).await;
+    let source = ZmqSource::new(WorkerId(33), &live.addr, None).unwrap();
+    hub.register(Registration {
+        zmq: Some(source.publisher.clone()),
+        ..Registration::new(WorkerId(33))
+    })
+    .unwrap();
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    connect(&hub, &mut publisher).await;
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    wait_for("prompt 1", || !overlap(&hub, 1, 2).is_empty()).await;
+    live.cut_off();
+    wait_for("connecting", || {
+        stream_of(&hub) == Some(StreamState::Connecting)
+    })
+    .await;
+    live.reopen(publisher.endpoint());
+    wait_for("cleared", || hub.metrics().restarts.load(Relaxed) == 1).await;
+    assert_eq!(overlap(&hub, 1, 2), vec![]);
+    wait_for("subscribed", || {
+        stream_of(&hub) == Some(StreamState::Subscribed)
+    })
+    .await;
+    publish_until_seen(&hub, &mut publisher, 2, 1).await;
+    (Rig { hub, runtime, task }).stop(publisher).await;
+}
+
+/// The policy string the restart tests take snapshots under.
+const POLICY: &str = "test-policy";
+
+/// A snapshot of `hub` as `--state-dir` writes it.
+async fn snapshot_of(hub: &Arc<Hub>) -> Vec<u8> {
+    let hub = hub.clone();
+    tokio::task::spawn_blocking(move || {
+        hub.sync().unwrap();
+        transport::state::encode_snapshot(&hub, POLICY)
+            .unwrap()
+            .to_vec()
+    })
+    .await
+    .unwrap()
+}
+
+/// A router restarted from `snapshot`, `worker` registered (not subscribed yet) with
+/// `publisher`'s endpoints (its replay socket only with `replay`).
+fn restarted_router(
+    snapshot: &[u8],
+    worker: u64,
+    publisher: &VllmPublisher,
+    replay: bool,
+) -> (Arc<Hub>, Runtime, ZmqSource) {
+    let loaded = transport::state::Loaded::received(snapshot);
+    let checked = loaded.image(2, POLICY).unwrap();
+    let plan = checked.plan();
+    let (hub, runtime) = common::hub_from(2, Some(checked.image));
+    transport::state::begin_restore(&hub, &plan).unwrap();
+    let replay_ep = if replay {
+        publisher.replay_endpoint()
+    } else {
+        None
+    };
+    let source = ZmqSource::new(WorkerId(worker), publisher.endpoint(), replay_ep).unwrap();
+    hub.register(Registration {
+        zmq: Some(source.publisher.clone()),
+        replay: source.replay.clone(),
+        ..Registration::new(WorkerId(worker))
+    })
+    .unwrap();
+    (hub, runtime, source)
+}
+
+/// A router that served prompts 1 and 2 of `worker` and was then stopped (SIGKILL) right
+/// after a snapshot: the snapshot, the publisher (still serving) and the mark's seq.
+async fn router_killed_after_a_snapshot(worker: u64) -> (Vec<u8>, VllmPublisher, u64) {
+    let (rig, mut publisher) = setup(worker, true).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    publisher
+        .publish(&batch(0, vec![store(2, 2)]))
+        .await
+        .unwrap();
+    wait_for("prompt 2", || !overlap(&hub, 2, 2).is_empty()).await;
+    let mark = publisher.next_seq() - 1;
+    let snapshot = snapshot_of(&hub).await;
+    rig.task.abort();
+    let _ = rig.task.await;
+    drop(hub);
+    drop(rig.hub);
+    rig.runtime.join().unwrap();
+    (snapshot, publisher, mark)
+}
+
+/// `--state-dir` restart while the worker keeps serving: the restored blocks are routed as
+/// uncached (shown resyncing) until the replay from the mark starts with the marked batch
+/// itself (same digest); then what came after is caught up and the blocks count again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_worker_is_trusted_once_its_mark_is_verified() {
+    let (snapshot, mut publisher, _) = router_killed_after_a_snapshot(41).await;
+    // Published while the router is down.
+    publisher
+        .publish(&batch(0, vec![store(3, 1)]))
+        .await
+        .unwrap();
+    let (hub, runtime, source) = restarted_router(&snapshot, 41, &publisher, true);
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "not trusted from the snapshot alone"
+    );
+    assert_eq!(hub.workers()[0].resyncing, vec![DpRank(0)]);
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    wait_for("caught up", || !overlap(&hub, 3, 1).is_empty()).await;
+    wait_for("trusted", || hub.workers()[0].resyncing.is_empty()).await;
+    assert_eq!(overlap(&hub, 1, 2), vec![(key(41, 0), 2)], "kept");
+    assert_eq!(overlap(&hub, 2, 2), vec![(key(41, 0), 2)]);
+    let m = hub.metrics();
+    assert_eq!(m.restarts.load(Relaxed), 0);
+    assert_eq!(m.resyncs.load(Relaxed), 0);
+    assert_eq!(
+        m.blocks_stored.load(Relaxed),
+        1,
+        "only the batch after the mark"
+    );
+    (Rig { hub, runtime, task }).stop(publisher).await;
+}
+
+/// The worker restarted too, and its new process reached the mark's number with other
+/// batches: the replay's batch at the mark has another digest, so the restored blocks are
+/// cleared (a restart); its history does not start at 0 any more, so the worker is
+/// resynced (counted), never served from the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_worker_whose_mark_does_not_match_is_cleared_and_resynced() {
+    let (snapshot, publisher, mark) = router_killed_after_a_snapshot(42).await;
+    drop(publisher);
+    let mut restarted = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    restarted.set_next_seq(mark);
+    restarted
+        .publish(&batch(0, vec![store(5, 1)]))
+        .await
+        .unwrap();
+    let (hub, runtime, source) = restarted_router(&snapshot, 42, &restarted, true);
+    assert_eq!(overlap(&hub, 1, 2), vec![]);
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    wait_for("the new process's batch", || {
+        !overlap(&hub, 5, 1).is_empty()
+    })
+    .await;
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "the snapshot's blocks are gone"
+    );
+    assert_eq!(overlap(&hub, 2, 2), vec![]);
+    let m = hub.metrics();
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    assert_eq!(m.resyncs.load(Relaxed), 1);
+    (Rig { hub, runtime, task }).stop(restarted).await;
+}
+
+/// Without a replay socket a restored worker cannot be verified: cleared at once, shown
+/// resyncing and counted, until its next batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_worker_without_replay_is_cleared_and_resynced() {
+    let (snapshot, mut publisher, _) = router_killed_after_a_snapshot(43).await;
+    let (hub, runtime, source) = restarted_router(&snapshot, 43, &publisher, false);
+    let task = spawn_subscriber(hub.clone(), source, SubscriberConfig::default());
+    wait_for("resynced", || hub.metrics().resyncs.load(Relaxed) == 1).await;
+    assert_eq!(overlap(&hub, 1, 2), vec![]);
+    assert_eq!(hub.workers()[0].resyncing, vec![DpRank(0)]);
+    assert_eq!(hub.metrics().restarts.load(Relaxed), 0);
+    wait_for("subscribed", || {
+        stream_of(&hub) == Some(StreamState::Subscribed)
+    })
+    .await;
+    publish_until_seen(&hub, &mut publisher, 6, 1).await;
+    assert!(hub.workers()[0].resyncing.is_empty());
+    assert_eq!(overlap(&hub, 1, 2), vec![]);
+    (Rig { hub, runtime, task }).stop(publisher).await;
+}
+
+/// A ZMQ batch (it carries a digest) does not end a key's distrust: the first batches of a
+/// replay are older than what the worker holds now, and only the subscriber trusts the key
+/// again, once the whole replay is applied. A numbered batch without a digest (TensorRT-LLM's
+/// event ids) still proves its stream continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zmq_batch_keeps_a_distrusted_key_uncached_until_trusted() {
+    let (hub, runtime) = common::hub(2);
+    hub.register(Registration::new(WorkerId(5))).unwrap();
+    let k = key(5, 0);
+    let cfg = ConvertConfig {
+        block_size: BS as u32,
+    };
+    let events = |p: u32| convert(batch(0, vec![store(p, 2)]), &cfg).events;
+    hub.ingest_marked(k, events(1), 0, Some(11)).unwrap();
+    assert_eq!(overlap(&hub, 1, 2), vec![(k, 2)]);
+    hub.distrust(k);
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "distrusted: routed as uncached"
+    );
+    assert_eq!(hub.workers()[0].resyncing, vec![DpRank(0)]);
+    hub.ingest_marked(k, events(2), 1, Some(12)).unwrap();
+    assert_eq!(
+        overlap(&hub, 2, 2),
+        vec![],
+        "a replayed ZMQ batch keeps it so"
+    );
+    assert_eq!(overlap(&hub, 1, 2), vec![]);
+    hub.trust(k);
+    assert_eq!(overlap(&hub, 1, 2), vec![(k, 2)]);
+    assert_eq!(overlap(&hub, 2, 2), vec![(k, 2)]);
+    hub.distrust(k);
+    hub.ingest_marked(k, events(3), 2, None).unwrap();
+    assert_eq!(
+        overlap(&hub, 3, 2),
+        vec![(k, 2)],
+        "no digest: the batch proves it"
+    );
+    assert!(hub.workers()[0].resyncing.is_empty());
+    drop(hub);
+    drop(runtime);
 }

@@ -257,6 +257,7 @@ mod tests {
             lora_id: None,
             lora_name: None,
             medium: None,
+            extra_keys: None,
         }
     }
 

@@ -306,7 +306,8 @@ pub struct Ingest<P> {
     policy: P,
     dirs: Directories<Placed>,
     /// The last batch applied per numbered stream of the workers whose events come here.
-    marks: HashMap<(WorkerId, u32), u64>,
+    /// `(seq, digest)` of the last batch applied per numbered stream.
+    marks: HashMap<(WorkerId, u32), (u64, Option<u64>)>,
     scratch: Vec<SeqHash>,
     hubs: HubWatch,
 }
@@ -404,7 +405,8 @@ impl<P: ShardPolicy> Ingest<P> {
 
     /// Records that batch `mark.seq` of a stream has been applied (after its events).
     pub fn mark(&mut self, mark: StreamMark) {
-        self.marks.insert((mark.worker, mark.stream), mark.seq);
+        self.marks
+            .insert((mark.worker, mark.stream), (mark.seq, mark.digest));
     }
 
     /// Adds the directories and stream marks to a snapshot image.
@@ -430,13 +432,16 @@ impl<P: ShardPolicy> Ingest<P> {
                     count,
                 }));
         }
-        image
-            .marks
-            .extend(self.marks.iter().map(|(&(w, stream), &seq)| MarkRec {
-                worker: w.0,
-                stream,
-                seq,
-            }));
+        image.marks.extend(
+            self.marks
+                .iter()
+                .map(|(&(w, stream), &(seq, digest))| MarkRec {
+                    worker: w.0,
+                    stream,
+                    seq,
+                    digest,
+                }),
+        );
     }
 
     /// Restores the directories and stream marks of a snapshot image (into an empty
@@ -476,7 +481,7 @@ impl<P: ShardPolicy> Ingest<P> {
         for m in image.marks.iter() {
             self.marks.insert(
                 (WorkerId(m.worker.to_native()), m.stream.to_native()),
-                m.seq.to_native(),
+                (m.seq.to_native(), m.digest.as_ref().map(|d| d.to_native())),
             );
         }
         Ok(())

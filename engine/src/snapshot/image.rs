@@ -121,4 +121,56 @@ pub struct MarkRec {
     pub stream: u32,
     /// The number of the last batch applied.
     pub seq: u64,
+    /// A digest of that batch's bytes as received (the transport's `BatchId::digest`), to
+    /// prove on restart that the publisher still numbers the same history; `None` when the
+    /// stream has none (a mark upgraded from format 1, or a source without digests): the
+    /// mark then cannot prove continuity.
+    pub digest: Option<u64>,
+}
+
+/// Format 1's layout (before marks carried a digest), read only by [`super::upgrade`].
+pub mod v1 {
+    use super::{EntryRec, HolderRec, KeyRec, NodeRec, TrunkImage};
+    use rkyv::{Archive, Deserialize, Serialize};
+
+    /// Format 1's [`super::EngineImage`].
+    #[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+    pub struct EngineImage {
+        /// Shards.
+        pub shards: u32,
+        /// Sharding policy.
+        pub policy: String,
+        /// The trunk.
+        pub trunk: TrunkImage,
+        /// Cores.
+        pub cores: Vec<CoreImage>,
+    }
+
+    /// Format 1's [`super::CoreImage`].
+    #[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+    pub struct CoreImage {
+        /// Tree nodes.
+        pub nodes: Vec<NodeRec>,
+        /// Their blocks.
+        pub seqs: Vec<u64>,
+        /// Their holders.
+        pub holders: Vec<HolderRec>,
+        /// Directories.
+        pub keys: Vec<KeyRec>,
+        /// Directory entries.
+        pub entries: Vec<EntryRec>,
+        /// Stream marks, without digests.
+        pub marks: Vec<MarkRec>,
+    }
+
+    /// Format 1's [`super::MarkRec`]: no digest.
+    #[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct MarkRec {
+        /// The worker.
+        pub worker: u64,
+        /// Its stream.
+        pub stream: u32,
+        /// The last batch's number.
+        pub seq: u64,
+    }
 }

@@ -24,9 +24,15 @@
 //! The archive starts 48 bytes in, so a buffer aligned to 16 bytes (rkyv's `AlignedVec`)
 //! holds it aligned, and it is validated with bytecheck and read in place.
 //!
+//! # Versions
+//! Format 2 added each mark's digest (the last batch's bytes, so that a restart can prove
+//! the publisher still numbers the same history). [`upgrade`] turns a format-1 file into a
+//! format-2 one whose marks have no digest: a restore treats them as unverified.
+//!
 //! # Invariants
 //! 1. [`decode`] accepts exactly what [`encode`] wrote: any other length, checksum, magic or
-//!    version is refused with [`EngineError::BadSnapshot`], never a panic.
+//!    version is refused with [`EngineError::BadSnapshot`], never a panic. [`upgrade`]
+//!    likewise refuses (never panics on) anything but a whole format-1 file.
 //! 2. Restoring an image gives an engine that answers every query and applies every later
 //!    event exactly as the engine it was taken from (tested against the reference model).
 
@@ -44,7 +50,7 @@ use rkyv::util::AlignedVec;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// The layout version [`encode`] writes and [`decode`] accepts.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// The first 8 bytes of every snapshot file.
 pub const MAGIC: [u8; 8] = *b"KVESNAP\0";
 /// Bytes before the archive.
@@ -59,6 +65,8 @@ pub struct StreamMark {
     pub stream: u32,
     /// The batch's number.
     pub seq: u64,
+    /// A digest of the batch's bytes (see [`MarkRec::digest`]); `None`: none known.
+    pub digest: Option<u64>,
 }
 
 /// An empty image with room for a core of about this size (nodes, blocks, directory
@@ -128,22 +136,20 @@ fn u64_at(bytes: &[u8], at: usize) -> Result<u64> {
         .ok_or_else(|| bad("truncated header"))
 }
 
-/// The archived image and the meta bytes of a snapshot file, checked (invariant 1).
-/// `bytes` must start 16-byte aligned (read the file into an `AlignedVec`).
-pub fn decode(bytes: &[u8]) -> Result<(&ArchivedEngineImage, &[u8])> {
+/// The format version in a snapshot file's header.
+fn version_of(bytes: &[u8]) -> Result<u32> {
     if bytes.len() < HEADER_LEN || bytes.get(..8) != Some(&MAGIC[..]) {
         return Err(bad("not a kvengine snapshot"));
     }
-    let version = bytes
+    bytes
         .get(8..12)
         .and_then(|b| <[u8; 4]>::try_from(b).ok())
         .map(u32::from_le_bytes)
-        .ok_or_else(|| bad("truncated header"))?;
-    if version != FORMAT_VERSION {
-        return Err(bad(format!(
-            "format version {version}; this build reads {FORMAT_VERSION}"
-        )));
-    }
+        .ok_or_else(|| bad("truncated header"))
+}
+
+/// The archive and meta bytes of a checked file of any version.
+fn body_of(bytes: &[u8]) -> Result<(&[u8], &[u8])> {
     let archive_len = usize::try_from(u64_at(bytes, 16)?).map_err(|_| bad("bad length"))?;
     let meta_len = usize::try_from(u64_at(bytes, 24)?).map_err(|_| bad("bad length"))?;
     let sum = u64_at(bytes, 32)?;
@@ -157,10 +163,65 @@ pub fn decode(bytes: &[u8]) -> Result<(&ArchivedEngineImage, &[u8])> {
     if xxh3_64(body) != sum {
         return Err(bad("checksum mismatch"));
     }
-    let (archive, meta) = body.split_at(archive_len);
+    Ok(body.split_at(archive_len))
+}
+
+/// The archived image and the meta bytes of a snapshot file, checked (invariant 1).
+/// `bytes` must start 16-byte aligned (read the file into an `AlignedVec`).
+pub fn decode(bytes: &[u8]) -> Result<(&ArchivedEngineImage, &[u8])> {
+    let version = version_of(bytes)?;
+    if version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "format version {version}; this build reads {FORMAT_VERSION}"
+        )));
+    }
+    let (archive, meta) = body_of(bytes)?;
     let image = rkyv::access::<ArchivedEngineImage, rancor::Error>(archive)
         .map_err(|e| bad(format!("invalid archive: {e}")))?;
     Ok((image, meta))
+}
+
+/// A format-1 file rewritten as the current format, its marks without digest (so a
+/// restore cannot trust them); `Ok(None)` for a file already in the current format (or
+/// any other version, which [`decode`] then refuses). `bytes` must start 16-byte aligned.
+pub fn upgrade(bytes: &[u8]) -> Result<Option<AlignedVec>> {
+    if version_of(bytes)? != 1 {
+        return Ok(None);
+    }
+    let (archive, meta) = body_of(bytes)?;
+    let mut aligned = AlignedVec::<16>::with_capacity(archive.len());
+    aligned.extend_from_slice(archive);
+    let old: image::v1::EngineImage =
+        rkyv::from_bytes::<image::v1::EngineImage, rancor::Error>(&aligned)
+            .map_err(|e| bad(format!("invalid format-1 archive: {e}")))?;
+    drop(aligned);
+    let image = EngineImage {
+        shards: old.shards,
+        policy: old.policy,
+        trunk: old.trunk,
+        cores: old
+            .cores
+            .into_iter()
+            .map(|c| CoreImage {
+                nodes: c.nodes,
+                seqs: c.seqs,
+                holders: c.holders,
+                keys: c.keys,
+                entries: c.entries,
+                marks: c
+                    .marks
+                    .into_iter()
+                    .map(|m| MarkRec {
+                        worker: m.worker,
+                        stream: m.stream,
+                        seq: m.seq,
+                        digest: None,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    };
+    encode(&image, meta).map(Some)
 }
 
 #[cfg(test)]
@@ -205,6 +266,7 @@ mod tests {
                         worker: 1,
                         stream: 0,
                         seq: 41,
+                        digest: Some(0xfeed),
                     }],
                 },
                 CoreImage::default(),
@@ -259,6 +321,76 @@ mod tests {
                 Err(EngineError::BadSnapshot(_))
             ));
         }
+    }
+
+    /// A file in format 1 (marks without digest), as older builds wrote it.
+    fn format_1(image: &EngineImage, meta: &[u8]) -> AlignedVec {
+        let old = image::v1::EngineImage {
+            shards: image.shards,
+            policy: image.policy.clone(),
+            trunk: image.trunk.clone(),
+            cores: image
+                .cores
+                .iter()
+                .map(|c| image::v1::CoreImage {
+                    nodes: c.nodes.clone(),
+                    seqs: c.seqs.clone(),
+                    holders: c.holders.clone(),
+                    keys: c.keys.clone(),
+                    entries: c.entries.clone(),
+                    marks: c
+                        .marks
+                        .iter()
+                        .map(|m| image::v1::MarkRec {
+                            worker: m.worker,
+                            stream: m.stream,
+                            seq: m.seq,
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        let archive = rkyv::to_bytes::<rancor::Error>(&old).unwrap();
+        let mut out = AlignedVec::<16>::new();
+        let mut header = [0u8; HEADER_LEN];
+        header[..8].copy_from_slice(&MAGIC);
+        header[8..12].copy_from_slice(&1u32.to_le_bytes());
+        header[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
+        header[24..32].copy_from_slice(&(meta.len() as u64).to_le_bytes());
+        let mut body = archive.to_vec();
+        body.extend_from_slice(meta);
+        header[32..40].copy_from_slice(&xxh3_64(&body).to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&body);
+        out
+    }
+
+    #[test]
+    fn a_format_1_file_upgrades_with_unverified_marks() {
+        let img = sample();
+        let old = format_1(&img, b"meta");
+        assert!(
+            decode(&old).is_err(),
+            "format 1 is not read as the current one"
+        );
+        let new = upgrade(&old).unwrap().expect("upgraded");
+        let (archived, meta) = decode(&new).unwrap();
+        let back: EngineImage = rkyv::deserialize::<_, rancor::Error>(archived).unwrap();
+        let mut want = img;
+        for c in &mut want.cores {
+            for m in &mut c.marks {
+                m.digest = None;
+            }
+        }
+        assert_eq!(back, want);
+        assert_eq!(meta, b"meta");
+        // A current file needs nothing; damage is refused, never a panic.
+        let current = encode(&sample(), b"").unwrap();
+        assert!(upgrade(&current).unwrap().is_none());
+        let mut damaged = old.to_vec();
+        let last = damaged.len() - 1;
+        damaged[last] ^= 1;
+        assert!(upgrade(&aligned(&damaged)).is_err());
     }
 
     #[test]

@@ -195,6 +195,7 @@ impl KvCache {
             lora_id: None,
             lora_name: lora.map(str::to_owned),
             medium: Some(GPU.to_owned()),
+            extra_keys: None,
         });
     }
 
@@ -273,6 +274,7 @@ mod tests {
                 lora_id: None,
                 lora_name: None,
                 medium: Some("GPU".into()),
+                extra_keys: None,
             }]
         );
         assert_eq!(c.cached_prefix(&tokens, lora_seed(None)), 3);

@@ -213,6 +213,7 @@ mod tests {
             lora_id: None,
             lora_name: None,
             medium: Some("GPU".into()),
+            extra_keys: None,
         }
     }
 

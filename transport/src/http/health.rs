@@ -64,6 +64,11 @@ pub(crate) struct Assessment {
     ready: bool,
     /// Why not ready (empty when ready).
     reasons: Vec<String>,
+    /// Workers the router cannot route by their caches, one line each naming the worker
+    /// and the cause (a configuration error such as another block size, or a KV event
+    /// stream that is not connected). Such a worker is not usable; while another one is,
+    /// the router stays ready and says so here.
+    problems: Vec<String>,
     /// Whether the router routes on KV events (false: approximate mode).
     kv_events: bool,
     engine: EngineHealth,
@@ -143,8 +148,31 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         degraded: all.iter().filter(|w| !w.degraded.is_empty()).count(),
     };
     // A worker serves requests once it passes health checks and, if the router subscribes
-    // to its KV events, once that stream is up (before, kv routing is blind to its cache).
-    let usable = |w: &WorkerInfo| w.healthy && w.stream != Some(StreamState::Connecting);
+    // to its KV events, once that stream is up and its events can be applied (before, or
+    // with another block size, kv routing is blind to its cache).
+    let usable = |w: &WorkerInfo| {
+        w.healthy && w.stream != Some(StreamState::Connecting) && w.config_error.is_none()
+    };
+    let problems: Vec<String> = all
+        .iter()
+        .filter_map(|w| {
+            let id = w.registration.worker;
+            if let Some(e) = &w.config_error {
+                return Some(format!("worker {id}: its KV events cannot be applied: {e}"));
+            }
+            (w.stream == Some(StreamState::Connecting)).then(|| {
+                format!(
+                    "worker {id}: KV event stream not connected{}",
+                    match &w.registration.zmq {
+                        Some(endpoint) => format!(
+                            " to {endpoint} (is the worker's endpoint bound, tcp://*:PORT?)"
+                        ),
+                        None => String::new(),
+                    }
+                )
+            })
+        })
+        .collect();
     if workers.healthy == 0 {
         reasons.push(format!(
             "no healthy worker ({} registered)",
@@ -152,8 +180,9 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         ));
     } else if !all.iter().any(usable) {
         reasons.push(format!(
-            "no healthy worker has its KV event stream subscribed ({} connecting)",
-            workers.streams_connecting
+            "no healthy worker has its KV event stream subscribed and applicable \
+             ({} connecting, {} with a configuration error)",
+            workers.streams_connecting, workers.config_errors
         ));
     }
     let models: Vec<ModelHealth> = hub
@@ -177,6 +206,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         status: if ready { "ready" } else { "not_ready" },
         ready,
         reasons,
+        problems,
         kv_events: hub.kv_events(),
         engine,
         workers,

@@ -25,6 +25,8 @@ pub struct PromptFields {
     pub request_id: Option<String>,
     /// The LoRA adapter (selects the hash seed).
     pub lora_name: Option<String>,
+    /// vLLM's `cache_salt`: folded into block 0's hash (`""` is no salt).
+    pub cache_salt: Option<String>,
     /// `kv`, `round-robin`, `random` or `direct` (route only).
     pub mode: Option<String>,
     /// The worker for `direct` mode (route only).
@@ -59,6 +61,7 @@ pub fn parse_prompt_serde(
     Ok(PromptFields {
         request_id: slow.request_id,
         lora_name: slow.lora_name,
+        cache_salt: slow.cache_salt,
         mode: slow.mode,
         worker_id: slow.worker_id,
         overlap_weight: slow.overlap_weight,
@@ -75,6 +78,8 @@ struct SlowPrompt {
     request_id: Option<String>,
     #[serde(default)]
     lora_name: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
     #[serde(default)]
     mode: Option<String>,
     #[serde(default)]
@@ -369,6 +374,10 @@ fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
                 f.model = c.serde_value()?;
                 256
             }
+            b"cache_salt" => {
+                f.cache_salt = c.serde_value()?;
+                512
+            }
             _ => {
                 let _: IgnoredAny = c.serde_value()?;
                 0
@@ -432,6 +441,10 @@ mod tests {
         assert_eq!(f.worker_id, None);
         assert_eq!(f.overlap_weight, Some(1.5));
         let mut t = Vec::new();
+        let f = parse_prompt(br#"{"token_ids": [1], "cache_salt": "tenant-a"}"#, &mut t).unwrap();
+        assert_eq!(f.cache_salt.as_deref(), Some("tenant-a"));
+        assert!(fast(br#"{"token_ids": [1], "cache_salt": "tenant-a"}"#, &mut t).is_some());
+        let mut t = Vec::new();
         assert!(fast(br#"{"token_ids":[1,2,3]}"#, &mut t).is_some());
         assert_eq!(t, vec![1, 2, 3]);
         let mut t = Vec::new();
@@ -470,6 +483,10 @@ mod tests {
             r#"{"token_ids": [1], "temperature": "hot"}"#,
             r#"{"token_ids": [1], "worker_id": -3}"#,
             r#"{"token_ids": [1], "lora_name": "é"}"#,
+            r#"{"token_ids": [1], "cache_salt": "s\u00e9"}"#,
+            r#"{"token_ids": [1], "cache_salt": 7}"#,
+            r#"{"token_ids": [1], "cache_salt": null}"#,
+            r#"{"token_ids": [1], "cache_salt": "a", "cache_salt": "b"}"#,
             r#"{"ключ": 1, "token_ids": [1]}"#,
         ] {
             let (a, b) = both(body);

@@ -59,8 +59,12 @@ pub(super) async fn overlap(State(st): State<AppState>, body: RawBody) -> Respon
     let hub = &st.hub;
     let result = with_tokens(|tokens| {
         let fields = parse(hub, &body.0, tokens)?;
-        let (block_size, blocks, matches) =
-            hub.overlap(fields.model.as_deref(), tokens, fields.lora_name.as_deref())?;
+        let (block_size, blocks, matches) = hub.overlap_salted(
+            fields.model.as_deref(),
+            tokens,
+            fields.lora_name.as_deref(),
+            fields.cache_salt.as_deref(),
+        )?;
         Ok::<_, ApiError>(OverlapResponse {
             block_size,
             blocks,
@@ -172,6 +176,7 @@ async fn route_tokens(
         request_id: fields.request_id,
         tokens,
         lora_name: fields.lora_name.as_deref(),
+        cache_salt: fields.cache_salt.as_deref(),
         overrides,
     };
     let routed = hub.route_async(fields.model.as_deref(), &call, now).await?;

@@ -4,10 +4,10 @@
 //! block hashes are kept only as opaque [`EngineHash`] ids. Nothing here fails: an event the
 //! router cannot apply is dropped and counted under its [`DropReason`].
 
-use super::decode::{WireBatch, WireEvent};
+use super::decode::{WireBatch, WireEvent, WireExtraItem, WireExtraKeys};
 use crate::error::DropReason;
 use engine::event::{KvEvent, StoredBlock};
-use engine::hash::{lora_seed, tokens_hashes};
+use engine::hash::{ExtraKey, fold_extras, lora_seed, tokens_hashes};
 use engine::{DpRank, EngineHash};
 
 /// The router's settings that decide whether an event can be applied.
@@ -33,10 +33,11 @@ pub struct Converted {
 }
 
 /// Drop counters, in the order they are reported.
-const REASONS: [DropReason; 4] = [
+const REASONS: [DropReason; 5] = [
     DropReason::NonGpuMedium,
     DropReason::BlockSizeMismatch,
     DropReason::TokenCountMismatch,
+    DropReason::MalformedMsgpack,
     DropReason::Other,
 ];
 
@@ -51,10 +52,18 @@ const REASONS: [DropReason; 4] = [
 ///   [`Converted::block_size_mismatch`] records the first such size.
 /// * `Stored` whose token count is not `block_hashes.len() * cfg.block_size`: dropped as
 ///   [`DropReason::TokenCountMismatch`].
+/// * `Stored` whose `extra_keys` is malformed (not one nil-or-list entry per block, or, with
+///   `lora_name` set, a non-nil entry that does not start with that name): dropped as
+///   [`DropReason::MalformedMsgpack`].
 /// * Otherwise block `i` gets engine hash `block_hashes[i]` and tokens hash
 ///   `tokens_hash(token_ids[i*bs..(i+1)*bs], lora_seed(name))`, where `name` is `lora_name`,
 ///   or, when only a non-null `lora_id` is sent, that id's decimal string (so two adapters
-///   with different ids never share blocks even without names).
+///   with different ids never share blocks even without names). When `extra_keys[i]` holds
+///   items besides the LoRA name (already in the seed, so not folded twice), they are folded
+///   in with [`fold_extras`]: a bare string is the `cache_salt`
+///   ([`ExtraKey::CacheSalt`]), an `[identifier, offset]` pair a multimodal item, a bin a
+///   prompt-embeds digest, in the order sent. A request with the same salt hashes block 0
+///   the same way ([`engine::hash::seq_hashes_salted`]).
 ///
 /// The batch's unknown events are counted as [`DropReason::Other`].
 pub fn convert(batch: WireBatch, cfg: &ConvertConfig) -> Converted {
@@ -65,7 +74,7 @@ pub fn convert(batch: WireBatch, cfg: &ConvertConfig) -> Converted {
         drops: Vec::new(),
         block_size_mismatch: None,
     };
-    counts[3] = u64::from(batch.unknown_events);
+    counts[4] = u64::from(batch.unknown_events);
     let bs = cfg.block_size as usize;
     for ev in batch.events {
         match ev {
@@ -77,6 +86,7 @@ pub fn convert(batch: WireBatch, cfg: &ConvertConfig) -> Converted {
                 lora_id,
                 lora_name,
                 medium,
+                extra_keys,
             } => {
                 if block_hashes.is_empty() {
                     continue;
@@ -97,14 +107,26 @@ pub fn convert(batch: WireBatch, cfg: &ConvertConfig) -> Converted {
                     counts[2] += 1;
                     continue;
                 }
+                let extras =
+                    match block_extras(extra_keys, block_hashes.len(), lora_name.as_deref()) {
+                        Some(e) => e,
+                        None => {
+                            counts[3] += 1;
+                            continue;
+                        }
+                    };
                 let seed = match (lora_name, lora_id) {
                     (Some(name), _) => lora_seed(Some(&name)),
                     (None, Some(id)) => lora_seed(Some(&id.to_string())),
                     (None, None) => lora_seed(None),
                 };
+                let mut hashes = tokens_hashes(&token_ids, bs, seed);
+                for (t, items) in hashes.iter_mut().zip(&extras) {
+                    *t = fold_extras(*t, items);
+                }
                 let blocks = block_hashes
                     .iter()
-                    .zip(tokens_hashes(&token_ids, bs, seed))
+                    .zip(hashes)
                     .map(|(&h, t)| StoredBlock {
                         engine_hash: EngineHash(h),
                         tokens_hash: t,
@@ -140,6 +162,51 @@ pub fn convert(batch: WireBatch, cfg: &ConvertConfig) -> Converted {
         .map(|(&r, c)| (r, c))
         .collect();
     out
+}
+
+/// The non-LoRA extra keys of each of `blocks` blocks (empty lists when `extra_keys` is
+/// absent); `None` when the list is malformed: a wrong length, or with `lora_name` set an
+/// entry that does not start with that name.
+fn block_extras(
+    extra_keys: Option<WireExtraKeys>,
+    blocks: usize,
+    lora_name: Option<&str>,
+) -> Option<Vec<Vec<ExtraKey>>> {
+    let entries = match extra_keys {
+        None => return Some(Vec::new()),
+        Some(WireExtraKeys::Malformed) => return None,
+        Some(WireExtraKeys::Blocks(e)) => e,
+    };
+    if entries.len() != blocks {
+        return None;
+    }
+    entries
+        .into_iter()
+        .map(|entry| {
+            let Some(items) = entry else {
+                return Some(Vec::new());
+            };
+            let mut items = items.into_iter();
+            if let Some(name) = lora_name {
+                // vLLM lists the adapter's name first on every block of a LoRA request.
+                match items.next() {
+                    Some(WireExtraItem::Str(s)) if s == name => {}
+                    _ => return None,
+                }
+            }
+            Some(
+                items
+                    .map(|item| match item {
+                        WireExtraItem::Str(s) => ExtraKey::CacheSalt(s),
+                        WireExtraItem::Mm(identifier, offset) => {
+                            ExtraKey::Multimodal { identifier, offset }
+                        }
+                        WireExtraItem::Bin(b) => ExtraKey::PromptEmbeds(b),
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
 }
 
 /// Whether a medium names GPU memory (absent means GPU: older publishers only report GPU).

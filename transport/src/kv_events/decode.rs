@@ -47,6 +47,8 @@ pub enum WireEvent {
         lora_name: Option<String>,
         /// The storage medium (`"GPU"`, `"CPU"`, ...), when sent.
         medium: Option<String>,
+        /// vLLM's `extra_keys` (one entry per block of `block_hashes`), when sent and not nil.
+        extra_keys: Option<WireExtraKeys>,
     },
     /// `BlockRemoved`: blocks left the cache.
     Removed {
@@ -57,6 +59,30 @@ pub enum WireEvent {
     },
     /// `AllBlocksCleared`: the whole cache of this rank was emptied.
     Cleared,
+}
+
+/// `BlockStored.extra_keys` as published (vLLM's `to_event_extra_keys`): untagged, one
+/// entry per block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireExtraKeys {
+    /// One entry per block: `None` (nil) for a block without extra keys, else its items in
+    /// order.
+    Blocks(Vec<Option<Vec<WireExtraItem>>>),
+    /// Well-formed msgpack that is not a list of nil-or-array entries of known items: the
+    /// event is dropped at conversion (counted), the rest of the batch still applies.
+    Malformed,
+}
+
+/// One untagged item of a block's `extra_keys` entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireExtraItem {
+    /// A bare string: the LoRA name (first, when the event's `lora_name` is set) or the
+    /// `cache_salt` (block 0 only).
+    Str(String),
+    /// A multimodal item: `(identifier, offset)`.
+    Mm(String, i64),
+    /// A bin: a prompt-embeddings digest (vLLM: SHA-256).
+    Bin(Vec<u8>),
 }
 
 /// Decodes one msgpack KV-event batch.
@@ -116,6 +142,7 @@ struct Fields {
     lora_id: Option<i64>,
     lora_name: Option<String>,
     medium: Option<String>,
+    extra_keys: Option<WireExtraKeys>,
 }
 
 struct Cursor<'a> {
@@ -490,6 +517,10 @@ impl<'a> Cursor<'a> {
                     f.lora_name = self.opt_string("lora_name")?;
                     i += 1;
                 }
+                if i < n {
+                    f.extra_keys = self.extra_keys()?;
+                    i += 1;
+                }
             }
             Tag::Removed => {
                 if n < 2 {
@@ -555,6 +586,7 @@ impl<'a> Cursor<'a> {
                 (Tag::Stored, Some(b"block_size")) => f.block_size = self.opt_u32("block_size")?,
                 (Tag::Stored, Some(b"lora_id")) => f.lora_id = self.opt_i64("lora_id")?,
                 (Tag::Stored, Some(b"lora_name")) => f.lora_name = self.opt_string("lora_name")?,
+                (Tag::Stored, Some(b"extra_keys")) => f.extra_keys = self.extra_keys()?,
                 _ => self.skip_value()?,
             }
         }
@@ -606,6 +638,7 @@ impl<'a> Cursor<'a> {
                     lora_id: f.lora_id,
                     lora_name: f.lora_name,
                     medium: f.medium,
+                    extra_keys: f.extra_keys,
                 }
             }
         }))
@@ -707,6 +740,79 @@ impl<'a> Cursor<'a> {
                 Err(_) => self.bad(what),
             },
             None => self.bad(what),
+        }
+    }
+
+    /// `extra_keys`: nil (`None`), the per-block list, or [`WireExtraKeys::Malformed`] for
+    /// any other well-formed value. Only bytes that are not msgpack at all are an error.
+    fn extra_keys(&mut self) -> R<Option<WireExtraKeys>> {
+        if self.eat_nil()? {
+            return Ok(None);
+        }
+        let start = self.pos;
+        match self.extra_key_blocks() {
+            Ok(blocks) => Ok(Some(WireExtraKeys::Blocks(blocks))),
+            Err(_) => {
+                // Not the expected shape (or not msgpack): skip the value whole from its
+                // start; if even that fails the bytes are malformed.
+                self.pos = start;
+                self.skip_value()?;
+                Ok(Some(WireExtraKeys::Malformed))
+            }
+        }
+    }
+
+    fn extra_key_blocks(&mut self) -> R<Vec<Option<Vec<WireExtraItem>>>> {
+        let m = self.marker()?;
+        let Some(n) = self.array_len_after(m)? else {
+            return self.bad("extra_keys is not an array");
+        };
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            if self.eat_nil()? {
+                out.push(None);
+                continue;
+            }
+            let m = self.marker()?;
+            let Some(k) = self.array_len_after(m)? else {
+                return self.bad("extra_keys entry is neither nil nor an array");
+            };
+            let mut items = Vec::with_capacity(k);
+            for _ in 0..k {
+                items.push(self.extra_item()?);
+            }
+            out.push(Some(items));
+        }
+        Ok(out)
+    }
+
+    fn extra_item(&mut self) -> R<WireExtraItem> {
+        let m = self.marker()?;
+        if let Some(s) = self.str_after(m)? {
+            return match std::str::from_utf8(s) {
+                Ok(s) => Ok(WireExtraItem::Str(s.to_owned())),
+                Err(_) => self.bad("extra key string is not UTF-8"),
+            };
+        }
+        if let Some(b) = self.bin_after(m)? {
+            return Ok(WireExtraItem::Bin(b.to_vec()));
+        }
+        match self.array_len_after(m)? {
+            Some(2) => {}
+            _ => return self.bad("extra key is not a string, bin or (identifier, offset)"),
+        }
+        let m = self.marker()?;
+        let id = match self.str_after(m)? {
+            Some(s) => match std::str::from_utf8(s) {
+                Ok(s) => s.to_owned(),
+                Err(_) => return self.bad("multimodal identifier is not UTF-8"),
+            },
+            None => return self.bad("multimodal identifier is not a string"),
+        };
+        let m = self.marker()?;
+        match self.int_after(m)?.map(i64::try_from) {
+            Some(Ok(offset)) => Ok(WireExtraItem::Mm(id, offset)),
+            _ => self.bad("multimodal offset is not an i64"),
         }
     }
 

@@ -8,7 +8,13 @@
 //! * Event: a positional array with the type tag first, or a map with a `"type"` key (keys in
 //!   any order, unknown ones ignored).
 //!   * `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size?, lora_id?,
-//!     medium?, lora_name?, ...]` (4 or more elements; later ones of any type are skipped).
+//!     medium?, lora_name?, extra_keys?, ...]` (4 or more elements; later ones of any type
+//!     are skipped). In a map, `extra_keys` is read by name.
+//!   * `extra_keys` (vLLM 0.32): nil, or one entry per block, each nil or an array of untagged
+//!     items: a string (the LoRA name, first when `lora_name` is set; else the `cache_salt`),
+//!     an `[identifier, offset]` array (a multimodal item) or a bin (a prompt-embeds digest).
+//!     A well-formed value of any other shape decodes as [`WireExtraKeys::Malformed`] and
+//!     [`convert`] drops that event (counted), not the batch.
 //!   * `["BlockRemoved", block_hashes, medium?, ...]`.
 //!   * `["AllBlocksCleared", ...]`.
 //!   * Any other tag: skipped and counted in [`WireBatch::unknown_events`].
@@ -26,7 +32,8 @@
 //! 3. Decoding is one forward pass with no intermediate value tree; tokens are decoded
 //!    straight into the event's `Vec<u32>`.
 //! 4. A batch either decodes whole or is refused whole ([`TransportError::MalformedMsgpack`]);
-//!    [`convert`] never fails, it drops and counts what the router cannot apply.
+//!    [`convert`] never fails, it drops and counts what the router cannot apply. The one
+//!    per-event exception is `extra_keys` (see above).
 //!
 //! [`TransportError::MalformedMsgpack`]: crate::TransportError::MalformedMsgpack
 
@@ -34,4 +41,7 @@ mod convert;
 mod decode;
 
 pub use convert::{ConvertConfig, Converted, convert};
-pub use decode::{MAX_BATCH_BYTES, MAX_HASH_BIN_BYTES, WireBatch, WireEvent, decode_batch};
+pub use decode::{
+    MAX_BATCH_BYTES, MAX_HASH_BIN_BYTES, WireBatch, WireEvent, WireExtraItem, WireExtraKeys,
+    decode_batch,
+};

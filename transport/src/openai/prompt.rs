@@ -6,6 +6,9 @@
 //! * `/v1/chat/completions`: `messages` rendered with the model's chat template and tokenized
 //!   without adding special tokens (vLLM's default), or the built-in stand-in without a
 //!   tokenizer ([`super::fallback`]).
+//! * Both: `cache_salt`, vLLM's per-request prefix-cache namespace, a top-level string
+//!   (absent, `null` and `""` are no salt; any other type is refused as vLLM refuses it). The
+//!   router folds it into the prompt's block hashes ([`engine::hash::seq_hashes_salted`]).
 
 use super::errors::OpenAiError;
 use super::fallback;
@@ -27,6 +30,8 @@ struct CompletionBody {
     #[serde(default)]
     model: Option<Value>,
     prompt: Option<Value>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -34,6 +39,8 @@ struct ChatBody {
     #[serde(default)]
     model: Option<Value>,
     messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    cache_salt: Option<Value>,
 }
 
 /// The request's `model`: a string, or absent (`null` and `""` count as absent, as vLLM
@@ -46,6 +53,20 @@ fn model_name(v: Option<Value>) -> Result<Option<String>, OpenAiError> {
         Some(_) => Err(OpenAiError::invalid(
             Some("model"),
             "model must be a string",
+        )),
+    }
+}
+
+/// The request's `cache_salt`: a string, or absent (`null` and `""` count as absent: vLLM
+/// salts only with a non-empty one).
+fn cache_salt(v: Option<Value>) -> Result<Option<String>, OpenAiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(OpenAiError::invalid(
+            Some("cache_salt"),
+            "cache_salt must be a string",
         )),
     }
 }
@@ -70,6 +91,8 @@ fn text_ids(text: &str, tokenizer: Option<&PromptTokenizer>) -> Result<Vec<u32>,
 pub struct OpenAiPrompt {
     /// The request's `model`.
     pub model: Option<String>,
+    /// The request's non-empty `cache_salt`, if any.
+    pub cache_salt: Option<String>,
     input: Input,
 }
 
@@ -111,6 +134,7 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
             };
             Ok(OpenAiPrompt {
                 model: model_name(b.model)?,
+                cache_salt: cache_salt(b.cache_salt)?,
                 input,
             })
         }
@@ -122,6 +146,7 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
                 .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
             Ok(OpenAiPrompt {
                 model: model_name(b.model)?,
+                cache_salt: cache_salt(b.cache_salt)?,
                 input: Input::Messages(messages),
             })
         }
@@ -179,6 +204,37 @@ mod tests {
         let words = fallback::text_token_ids("hello world");
         assert_eq!(completion(r#"{"prompt": "hello world"}"#).unwrap(), words);
         assert_eq!(completion(r#"{"prompt": ["hello world"]}"#).unwrap(), words);
+    }
+
+    #[test]
+    fn cache_salt_is_read_from_both_routes() {
+        let c = parse_request(
+            br#"{"prompt": [1, 2], "cache_salt": "tenant-a"}"#,
+            PromptSource::Completion,
+        )
+        .unwrap();
+        assert_eq!(c.cache_salt.as_deref(), Some("tenant-a"));
+        let chat = parse_request(
+            br#"{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t"}"#,
+            PromptSource::Chat,
+        )
+        .unwrap();
+        assert_eq!(chat.cache_salt.as_deref(), Some("t"));
+        for body in [
+            r#"{"prompt": [1]}"#,
+            r#"{"prompt": [1], "cache_salt": null}"#,
+            r#"{"prompt": [1], "cache_salt": ""}"#,
+        ] {
+            let p = parse_request(body.as_bytes(), PromptSource::Completion).unwrap();
+            assert_eq!(p.cache_salt, None, "{body}");
+        }
+        for body in [
+            r#"{"prompt": [1], "cache_salt": 5}"#,
+            r#"{"prompt": [1], "cache_salt": ["a"]}"#,
+        ] {
+            let e = parse_request(body.as_bytes(), PromptSource::Completion).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+        }
     }
 
     #[test]

@@ -84,6 +84,10 @@ impl ProxyConfig {
     }
 }
 
+/// How long an idle connection to a worker is kept for reuse: under vLLM's (uvicorn's)
+/// default keep-alive of 5 s.
+const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
+
 #[derive(Debug)]
 pub(crate) struct Proxy {
     pub(crate) hub: Arc<Hub>,
@@ -96,7 +100,13 @@ pub(crate) struct Proxy {
 /// The proxy's routes, to merge into the HTTP edge's router.
 pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
     let limit = cfg.max_body_bytes;
-    let client = Client::builder(TokioExecutor::new()).build_http();
+    // Idle connections are dropped before the workers drop them: vLLM's server (uvicorn)
+    // closes a keep-alive connection after 5 s idle, and a request sent on one it is closing
+    // fails before reaching the worker, so it was retried on another worker (found with real
+    // vLLM workers: the first request after an idle spell went elsewhere than predicted).
+    let client = Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(UPSTREAM_IDLE)
+        .build_http();
     let started = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -230,12 +240,14 @@ pub(crate) async fn route(
     hub: &Hub,
     model: &str,
     tokens: &[u32],
+    cache_salt: Option<&str>,
     overrides: RouteOverrides,
 ) -> Result<Routed, OpenAiError> {
     let call = RouteCall {
         request_id: None,
         tokens,
         lora_name: None,
+        cache_salt,
         overrides,
     };
     hub.route_async(Some(model), &call, Instant::now())
@@ -330,9 +342,11 @@ async fn forward_with(
         Err(e) => return bad(e),
     };
     if disagg::applies(&p.hub, &model) {
-        return disagg::forward(&p, path, &body, &tokens, fwd, &model).await;
+        let salt = prompt.cache_salt.as_deref();
+        return disagg::forward(&p, path, &body, &tokens, salt, fwd, &model).await;
     }
-    let routed = match route(&p.hub, &model, &tokens, RouteOverrides::default()).await {
+    let salt = prompt.cache_salt.as_deref();
+    let routed = match route(&p.hub, &model, &tokens, salt, RouteOverrides::default()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -342,6 +356,7 @@ async fn forward_with(
         body: &body,
         fwd,
         model: &model,
+        cache_salt: salt,
     };
     send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
 }
@@ -376,6 +391,8 @@ pub(crate) struct Outgoing<'a> {
     pub fwd: &'a Forwarded,
     /// The namespace the request routes in ([`crate::models`]).
     pub model: &'a str,
+    /// The request's non-empty `cache_salt` (part of its block hashes).
+    pub cache_salt: Option<&'a str>,
 }
 
 /// The whole request once more, on the next-best candidate (in `pool`) of `routed`'s
@@ -400,7 +417,7 @@ pub(crate) async fn retry_elsewhere(
         worker: Some(next.worker),
         ..RouteOverrides::default()
     };
-    let retry = match route(&p.hub, out.model, tokens, overrides).await {
+    let retry = match route(&p.hub, out.model, tokens, out.cache_salt, overrides).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

@@ -2,27 +2,35 @@
 //! one file, written in the background and at shutdown, restored at start.
 //!
 //! Taking a snapshot: the engine cuts every core consistently (`engine::snapshot`); the
-//! cut carries, per worker, the number of the last batch of its ZMQ stream that is in it
-//! (its *mark*). The transport adds the workers registered over the API (their
+//! cut carries, per worker, the number and the digest of the last batch of its ZMQ stream
+//! that is in it (its *mark*). The transport adds the workers registered over the API (their
 //! registrations, as JSON) and writes the file atomically ([`mod@file`], io_uring on Linux).
 //!
 //! Restoring: the cores are rebuilt from the image (rayon, one task per core), then
 //! [`begin_restore`] and [`finish_restore`] decide, worker by worker, what may be kept:
 //! * a worker that is no longer registered (neither configured nor in the snapshot's API
 //!   registrations) is forgotten;
-//! * a worker whose stream has a mark keeps its blocks, and its subscriber resumes from
-//!   the mark: it asks the publisher's replay socket for every batch after it before taking
-//!   live batches. Where the replay cannot reach back that far (or the worker has no
-//!   replay socket and the next live batch is not the next number), the stream clears the
-//!   worker and counts a resync, exactly as for a gap while running;
+//! * a worker whose stream has a mark keeps its blocks but is not trusted from the
+//!   snapshot alone: its ranks are distrusted ([`Hub::distrust`]: shown resyncing, routed
+//!   as uncached) from the restore on. Its subscriber asks the publisher's replay socket for
+//!   the batches from the mark on: if the first is the marked batch itself (same number,
+//!   same digest), the publisher is the process the snapshot saw, the rest is catch-up and
+//!   the blocks are trusted again (exact). Otherwise (another batch, none, a timeout, no
+//!   replay socket, a mark without digest) the worker is cleared and counted (a restart,
+//!   or a resync when the publisher's history cannot be replayed from 0), exactly as for a
+//!   reconnection while running (`crate::stream`);
 //! * a worker without a mark (its events came over QUIC or HTTP, whose numbering does not
 //!   survive a restart) is cleared and counted: what it holds now cannot be known.
 //!
-//! So after a restart nothing stale is kept, and nothing acknowledged is lost where the
-//! publisher's replay buffer still holds what came after the snapshot.
+//! So after a restart no stale entry is ever a hit, and nothing acknowledged is lost where
+//! the publisher's replay buffer still holds the marked batch and what came after it.
+//! Snapshots of format 1 (marks without digest) restore with every ZMQ worker cleared and
+//! resynced.
 //!
 //! # Invariants
-//! 1. A restored worker keeps its blocks only if its subscriber resumes from its mark.
+//! 1. A restored worker keeps its blocks only if its subscriber resumes from its mark, and
+//!    they count in routing only once its stream proved continuity (a replayed batch equal
+//!    to the mark) or a batch of its applied.
 //! 2. [`Persisted::take_resume`] hands each worker's resume point out once: a
 //!    re-subscription after a config reload starts fresh, like any new subscription.
 //!
@@ -55,6 +63,8 @@ const META_VERSION: u32 = 1;
 pub struct Resume {
     /// The number of the last batch in the snapshot.
     pub last_seq: u64,
+    /// The digest of that batch's bytes (`None`: unverifiable, e.g. a format-1 snapshot).
+    pub last_digest: Option<u64>,
     /// The ranks the snapshot holds blocks of (what a clear must reach).
     pub ranks: Vec<DpRank>,
 }
@@ -74,7 +84,8 @@ pub struct Persisted {
     pub last_snapshot_bytes: AtomicU64,
     /// Microseconds the restore at start took (reading, checking, rebuilding the cores).
     pub restore_us: AtomicU64,
-    /// Workers whose blocks a restore kept (their streams resume from their marks).
+    /// Workers whose blocks a restore kept (their streams resume from their marks and verify
+    /// them before the blocks count).
     pub restored_workers: AtomicU64,
     /// Workers a restore cleared: no resumable stream, or no longer registered.
     pub restore_cleared: AtomicU64,
@@ -254,7 +265,7 @@ impl StateDir {
     pub fn load(&self) -> Result<Option<Loaded>> {
         let path = self.snapshot_path();
         match file::read(&path) {
-            Ok((bytes, backend)) => Ok(Some(Loaded { bytes, backend })),
+            Ok((bytes, backend)) => Ok(Some(Loaded::upgraded(bytes, backend))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io_err("reading the snapshot", e)),
         }
@@ -324,9 +335,24 @@ impl Loaded {
     pub fn received(bytes: &[u8]) -> Self {
         let mut aligned = AlignedVec::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
-        Self {
-            bytes: aligned,
-            backend: file::Backend::Network,
+        Self::upgraded(aligned, file::Backend::Network)
+    }
+
+    /// A file as read, rewritten in the current format if it is an older one (its marks
+    /// then carry no digest: the workers are cleared and resynced on restore). A file that
+    /// does not upgrade is kept as read, for [`Loaded::image`] to refuse.
+    fn upgraded(bytes: AlignedVec, backend: file::Backend) -> Self {
+        match snapshot::upgrade(&bytes) {
+            Ok(Some(new)) => {
+                tracing::info!(
+                    "snapshot of an older format: restoring it with its streams unverified"
+                );
+                Self {
+                    bytes: new,
+                    backend,
+                }
+            }
+            Ok(None) | Err(_) => Self { bytes, backend },
         }
     }
 
@@ -372,7 +398,7 @@ impl Loaded {
 /// can go).
 #[derive(Debug, Default)]
 pub struct Plan {
-    marks: BTreeMap<WorkerId, u64>,
+    marks: BTreeMap<WorkerId, (u64, Option<u64>)>,
     ranks: BTreeMap<WorkerId, BTreeSet<DpRank>>,
     workers: Vec<SavedWorker>,
 }
@@ -397,8 +423,9 @@ impl Checked<'_> {
         for core in self.image.cores.iter() {
             for m in core.marks.iter() {
                 if m.stream.to_native() == 0 {
+                    let digest = m.digest.as_ref().map(|d| d.to_native());
                     plan.marks
-                        .insert(WorkerId(m.worker.to_native()), m.seq.to_native());
+                        .insert(WorkerId(m.worker.to_native()), (m.seq.to_native(), digest));
                 }
             }
             for k in core.keys.iter() {
@@ -424,9 +451,10 @@ pub struct Restored {
 }
 
 /// First half of a restore, right after the cores were started from the snapshot and
-/// before any subscription starts: every worker without a mark is cleared (its blocks
-/// came over QUIC or HTTP, whose numbering does not survive a restart), and every marked
-/// worker gets its resume point (invariant 1).
+/// before any subscription starts (or anything routes): every worker without a mark is
+/// cleared (its blocks came over QUIC or HTTP, whose numbering does not survive a
+/// restart), and every marked worker gets its resume point and its ranks are distrusted
+/// until its stream proves continuity (invariant 1).
 pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
     let mut out = Restored::default();
     for &worker in plan.ranks.keys() {
@@ -439,12 +467,22 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
             "restored blocks dropped: its events do not come over a stream that can resume (ZMQ)");
     }
     let mut resume = lock(&hub.persisted().resume);
-    for (&worker, &last_seq) in &plan.marks {
-        let ranks = plan
+    for (&worker, &(last_seq, last_digest)) in &plan.marks {
+        let ranks: Vec<DpRank> = plan
             .ranks
             .get(&worker)
             .map_or_else(Vec::new, |r| r.iter().copied().collect());
-        resume.insert(worker, Resume { last_seq, ranks });
+        for &dp_rank in &ranks {
+            hub.distrust(engine::WorkerKey { worker, dp_rank });
+        }
+        resume.insert(
+            worker,
+            Resume {
+                last_seq,
+                last_digest,
+                ranks,
+            },
+        );
     }
     Ok(out)
 }
@@ -568,6 +606,7 @@ mod tests {
             WorkerId(1),
             Resume {
                 last_seq: 9,
+                last_digest: Some(3),
                 ranks: vec![DpRank(0)],
             },
         );

@@ -247,7 +247,7 @@ fn hand_over(hub: &Hub, key: WorkerKey, rank: &mut Rank) {
     };
     let events = std::mem::take(&mut rank.pending);
     let n = events.len() as u64;
-    if let Err(e) = hub.ingest_marked(key, events, last) {
+    if let Err(e) = hub.ingest_marked(key, events, last, None) {
         hub.metrics()
             .drop_input(e.reason(), n, &format_args!("worker {}: {e}", key.worker));
     }

@@ -3,8 +3,16 @@
 //!
 //! The wire protocol (docs/protocol.md): a worker's PUB socket sends multipart messages
 //! `[topic, seq (8 bytes big-endian), msgpack batch]`; its ROUTER replay socket answers a
-//! DEALER's `["", start seq]` with `["", seq, batch]` for every buffered batch from `start`
-//! on and ends with seq `0xffffffffffffffff` and an empty payload.
+//! DEALER's `["", start seq]` with one reply per buffered batch from `start` on, then an
+//! end marker whose seq is `0xffffffffffffffff` and whose payload is empty. Two reply
+//! shapes exist and both are read:
+//! * vLLM (`ZmqEventPublisher`): `["", topic, seq, batch]`, ended by `["", "", END, ""]`
+//!   (recorded from vLLM 0.32 in `transport/tests/data/vllm-0.32.0/`);
+//! * SGLang: `["", seq, batch]`, ended by `["", END, ""]`.
+//!
+//! Publishers number batches from 0 in every process, so a restarted worker reuses the
+//! numbers of its previous life: continuity after a reconnection is proven by the replay
+//! giving back the last batch applied, byte for byte (`crate::stream`).
 //!
 //! * [`subscriber`]: one task per worker subscription: decode, fence, replay or resync,
 //!   hand to the [`crate::hub::Hub`].
@@ -14,7 +22,7 @@ pub mod publisher;
 pub mod source;
 pub mod subscriber;
 
-pub use publisher::VllmPublisher;
+pub use publisher::{ReplayShape, VllmPublisher};
 pub use source::ZmqSource;
 pub use subscriber::{SubscriberConfig, spawn_subscriber, spawn_subscriber_on};
 

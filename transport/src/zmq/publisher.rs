@@ -1,7 +1,9 @@
 //! A publisher that speaks vLLM's KV-event protocol: PUB socket, per-message sequence
 //! numbers, map-encoded events (vLLM after PR #42892), and a ROUTER replay socket backed by a
 //! bounded buffer of recent batches. Simulated workers, tests and the ingest benchmark use
-//! it; kvengine's subscriber cannot tell it from a real vLLM.
+//! it; kvengine's subscriber cannot tell it from a real vLLM. Its replay socket answers in
+//! vLLM's shape (`["", topic, seq, payload]`, ended by `["", "", 0xff..ff, ""]`) or, with
+//! [`ReplayShape::Sglang`], in SGLang's (`["", seq, payload]`, ended by `["", 0xff..ff, ""]`).
 //!
 //! # Concurrency
 //! The publisher is owned by one task. The replay task shares only the buffer (a mutex held
@@ -9,7 +11,7 @@
 
 use super::REPLAY_END;
 use crate::error::{Result, TransportError};
-use crate::kv_events::{WireBatch, WireEvent};
+use crate::kv_events::{WireBatch, WireEvent, WireExtraItem, WireExtraKeys};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -17,6 +19,16 @@ use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+/// How the replay socket frames its answers (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReplayShape {
+    /// vLLM's `ZmqEventPublisher`: `["", topic, seq, payload]`, then `["", "", END, ""]`.
+    #[default]
+    Vllm,
+    /// SGLang's: `["", seq, payload]`, then `["", END, ""]`.
+    Sglang,
+}
 
 fn zmq_err(context: &str, e: zeromq::ZmqError) -> TransportError {
     TransportError::Io {
@@ -41,6 +53,17 @@ impl VllmPublisher {
     /// Binds the PUB socket (and the replay socket, if given) and keeps the last `buffer`
     /// batches for replay. Endpoints may use port 0; [`Self::endpoint`] tells the bound one.
     pub async fn bind(publish: &str, replay: Option<&str>, buffer: usize) -> Result<Self> {
+        Self::bind_shaped(publish, replay, buffer, ReplayShape::default()).await
+    }
+
+    /// Like [`Self::bind`], its replay socket answering in `shape`.
+    pub async fn bind_shaped(
+        publish: &str,
+        replay: Option<&str>,
+        buffer: usize,
+        shape: ReplayShape,
+    ) -> Result<Self> {
+        let topic = Bytes::from_static(b"kv-events");
         let mut socket = PubSocket::new();
         let endpoint = socket
             .bind(publish)
@@ -56,14 +79,19 @@ impl VllmPublisher {
                     .await
                     .map_err(|e| zmq_err("cannot bind the replay socket", e))?
                     .to_string();
-                let task = tokio::spawn(serve_replay(router, buffer_store.clone()));
+                let task = tokio::spawn(serve_replay(
+                    router,
+                    buffer_store.clone(),
+                    shape,
+                    topic.clone(),
+                ));
                 (Some(bound), Some(task))
             }
             None => (None, None),
         };
         Ok(Self {
             socket,
-            topic: Bytes::from_static(b"kv-events"),
+            topic,
             next_seq: 0,
             buffer: buffer_store,
             capacity: buffer.max(1),
@@ -170,7 +198,7 @@ impl Drop for VllmPublisher {
     }
 }
 
-async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
+async fn serve_replay(mut router: RouterSocket, buffer: Buffer, shape: ReplayShape, topic: Bytes) {
     loop {
         let Ok(request) = router.recv().await else {
             return;
@@ -198,12 +226,16 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer) {
             .into_iter()
             .chain(std::iter::once((REPLAY_END, Bytes::new())));
         for (seq, payload) in replies {
-            let frames = vec![
-                identity.clone(),
-                Bytes::new(),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ];
+            let mut frames = vec![identity.clone(), Bytes::new()];
+            if shape == ReplayShape::Vllm {
+                // vLLM's end marker has an empty topic.
+                frames.push(match seq {
+                    REPLAY_END => Bytes::new(),
+                    _ => topic.clone(),
+                });
+            }
+            frames.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
+            frames.push(payload);
             let Ok(msg) = ZmqMessage::try_from(frames) else {
                 break;
             };
@@ -249,6 +281,31 @@ fn write_hashes(out: &mut Vec<u8>, hashes: &[u64]) -> W {
     Ok(())
 }
 
+/// `extra_keys` as vLLM publishes it: per block nil or an array of untagged items.
+fn write_extra_keys(out: &mut Vec<u8>, blocks: &[Option<Vec<WireExtraItem>>]) -> W {
+    use rmp::encode::*;
+    write_array_len(out, blocks.len() as u32)?;
+    for entry in blocks {
+        let Some(items) = entry else {
+            write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)?;
+            continue;
+        };
+        write_array_len(out, items.len() as u32)?;
+        for item in items {
+            match item {
+                WireExtraItem::Str(s) => write_str(out, s)?,
+                WireExtraItem::Mm(id, offset) => {
+                    write_array_len(out, 2)?;
+                    write_str(out, id)?;
+                    write_sint(out, *offset)?;
+                }
+                WireExtraItem::Bin(b) => write_bin(out, b)?,
+            }
+        }
+    }
+    Ok(())
+}
+
 fn write_event(out: &mut Vec<u8>, e: &WireEvent) -> W {
     use rmp::encode::*;
     let nil = |out: &mut Vec<u8>| write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite);
@@ -261,8 +318,14 @@ fn write_event(out: &mut Vec<u8>, e: &WireEvent) -> W {
             lora_id,
             lora_name,
             medium,
+            extra_keys,
         } => {
-            let fields = 7 + u32::from(lora_name.is_some());
+            // `Malformed` has no wire form of its own: it is left out.
+            let extras = match extra_keys {
+                Some(WireExtraKeys::Blocks(b)) => Some(b),
+                _ => None,
+            };
+            let fields = 7 + u32::from(lora_name.is_some()) + u32::from(extras.is_some());
             write_map_len(out, fields)?;
             write_str(out, "type")?;
             write_str(out, "BlockStored")?;
@@ -290,6 +353,10 @@ fn write_event(out: &mut Vec<u8>, e: &WireEvent) -> W {
             if let Some(name) = lora_name {
                 write_str(out, "lora_name")?;
                 write_str(out, name)?;
+            }
+            if let Some(blocks) = extras {
+                write_str(out, "extra_keys")?;
+                write_extra_keys(out, blocks)?;
             }
         }
         WireEvent::Removed {
@@ -332,6 +399,15 @@ mod tests {
                     lora_id: Some(-3),
                     lora_name: Some("adapter".into()),
                     medium: Some("GPU".into()),
+                    extra_keys: Some(WireExtraKeys::Blocks(vec![
+                        Some(vec![
+                            WireExtraItem::Str("adapter".into()),
+                            WireExtraItem::Mm("img".into(), -2),
+                            WireExtraItem::Str("salt".into()),
+                            WireExtraItem::Bin(vec![0, 1, 255]),
+                        ]),
+                        Some(vec![WireExtraItem::Str("adapter".into())]),
+                    ])),
                 },
                 WireEvent::Stored {
                     block_hashes: vec![5],
@@ -341,6 +417,7 @@ mod tests {
                     lora_id: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    extra_keys: Some(WireExtraKeys::Blocks(vec![None])),
                 },
                 WireEvent::Removed {
                     block_hashes: vec![1, u64::MAX],

@@ -1,7 +1,23 @@
-//! One task per worker subscription: receive, fence, repair, decode, hand to the hub.
+//! One task per worker subscription: connect, verify, receive, fence, repair, decode, hand
+//! to the hub.
 //!
-//! Fencing is [`crate::stream::EventStream`]'s, as for QUIC and HTTP; this task adds the
-//! replay and which keys a clear covers.
+//! Fencing and the continuity rule are [`crate::stream::EventStream`]'s, as for QUIC and
+//! HTTP; this task adds the connection, the replay and which keys a clear covers.
+//!
+//! # Connection
+//! The SUB socket is connected by this task, not left to the zeromq crate's reconnection
+//! (which backs off up to 30 s): each attempt is a new socket given [`CONNECT_ATTEMPT`],
+//! and a lost connection (the socket monitor's `Disconnected`) drops the socket and starts
+//! again at once. The stream shows `connecting` in `/v1/workers` and `/ready` until the TCP
+//! connection to the publisher is up, and again from the moment it drops: a publisher that
+//! is not listening (a worker given `tcp://127.0.0.1:P`, which connects out, instead of
+//! `tcp://*:P`) keeps it `connecting`.
+//!
+//! # Replay replies
+//! Both shapes are read: SGLang's (and kvengine's publisher with [`super::ReplayShape::Sglang`])
+//! `["", seq, payload]`, ended by `["", 0xff..ff, ""]`; vLLM's
+//! `["", topic, seq, payload]`, ended by `["", "", 0xff..ff, ""]`. A bare `[seq, payload]`
+//! is accepted too.
 //!
 //! # Invariants
 //! 1. Batches are handed to the hub in seq order, each at most once: live copies of
@@ -12,26 +28,53 @@
 //! 3. A live seq below the expected one (outside a replay's overlap, and not a retry) is a
 //!    publisher restart: the ranks seen are cleared, then the batch applies.
 //! 4. A batch that does not decode is counted and dropped, and still consumes its seq.
-//! 5. Nothing here stops the subscription except the task being aborted; the ZMQ socket
-//!    reconnects by itself.
+//! 5. From the moment the connection drops until the next connection proved continuity
+//!    (the replay's first batch is the last one applied, same seq and bytes), the stream's
+//!    ranks are distrusted: routed as uncached, shown resyncing, blocks kept. A broken
+//!    continuity, or no replay socket, clears them (counted as a restart) before any batch
+//!    of the new connection applies. A worker restored from a snapshot is verified the
+//!    same way against its mark before its blocks count; a mark without digest, or no
+//!    replay socket, clears and resyncs it.
+//! 6. While any replay is being applied (catch-up after a verified reconnection, the
+//!    history after a broken one, a gap's missed batches, a new subscription's first
+//!    batches), the stream's ranks are distrusted as well: a replay's first batches are
+//!    older than what the worker holds, so the index passes through states the worker has
+//!    left. They are trusted again once the whole replay has been handed to the engine
+//!    (what follows is ordinary ingest lag, as for any live batch; waiting for the cores
+//!    from this core's thread stalled them); a ZMQ batch applying does not end the
+//!    distrust by itself (the hub's invariant 7).
+//! 7. Nothing here stops the subscription except the task being aborted.
 
 use super::{REPLAY_END, ZmqSource};
 use crate::error::{DropReason, TransportError};
 use crate::hub::{Hub, StreamState};
 use crate::kv_events::{ConvertConfig, convert, decode_batch};
-use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};
+use crate::state::Resume;
+use crate::stream::{
+    Action, BatchId, ClearKind, Continuity, EventStream, OnConnect, clear_keys, skip_duplicate,
+};
 use bytes::Bytes;
 use engine::{DpRank, WorkerKey};
+use futures_util::StreamExt;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// Live batches a subscription handles before it lets the other tasks of its core thread
 /// run (an event burst measured 64 ms route p99 against 2 ms quiet without it).
 const YIELD_EVERY: u32 = 8;
+
+/// How long one connection attempt may take before a new socket tries again (the crate's
+/// own retries back off towards 30 s; this bounds the delay to reach a publisher that came
+/// back).
+pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(800);
+
+/// The pause after a connection attempt that failed at once (not a refused connection,
+/// which the attempt itself retries).
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 /// Subscription settings.
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +86,9 @@ pub struct SubscriberConfig {
 impl Default for SubscriberConfig {
     fn default() -> Self {
         Self {
-            replay_timeout: Duration::from_secs(2),
+            // A starting vLLM answers late (its publisher thread waits for the GIL while
+            // the engine warms up): 2 s timed out on a loaded 2-core machine.
+            replay_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -70,13 +115,6 @@ pub fn spawn_subscriber_on(
     // A worker restored from a snapshot resumes after the last batch the snapshot holds.
     let resume = hub.persisted().take_resume(source.worker);
     on.spawn(async move {
-        let (events, ranks) = match &resume {
-            Some(r) => (
-                EventStream::resume(can_replay, r.last_seq),
-                r.ranks.iter().copied().collect(),
-            ),
-            None => (EventStream::new(can_replay), BTreeSet::new()),
-        };
         let mut stream = Stream {
             convert: ConvertConfig {
                 block_size: hub.block_size_of(source.worker),
@@ -84,10 +122,12 @@ pub fn spawn_subscriber_on(
             hub,
             source,
             config,
-            stream: events,
-            ranks,
+            stream: EventStream::new(can_replay),
+            ranks: BTreeSet::new(),
+            replaying: false,
         };
-        stream.run(resume.map(|r| r.last_seq)).await;
+        stream.restore(resume);
+        stream.run().await;
     })
 }
 
@@ -99,9 +139,11 @@ struct Stream {
     stream: EventStream,
     /// Ranks this stream has carried (what a resync or restart clears).
     ranks: BTreeSet<DpRank>,
+    /// A replay is being applied: the ranks stay distrusted (a clear in the middle of it
+    /// too) until it is applied, and a rank first seen in it is distrusted.
+    replaying: bool,
 }
 
-/// `[topic, seq, payload]` or `[seq, payload]`.
 fn replay_io(context: &str, e: String) -> TransportError {
     TransportError::Io {
         context: context.to_owned(),
@@ -109,6 +151,7 @@ fn replay_io(context: &str, e: String) -> TransportError {
     }
 }
 
+/// `[topic, seq, payload]` or `[seq, payload]`.
 fn split_live(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
     let (seq, payload) = match frames {
         [_, seq, payload] | [seq, payload] => (seq, payload),
@@ -118,10 +161,11 @@ fn split_live(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
     Some((u64::from_be_bytes(seq), payload))
 }
 
-/// `["", seq, payload]` or `[seq, payload]`.
+/// `["", seq, payload]` (SGLang), `["", topic, seq, payload]` (vLLM: its end marker has an
+/// empty topic) or `[seq, payload]`.
 fn split_replay(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
     let (seq, payload) = match frames {
-        [empty, seq, payload] if empty.is_empty() => (seq, payload),
+        [empty, seq, payload] | [empty, _, seq, payload] if empty.is_empty() => (seq, payload),
         [seq, payload] => (seq, payload),
         _ => return None,
     };
@@ -130,67 +174,284 @@ fn split_replay(frames: &[Bytes]) -> Option<(u64, &Bytes)> {
 }
 
 impl Stream {
-    /// `resumed`: the last batch a restored snapshot holds (the stream catches up from the
-    /// batch after it before taking live batches).
-    async fn run(&mut self, resumed: Option<u64>) {
-        let mut socket = SubSocket::new();
-        // The publisher filters by this prefix (vLLM's `topic`; "" takes everything).
-        if let Err(e) = socket.subscribe(&self.source.topic).await {
-            tracing::error!(worker = %self.source.worker, "cannot subscribe: {e}");
+    /// Takes a snapshot's resume point: the ranks it restored, distrusted until the first
+    /// connection verifies the mark; cleared and resynced at once when it cannot be
+    /// verified (invariant 5).
+    fn restore(&mut self, resume: Option<Resume>) {
+        let Some(r) = resume else {
             return;
-        }
-        // `connect` retries until the publisher is up; after that the socket reconnects
-        // by itself.
-        self.hub
-            .note_stream(self.source.worker, StreamState::Connecting);
-        loop {
-            match socket.connect(&self.source.publisher).await {
-                Ok(()) => break,
-                Err(e) => {
-                    tracing::warn!(worker = %self.source.worker, endpoint = %self.source.publisher,
-                        "cannot connect, retrying: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
+        };
+        self.ranks = r.ranks.iter().copied().collect();
+        match (r.last_digest, self.source.replay.is_some()) {
+            (Some(digest), true) => {
+                let last = BatchId {
+                    seq: r.last_seq,
+                    digest,
+                };
+                self.stream = EventStream::resume_from(true, last);
+                self.distrust_ranks();
+            }
+            (digest, _) => {
+                let why = match digest {
+                    None => "its snapshot mark has no digest (an older snapshot)",
+                    Some(_) => "it has no replay socket",
+                };
+                self.clear_ranks(
+                    ClearKind::Resync,
+                    &format_args!(
+                        "restored from the snapshot up to seq {}, which cannot be verified: {why}",
+                        r.last_seq
+                    ),
+                );
             }
         }
-        tracing::info!(worker = %self.source.worker, endpoint = %self.source.publisher,
-            "subscribed to KV events");
-        self.hub
-            .note_stream(self.source.worker, StreamState::Subscribed);
-        if let Some(last) = resumed {
-            self.catch_up(last.saturating_add(1)).await;
-        }
+    }
+
+    async fn run(&mut self) {
         let mut handled = 0u32;
         loop {
-            let frames = match socket.recv().await {
-                Ok(m) => m.into_vec(),
-                Err(e) => {
-                    tracing::warn!(worker = %self.source.worker, "receive failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
+            self.hub
+                .note_stream(self.source.worker, StreamState::Connecting);
+            let (mut socket, mut monitor) = self.connect().await;
+            tracing::info!(worker = %self.source.worker, endpoint = %self.source.publisher,
+                "subscribed to KV events");
+            self.hub
+                .note_stream(self.source.worker, StreamState::Subscribed);
+            self.on_connected().await;
+            self.receive(&mut socket, &mut monitor, &mut handled).await;
+            self.hub
+                .note_stream(self.source.worker, StreamState::Connecting);
+            tracing::warn!(worker = %self.source.worker, endpoint = %self.source.publisher,
+                "connection to the KV event publisher lost; reconnecting (its blocks are not \
+                 routed on until the stream proves continuity)");
+            self.distrust_ranks();
+        }
+    }
+
+    /// A SUB socket connected to the publisher and its monitor; retries (a new socket
+    /// every [`CONNECT_ATTEMPT`]) until the publisher accepts.
+    async fn connect(
+        &self,
+    ) -> (
+        SubSocket,
+        impl futures_util::Stream<Item = SocketEvent> + Unpin + use<>,
+    ) {
+        let mut attempts = 0u64;
+        loop {
+            let mut socket = SubSocket::new();
+            let monitor = socket.monitor();
+            let topic = &self.source.topic;
+            let endpoint = &self.source.publisher;
+            let attempt = tokio::time::timeout(CONNECT_ATTEMPT, async {
+                // The publisher filters by this prefix (vLLM's `topic`; "" takes all).
+                socket.subscribe(topic).await?;
+                socket.connect(endpoint).await
+            })
+            .await;
+            let failure = match attempt {
+                Ok(Ok(())) => return (socket, monitor),
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => None,
             };
-            match split_live(&frames) {
-                Some((seq, payload)) => {
-                    self.on_live(seq, payload).await;
+            attempts += 1;
+            // Once, then every minute or so.
+            if attempts == 1 || attempts.is_multiple_of(75) {
+                let why = failure
+                    .as_deref()
+                    .unwrap_or("nothing accepts connections there");
+                tracing::warn!(worker = %self.source.worker, endpoint = %self.source.publisher,
+                    "cannot connect to the KV event publisher, retrying: {why} (is the \
+                     worker's endpoint bound, tcp://*:PORT?)");
+            }
+            if failure.is_some() {
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+        }
+    }
+
+    /// Receives live batches until the connection drops.
+    async fn receive(
+        &mut self,
+        socket: &mut SubSocket,
+        monitor: &mut (impl futures_util::Stream<Item = SocketEvent> + Unpin),
+        handled: &mut u32,
+    ) {
+        loop {
+            tokio::select! {
+                // What arrived before a disconnection is handled first.
+                biased;
+                received = socket.recv() => {
+                    let frames = match received {
+                        Ok(m) => m.into_vec(),
+                        Err(e) => {
+                            tracing::warn!(worker = %self.source.worker, "receive failed: {e}");
+                            return;
+                        }
+                    };
+                    self.on_message(&frames).await;
                     // A backlog of buffered batches never makes the socket wait, so this
                     // task would keep the core thread from its HTTP connections until the
                     // backlog is gone: let them run between batches now and then.
-                    handled = handled.wrapping_add(1);
+                    *handled = handled.wrapping_add(1);
                     if handled.is_multiple_of(YIELD_EVERY) {
                         tokio::task::yield_now().await;
                     }
                 }
-                None => self.hub.metrics().drop_input(
-                    DropReason::MalformedMsgpack,
-                    1,
-                    &format_args!(
-                        "worker {}: a message of {} frames is not [topic, seq, batch]",
-                        self.source.worker,
-                        frames.len()
-                    ),
-                ),
+                event = monitor.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) | None => return,
+                    Some(_) => {}
+                },
             }
+        }
+    }
+
+    async fn on_message(&mut self, frames: &[Bytes]) {
+        match split_live(frames) {
+            Some((seq, payload)) => self.on_live(seq, payload).await,
+            None => self.hub.metrics().drop_input(
+                DropReason::MalformedMsgpack,
+                1,
+                &format_args!(
+                    "worker {}: a message of {} frames is not [topic, seq, batch]",
+                    self.source.worker,
+                    frames.len()
+                ),
+            ),
+        }
+    }
+
+    /// The connection is up (again): checks continuity before any live batch of it
+    /// (invariant 5).
+    async fn on_connected(&mut self) {
+        match self.stream.connected() {
+            // Nothing applied since the stream started afresh: nothing held to doubt.
+            OnConnect::Nothing => self.trust_ranks(),
+            OnConnect::Clear => self.clear_ranks(
+                ClearKind::Restart,
+                &"reconnected to a publisher without a replay socket: what it holds now \
+                  cannot be verified",
+            ),
+            OnConnect::Verify(last) => self.verify(last).await,
+        }
+    }
+
+    /// Asks the replay socket for the batches from `last` on: the same publisher process
+    /// answers with `last` itself first; the rest is catch-up. Anything else clears the
+    /// ranks and replays the publisher's history from 0.
+    async fn verify(&mut self, last: BatchId) {
+        self.distrust_ranks();
+        self.replaying = true;
+        self.verify_replay(last).await;
+        self.replaying = false;
+    }
+
+    /// [`Stream::verify`]'s replay, with the ranks distrusted.
+    async fn verify_replay(&mut self, last: BatchId) {
+        let worker = self.source.worker;
+        let Some(endpoint) = self.source.replay.clone() else {
+            return;
+        };
+        let (mut dealer, first) = match self.replay_first(&endpoint, last.seq).await {
+            Ok(opened) => opened,
+            Err(e) => {
+                tracing::warn!(worker = %worker, from = last.seq, "replay failed: {e}");
+                self.stream.start_afresh();
+                self.clear_ranks(
+                    ClearKind::Resync,
+                    &format_args!("continuity after seq {} cannot be verified", last.seq),
+                );
+                return;
+            }
+        };
+        let first_id = first.as_ref().map(|(seq, p)| BatchId::of(*seq, p));
+        match self.stream.verified(first_id) {
+            Continuity::Same => {
+                if let Some((seq, payload)) = first {
+                    self.apply_replayed(seq, &payload);
+                }
+                let rest = self.replay_rest(&mut dealer).await;
+                // What was applied continues the verified batch; a replay cut short leaves
+                // a gap the next live batch reveals (and repairs).
+                self.trust_ranks();
+                match rest {
+                    Ok(()) => {
+                        self.stream.caught_up(last.seq);
+                        tracing::info!(worker = %worker, seq = last.seq,
+                            "the publisher still has the last batch applied: continuity \
+                             verified, caught up");
+                    }
+                    Err(e) => tracing::warn!(worker = %worker, "catch-up replay failed: {e}"),
+                }
+            }
+            Continuity::Broken => {
+                let found = match first_id {
+                    Some(b) if b.seq == last.seq => format!("seq {} with other bytes", b.seq),
+                    Some(b) => format!("seq {} first", b.seq),
+                    None => "no batch that far".to_owned(),
+                };
+                self.clear_ranks(
+                    ClearKind::Restart,
+                    &format_args!(
+                        "its replay of seq {} gave {found} (restarted, or its buffer moved on)",
+                        last.seq
+                    ),
+                );
+                drop(dealer);
+                // The history replays the publisher's past: routed as uncached until all of
+                // it is applied (`replaying` keeps the cleared ranks distrusted).
+                self.replay_history(&endpoint).await;
+                self.trust_ranks();
+            }
+        }
+    }
+
+    /// After a broken continuity (ranks cleared): the publisher's history from 0. All of it
+    /// from 0 is exact; a history that starts later resyncs the ranks.
+    async fn replay_history(&mut self, endpoint: &str) {
+        let worker = self.source.worker;
+        let mut result = self.history_attempt(endpoint).await;
+        if let Err(e) = &result {
+            // A publisher that just started may be slow to answer (vLLM's publisher thread
+            // shares the GIL with the engine warming up). Asking again is safe: the fence
+            // skips what the first attempt applied.
+            tracing::info!(worker = %worker, "history replay failed ({e}); asking once more");
+            result = self.history_attempt(endpoint).await;
+        }
+        match result {
+            Ok(()) => {
+                self.stream.caught_up(0);
+                tracing::info!(worker = %worker, "replayed the publisher's history");
+            }
+            Err(e) => {
+                tracing::warn!(worker = %worker, "history replay failed: {e}");
+                self.stream.start_afresh();
+                self.clear_ranks(
+                    ClearKind::Resync,
+                    &"the publisher's history could not be replayed",
+                );
+            }
+        }
+    }
+
+    /// One replay of the publisher's history from 0, applied through the fence.
+    async fn history_attempt(&mut self, endpoint: &str) -> Result<(), TransportError> {
+        match self.replay_first(endpoint, 0).await {
+            Ok((mut dealer, first)) => {
+                if let Some(kind) = self.stream.history_from(first.as_ref().map(|f| f.0)) {
+                    self.clear_ranks(
+                        kind,
+                        &format_args!(
+                            "the publisher's history starts at seq {}",
+                            first.as_ref().map_or(0, |f| f.0)
+                        ),
+                    );
+                }
+                if let Some((seq, payload)) = first {
+                    self.apply_replayed(seq, &payload);
+                }
+                self.replay_rest(&mut dealer).await
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -203,6 +464,10 @@ impl Stream {
                 self.clear_ranks(ClearKind::Restart, &format_args!("seq {seq}"));
             }
             replayed = true;
+            // While the missed batches are applied the index is behind the worker: its
+            // ranks are routed as uncached until the replay is applied.
+            self.replaying = true;
+            self.distrust_ranks();
             let delivered = match self.source.replay.clone() {
                 Some(endpoint) => match self.replay(&endpoint, from).await {
                     Ok(()) => true,
@@ -213,9 +478,11 @@ impl Stream {
                 },
                 None => false,
             };
+            self.replaying = false;
             if let Some(kind) = self.stream.replay_ended(from, seq, delivered) {
                 self.clear_ranks(kind, &format_args!("batches {from}..{seq} not replayed"));
             }
+            self.trust_ranks();
             action = self.stream.live(batch);
         }
         match action {
@@ -233,28 +500,8 @@ impl Stream {
                 self.clear_ranks(ClearKind::Resync, &format_args!("batches {from}..{seq}"));
             }
         }
-        if self.process(seq, payload).is_err() {
+        if self.process(batch, payload).is_err() {
             self.recover(seq).await;
-        }
-    }
-
-    /// After a restart from a snapshot: asks the replay socket for every batch from `from`
-    /// on (the publisher's buffer keeps its recent batches) before any live batch. A
-    /// buffer that no longer reaches back to `from` clears and resyncs the worker (as a gap
-    /// does while running); without a replay socket, or if the replay fails, the next live
-    /// batch tells: the next number applies, anything else is a gap or a restart.
-    async fn catch_up(&mut self, from: u64) {
-        let Some(endpoint) = self.source.replay.clone() else {
-            return;
-        };
-        match self.replay(&endpoint, from).await {
-            Ok(()) => {
-                self.stream.caught_up(from);
-                tracing::info!(worker = %self.source.worker, from,
-                    "resumed from the snapshot: replayed what came after it");
-            }
-            Err(e) => tracing::warn!(worker = %self.source.worker, from,
-                "resuming from the snapshot: replay failed ({e}); the next live batch decides"),
         }
     }
 
@@ -274,7 +521,7 @@ impl Stream {
             None => None,
         };
         if let Some(payload) = copy
-            && self.process(seq, &payload).is_ok()
+            && self.process(BatchId::of(seq, &payload), &payload).is_ok()
         {
             self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
             tracing::info!(worker = %self.source.worker, seq,
@@ -321,6 +568,18 @@ impl Stream {
         Ok(dealer)
     }
 
+    /// A replay from `from` and its first batch (`None`: the replay ended at once).
+    async fn replay_first(
+        &self,
+        endpoint: &str,
+        from: u64,
+    ) -> Result<(DealerSocket, Option<(u64, Bytes)>), TransportError> {
+        let mut dealer = self.open_replay(endpoint, from).await?;
+        let (seq, payload) = self.next_replayed(&mut dealer).await?;
+        let first = (seq != REPLAY_END).then_some((seq, payload));
+        Ok((dealer, first))
+    }
+
     /// The next `(seq, payload)` a replay socket sends ([`REPLAY_END`] ends it).
     async fn next_replayed(
         &self,
@@ -343,28 +602,54 @@ impl Stream {
     async fn replay(&mut self, endpoint: &str, from: u64) -> Result<(), TransportError> {
         let mut dealer = self.open_replay(endpoint, from).await?;
         tracing::info!(worker = %self.source.worker, from, "replaying missed batches");
+        self.replay_rest(&mut dealer).await
+    }
+
+    /// Applies what `dealer` replays until its end.
+    async fn replay_rest(&mut self, dealer: &mut DealerSocket) -> Result<(), TransportError> {
         loop {
-            let (seq, payload) = self.next_replayed(&mut dealer).await?;
-            let payload = &payload;
+            let (seq, payload) = self.next_replayed(dealer).await?;
             if seq == REPLAY_END {
                 return Ok(());
             }
-            match self.stream.replayed(BatchId::of(seq, payload)) {
-                Action::Skip => continue,
-                Action::Apply | Action::Replay { .. } => {}
-                Action::ClearThenApply(kind) => {
-                    // The worker's buffer no longer reaches back far enough.
-                    self.clear_ranks(kind, &format_args!("replay starts at {seq}"));
-                }
+            self.apply_replayed(seq, &payload);
+        }
+    }
+
+    /// Fences and applies one replayed batch.
+    fn apply_replayed(&mut self, seq: u64, payload: &Bytes) {
+        let batch = BatchId::of(seq, payload);
+        match self.stream.replayed(batch) {
+            Action::Skip => return,
+            Action::Apply | Action::Replay { .. } => {}
+            Action::ClearThenApply(kind) => {
+                // The worker's buffer no longer reaches back far enough.
+                self.clear_ranks(kind, &format_args!("replay starts at {seq}"));
             }
-            self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
-            if self.process(seq, payload).is_err() {
-                // Unreadable in the buffer too: what it changed is unknown.
-                self.clear_ranks(
-                    ClearKind::Resync,
-                    &format_args!("replayed seq {seq} could not be decoded"),
-                );
-            }
+        }
+        self.hub.metrics().replayed_batches.fetch_add(1, Relaxed);
+        if self.process(batch, payload).is_err() {
+            // Unreadable in the buffer too: what it changed is unknown.
+            self.clear_ranks(
+                ClearKind::Resync,
+                &format_args!("replayed seq {seq} could not be decoded"),
+            );
+        }
+    }
+
+    /// Routes this stream's ranks as uncached, blocks kept, until verified.
+    fn distrust_ranks(&self) {
+        let worker = self.source.worker;
+        for &dp_rank in &self.ranks {
+            self.hub.distrust(WorkerKey { worker, dp_rank });
+        }
+    }
+
+    /// This stream's ranks proved continuity.
+    fn trust_ranks(&self) {
+        let worker = self.source.worker;
+        for &dp_rank in &self.ranks {
+            self.hub.trust(WorkerKey { worker, dp_rank });
         }
     }
 
@@ -383,11 +668,15 @@ impl Stream {
             kind,
             &format_args!("worker {worker}: {why}"),
         );
+        if self.replaying {
+            // What the rest of the replay applies is the past until it ends.
+            self.distrust_ranks();
+        }
     }
 
     /// Decodes and applies one batch; `Err` (counted and logged) if it does not decode.
-    fn process(&mut self, seq: u64, payload: &[u8]) -> Result<(), ()> {
-        let worker = self.source.worker;
+    fn process(&mut self, batch_id: BatchId, payload: &[u8]) -> Result<(), ()> {
+        let (seq, worker) = (batch_id.seq, self.source.worker);
         let metrics = self.hub.metrics();
         let batch = match decode_batch(payload) {
             Ok(b) => b,
@@ -432,9 +721,15 @@ impl Stream {
             worker,
             dp_rank: converted.dp_rank,
         };
-        self.ranks.insert(converted.dp_rank);
+        if self.ranks.insert(converted.dp_rank) && self.replaying {
+            // A rank first seen in a replay is as far behind as the others.
+            self.hub.distrust(key);
+        }
         let n = converted.events.len() as u64;
-        if let Err(e) = self.hub.ingest_marked(key, converted.events, seq) {
+        if let Err(e) = self
+            .hub
+            .ingest_marked(key, converted.events, seq, Some(batch_id.digest))
+        {
             metrics.drop_input(e.reason(), n, &format_args!("worker {worker}: {e}"));
         }
         Ok(())

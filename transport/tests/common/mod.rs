@@ -7,11 +7,20 @@ use engine::sched::SchedulerConfig;
 use engine::sharding::choice::Sharding;
 use std::sync::Arc;
 use transport::http::{HttpConfig, router, serve_http};
-use transport::hub::{Hub, HubConfig, start_engine};
+use transport::hub::{Hub, HubConfig};
 
 /// A hub over an unpinned engine of `cores` shards (blocks shallower than 2 replicated),
 /// with two ingest and two query handles.
 pub fn hub(cores: usize) -> (Arc<Hub>, Runtime) {
+    hub_from(cores, None)
+}
+
+/// Like [`hub`], the cores restored from a snapshot's image first (a router restarted on
+/// its `--state-dir`).
+pub fn hub_from(
+    cores: usize,
+    image: Option<&engine::snapshot::ArchivedEngineImage>,
+) -> (Arc<Hub>, Runtime) {
     let engine = RuntimeConfig {
         pin_cores: false,
         ingest_handles: 2,
@@ -21,7 +30,13 @@ pub fn hub(cores: usize) -> (Arc<Hub>, Runtime) {
     let config = HubConfig {
         scheduler: SchedulerConfig::default(),
     };
-    let (hub, runtime) = start_engine(config, Sharding::adaptive(cores).unwrap(), engine).unwrap();
+    let (hub, runtime) = transport::hub::start_engine_from(
+        config,
+        Sharding::adaptive(cores).unwrap(),
+        engine,
+        image,
+    )
+    .unwrap();
     (Arc::new(hub), runtime)
 }
 

@@ -490,6 +490,7 @@ impl Outbox {
                     lora_id: None,
                     lora_name: None,
                     medium: Some("GPU".into()),
+                    extra_keys: None,
                 });
                 if let Some(prev) = previous.replace(hashes) {
                     events.push(WireEvent::Removed {

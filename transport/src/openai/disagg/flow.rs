@@ -71,6 +71,7 @@ pub(crate) async fn forward(
     path: &str,
     body: &Bytes,
     tokens: &[u32],
+    cache_salt: Option<&str>,
     fwd: &Forwarded,
     model: &str,
 ) -> Response {
@@ -80,18 +81,21 @@ pub(crate) async fn forward(
         body,
         fwd,
         model,
+        cache_salt,
     };
     let client: Body = match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => m,
         _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
     };
-    let decode = match route(hub, model, tokens, pool(Pool::Decode)).await {
+    let decode = match route(hub, model, tokens, cache_salt, pool(Pool::Decode)).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     let d_key = decode.decision.worker;
     let mut d_active = Active::new(hub.clone(), decode.request_id.clone());
-    let mut prefill = route(hub, model, tokens, pool(Pool::Prefill)).await.ok();
+    let mut prefill = route(hub, model, tokens, cache_salt, pool(Pool::Prefill))
+        .await
+        .ok();
     let mut p_active = prefill
         .as_ref()
         .map(|r| Active::new(hub.clone(), r.request_id.clone()));
@@ -164,7 +168,8 @@ pub(crate) async fn forward(
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 if attempt + 1 < PREFILL_ATTEMPTS
                     && let Some(next) = runner_up(&routed, p_key)
-                    && let Ok(r) = route(hub, model, tokens, direct(Pool::Prefill, next)).await
+                    && let Ok(r) =
+                        route(hub, model, tokens, cache_salt, direct(Pool::Prefill, next)).await
                 {
                     p_active = Some(Active::new(hub.clone(), r.request_id.clone()));
                     prefill = Some(r);
