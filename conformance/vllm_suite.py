@@ -642,6 +642,8 @@ class Suite:
         self.probes = {}  # (tuple(token_ids), salt) -> Probe
         self.text = Text(20260101)
         self.results = []  # (step name, [mismatch strings], [notes])
+        # Totals for the summary: final comparisons (probe x worker) and routed requests.
+        self.totals = {"comparisons": 0, "unequal": 0, "requests": 0, "predicted_right": 0}
         self.cur = None
         self.model_name = args.model
         self.prev_diffs = set()
@@ -766,6 +768,8 @@ class Suite:
                 f"kvengine predicted {expected}, shadow {oracle}, vLLM cached {cached}")
         if ptoks != len(ids):
             self.mismatch(f"{name}: vLLM prompt_tokens {ptoks} != /tokenize length {len(ids)}")
+        self.totals["requests"] += 1
+        self.totals["predicted_right"] += cached == expected
         if cached != expected:
             cause = ("kvengine agrees with the raw events: vLLM's events lag its cache"
                      if pred.get(wid, 0) == shadow_pred.get(wid, 0) else
@@ -822,6 +826,9 @@ class Suite:
         return diffs
 
     def report_diffs(self, label, diffs, fail=True):
+        if fail:
+            self.totals["comparisons"] += len(self.probes) * len(self.shadows)
+            self.totals["unequal"] += len(diffs)
         keys = set()
         for probe, wid, kv, s in diffs:
             kind = "STALE HIT (kvengine above the shadow)" if kv > s else "missed blocks"
@@ -1203,6 +1210,10 @@ class Suite:
                 log(f"        - {m}")
             for n in notes:
                 log(f"        note: {n}")
+        t = self.totals
+        log(f"totals: {t['comparisons'] - t['unequal']} of {t['comparisons']} final "
+            f"(probe x worker) comparisons equal; {t['predicted_right']} of {t['requests']} "
+            f"routed requests' cached_tokens equal to kvengine's prediction")
         passed = sum(1 for _, m, _ in self.results if not m)
         failed = len(self.results) - passed
         log(f"{passed} passed, {failed} failed")
