@@ -14,7 +14,8 @@ The model (DESIGN.md "Semantics of the index"): per worker key `(worker_id, dp_r
 directory engine hash -> (seq, copies) and a multiset of seqs. A seq is named here by the
 tuple of its blocks' tokens hashes from the root (what the chained seq_hash names), so the
 model needs `compute_block_hashes` only. `Stored` resolves its parent in that key's
-directory (unknown: the whole store is refused and counted), then adds one copy per block;
+directory (unknown: the whole store is refused and counted), then adds one copy per block
+(except a chain from the root whose every block is held already: a report, no copy);
 an engine hash already naming another seq refuses the whole store (counted as a conflict).
 `Removed` drops one copy per engine hash (unknown ones counted). `Cleared` empties the key;
 removing a worker forgets all its ranks. Overlap: the longest prefix of the prompt's seqs
@@ -73,6 +74,16 @@ class Model:
         else:
             self.rejected["unknown_parent"] += 1
             return False
+        if parent is None and blocks:
+            # A chain from the root whose every block is held already, under the same engine
+            # hash at the same place, is a report (vLLM's `kv_cache_report_mode: "full"`):
+            # applied, no copy added (docs/architecture.md, "The index").
+            at, held = (), True
+            for eh, th in blocks:
+                at = at + (th,)
+                held = held and eh in km.dir and km.dir[eh][0] == at
+            if held:
+                return True
         planned = []
         pending = {}
         for eh, th in blocks:

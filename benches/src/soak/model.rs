@@ -117,6 +117,11 @@ impl CacheModel {
             self.inconsistencies += 1;
             return;
         }
+        if parent.is_none() && self.holds_root_chain(hashes, tokens) {
+            // A report of held blocks (vLLM's `kv_cache_report_mode: "full"`): no copy, as
+            // the router's index does (docs/architecture.md, "The index").
+            return;
+        }
         let mut prev = parent;
         for (&h, chunk) in hashes.iter().zip(tokens.chunks_exact(self.block_size)) {
             let parent_seq = prev
@@ -145,6 +150,20 @@ impl CacheModel {
             }
             prev = Some(h);
         }
+    }
+
+    /// Every block of a chain from the root is held already, each under its hash at its
+    /// place.
+    fn holds_root_chain(&self, hashes: &[u64], tokens: &[u32]) -> bool {
+        let mut prev = None;
+        hashes
+            .iter()
+            .zip(tokens.chunks_exact(self.block_size))
+            .all(|(h, chunk)| {
+                let name = seq_hash(prev, tokens_hash(chunk, BASE_SEED));
+                prev = Some(name);
+                self.blocks.get(h).is_some_and(|b| b.seq_hash == name.0)
+            })
     }
 
     fn remove(&mut self, h: u64) {
