@@ -170,13 +170,24 @@ fn conflicting_engine_hash_is_rolled_back() {
 #[test]
 fn a_block_stored_twice_needs_two_removals() {
     let mut ix = KvIndex::new();
-    let s = store(&mut ix, W0, &[1]);
-    store(&mut ix, W0, &[1]);
-    remove(&mut ix, W0, &s);
+    let s = store(&mut ix, W0, &[1, 2]);
+    // Block 2 cached again under its parent (vLLM recomputing a fully cached prompt's last
+    // block into a second physical block): a second copy.
+    let (again, _) = chain(Some(s[0]), &[2]);
+    ix.apply(
+        W0,
+        &KvEvent::Stored {
+            parent: Some(EngineHash(s[0].0)),
+            blocks: again,
+        },
+    )
+    .unwrap();
+    let last = &s[1..];
+    remove(&mut ix, W0, last);
+    assert_eq!(ix.find_matches(&s).overlaps, vec![(W0, 2)]);
+    remove(&mut ix, W0, last);
     assert_eq!(ix.find_matches(&s).overlaps, vec![(W0, 1)]);
-    remove(&mut ix, W0, &s);
-    assert!(ix.find_matches(&s).overlaps.is_empty());
-    let a = remove(&mut ix, W0, &s);
+    let a = remove(&mut ix, W0, last);
     assert_eq!(
         a,
         Applied {
@@ -185,6 +196,27 @@ fn a_block_stored_twice_needs_two_removals() {
         }
     );
     assert_eq!(ix.rejects().get(RejectReason::UnknownBlock), 1);
+}
+
+/// A chain from the root that the worker holds already is a report (vLLM's
+/// `kv_cache_report_mode: "full"`), not a second copy: one removal drops it.
+#[test]
+fn a_held_root_chain_stored_again_is_a_report() {
+    let mut ix = KvIndex::new();
+    let s = store(&mut ix, W0, &[1, 2]);
+    let (blocks, _) = chain(None, &[1, 2]);
+    let a = ix
+        .apply(
+            W0,
+            &KvEvent::Stored {
+                parent: None,
+                blocks,
+            },
+        )
+        .unwrap();
+    assert_eq!(a.blocks, 0);
+    remove(&mut ix, W0, &s);
+    assert!(ix.find_matches(&s).overlaps.is_empty());
 }
 
 #[test]
