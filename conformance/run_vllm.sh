@@ -6,7 +6,9 @@
 #   bash conformance/run_vllm.sh
 #
 # Env: KVENGINE_BIN (skip the cargo build), KVENGINE_CONFORMANCE_WORKDIR (logs; default a
-# temp dir, kept), KVENGINE_RECORD_FIXTURES=1 (write transport/tests/data/vllm-0.32.0/observed_*).
+# temp dir, kept), KVENGINE_RECORD_FIXTURES=1 (write transport/tests/data/vllm-0.32.0/observed_*),
+# KVENGINE_CONFORMANCE_ROUTER_RESTARTS=N (only step 1 and N router restarts under traffic:
+# the restart figure of docs/benchmarks.md, "Issue 28").
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -41,4 +43,5 @@ else
   fixtures=(--fixtures "$workdir/fixtures")
 fi
 exec "$py" -u "$here/vllm_suite.py" --kvengine "$bin" --model "$workdir/model" \
-  --python "$py" --workdir "$workdir" "${fixtures[@]}"
+  --python "$py" --workdir "$workdir" "${fixtures[@]}" \
+  --router-restarts "${KVENGINE_CONFORMANCE_ROUTER_RESTARTS:-0}"

@@ -1176,6 +1176,14 @@ class Suite:
         log(f"kvengine {self.args.kvengine} live: {kv_ver}")
 
         self.step("1 shared system prompts", self.step_shared_system_prompts)
+        if self.args.router_restarts:
+            # The restart figure alone (docs/benchmarks.md, "Issue 28"): N router restarts
+            # under traffic, SIGTERM and SIGKILL in turn, each checked as steps 6 and 7.
+            for i in range(self.args.router_restarts):
+                sig = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
+                self.step(f"router restart {i + 1} ({signal.Signals(sig).name})",
+                          lambda sig=sig: self.router_restart(sig))
+            return self.summary()
         self.step("2 eviction pressure", self.step_eviction)
         self.step("3 reset_prefix_cache", self.step_reset_prefix_cache)
         self.step("4 worker SIGKILL + restart",
@@ -1200,7 +1208,9 @@ class Suite:
         if self.args.fixtures:
             for kind, n in self.recorder.write(self.args.fixtures):
                 log(f"fixture {self.args.fixtures}/observed_{kind}.msgpack ({n} bytes)")
+        return self.summary()
 
+    def summary(self):
         log("")
         log("=== summary")
         for name, mism, notes in self.results:
@@ -1227,6 +1237,8 @@ def main():
     ap.add_argument("--python", default=sys.executable, help="the venv's python, for vLLM")
     ap.add_argument("--workdir")
     ap.add_argument("--fixtures", help="folder to write observed_*.msgpack into")
+    ap.add_argument("--router-restarts", type=int, default=0,
+                    help="run only step 1 and this many router restarts under traffic")
     args = ap.parse_args()
     suite = Suite(args)
     try:
