@@ -490,9 +490,12 @@ def test_the_model_reproduces_hand_computed_answers():
     assert m.rejected == Counter(unknown_parent=1, engine_hash_conflict=1)
     assert m.matches([a, b]) == {1: 2}
     assert m.matches([a, c, b]) == {1: 2}
-    assert m.store((1, 0), None, [(10, a)])  # a second copy of block 0
-    m.remove((1, 0), [10, 99])
+    assert m.store((1, 0), None, [(10, a)])  # held already: a report, no copy
+    assert m.store((1, 0), 10, [(11, b)])  # a second copy of block 1, under its parent
+    m.remove((1, 0), [11, 99])
     assert m.matches([a, b]) == {1: 2} and m.rejected["unknown_block"] == 1
+    m.remove((1, 0), [11])
+    assert m.matches([a, b]) == {1: 1}
     m.remove((1, 0), [10])
     assert m.matches([a, b]) == {}
     m.ranked.add(1)
