@@ -43,30 +43,17 @@ struct ChatBody {
     cache_salt: Option<Value>,
 }
 
-/// The request's `model`: a string, or absent (`null` and `""` count as absent, as vLLM
-/// takes them for its default model).
-fn model_name(v: Option<Value>) -> Result<Option<String>, OpenAiError> {
+/// An optional string field of the body, `name`: `model` (`null` and `""` are absent, as
+/// vLLM takes them for its default model) or `cache_salt` (`null` and `""` are absent: vLLM
+/// salts only with a non-empty one). Any other type is refused, naming the field.
+fn optional_string(name: &'static str, v: Option<Value>) -> Result<Option<String>, OpenAiError> {
     match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) if s.is_empty() => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
         Some(_) => Err(OpenAiError::invalid(
-            Some("model"),
-            "model must be a string",
-        )),
-    }
-}
-
-/// The request's `cache_salt`: a string, or absent (`null` and `""` count as absent: vLLM
-/// salts only with a non-empty one).
-fn cache_salt(v: Option<Value>) -> Result<Option<String>, OpenAiError> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) if s.is_empty() => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(OpenAiError::invalid(
-            Some("cache_salt"),
-            "cache_salt must be a string",
+            Some(name),
+            format!("{name} must be a string"),
         )),
     }
 }
@@ -133,8 +120,8 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
                 Some(_) => return Err(bad()),
             };
             Ok(OpenAiPrompt {
-                model: model_name(b.model)?,
-                cache_salt: cache_salt(b.cache_salt)?,
+                model: optional_string("model", b.model)?,
+                cache_salt: optional_string("cache_salt", b.cache_salt)?,
                 input,
             })
         }
@@ -145,8 +132,8 @@ pub fn parse_request(body: &[u8], source: PromptSource) -> Result<OpenAiPrompt, 
                 .filter(|m| !m.is_empty())
                 .ok_or_else(|| OpenAiError::invalid(Some("messages"), "messages is required"))?;
             Ok(OpenAiPrompt {
-                model: model_name(b.model)?,
-                cache_salt: cache_salt(b.cache_salt)?,
+                model: optional_string("model", b.model)?,
+                cache_salt: optional_string("cache_salt", b.cache_salt)?,
                 input: Input::Messages(messages),
             })
         }
