@@ -17,6 +17,7 @@ mod config_file;
 mod demo;
 mod disagg_args;
 mod dyn_env;
+mod fds;
 mod logging;
 mod memory;
 mod publish;
@@ -82,6 +83,7 @@ fn main() -> ExitCode {
     }
     let cli = Cli::parse();
     memory::configure(cli.transparent_huge_pages);
+    fds::raise_limit();
     let result = match cli.command {
         None => serve::run(&cli.serve),
         Some(Command::Serve(args)) => serve::run(&args),
@@ -117,5 +119,36 @@ mod tests {
         let cli = Cli::try_parse_from(["kvengine", "demo", "--requests", "5"]).unwrap();
         assert!(matches!(cli.command, Some(Command::Demo(_))));
         assert!(Cli::try_parse_from(["kvengine", "--cores", "0"]).is_err());
+    }
+
+    #[test]
+    fn an_open_control_plane_is_warned_about_and_the_edge_bounds_default_sanely() {
+        let args = |a: &[&str]| {
+            let mut v = vec!["kvengine"];
+            v.extend_from_slice(a);
+            Cli::try_parse_from(v).unwrap().serve
+        };
+        let open = args(&[]);
+        let public: std::net::SocketAddr = "0.0.0.0:8000".parse().unwrap();
+        let local: std::net::SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        assert!(serve::control_plane_warning(&open, public).is_some());
+        assert!(serve::control_plane_warning(&open, local).is_none());
+        let token = args(&["--admin-token", "s3cret"]);
+        assert!(serve::control_plane_warning(&token, public).is_none());
+        // The body limit fits the prompt cap; both can be set.
+        assert_eq!(open.body_limit(), transport::http::DEFAULT_MAX_BODY_BYTES);
+        assert_eq!(
+            transport::http::DEFAULT_MAX_BODY_BYTES,
+            transport::http::body_limit_for(transport::http::DEFAULT_MAX_PROMPT_TOKENS)
+        );
+        let capped = args(&["--max-prompt-tokens", "4000000"]);
+        assert!(capped.body_limit() >= 4_000_000 * 11);
+        assert_eq!(args(&["--max-body-bytes", "1000"]).body_limit(), 1000);
+        let limits = open.conn_limits();
+        assert_eq!(limits, transport::http::conn::ConnLimits::default());
+        assert_eq!(
+            open.limits().max_reservations_per_client,
+            Some(transport::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT)
+        );
     }
 }

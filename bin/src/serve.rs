@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use transport::cores::{self, Homes};
-use transport::http::{HttpConfig, health::health_loop, router, serve_http};
+use transport::http::{HttpConfig, health::health_loop, router};
 use transport::hub::{Hub, HubConfig, Registration, start_engine_from};
 use transport::models::ModelSpec;
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
@@ -92,9 +92,15 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_HTTP_THREADS",
           value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub http_threads: Option<u16>,
-    /// Request bodies larger than this are refused with 413.
-    #[arg(long, env = "KVENGINE_MAX_BODY_BYTES", default_value_t = 64 << 20)]
-    pub max_body_bytes: usize,
+    /// Request bodies larger than this are refused with 413. Default: what fits
+    /// --max-prompt-tokens (11 bytes a token id plus 1 MiB), at least 16 MiB.
+    #[arg(long, env = "KVENGINE_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Prompts of more tokens are refused with 400 (`prompt_too_long` on the routing API,
+    /// `context_length_exceeded` on the OpenAI front door), counted while the body is
+    /// read. 0: each model's `model_max_length` from its tokenizer, else 1,048,576.
+    #[arg(long, env = "KVENGINE_MAX_PROMPT_TOKENS", default_value_t = 0)]
+    pub max_prompt_tokens: usize,
 
     /// How requests are routed unless a request says otherwise.
     #[arg(long, env = "KVENGINE_ROUTER_MODE", default_value = "kv",
@@ -215,6 +221,42 @@ pub struct ServeArgs {
     /// `/v1/load`) must carry. Without it, control calls are accepted from this host only.
     #[arg(long, env = "KVENGINE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// The bearer token routing calls (`POST /v1/route`, `/v1/overlap`,
+    /// `/v1/requests/...`) must carry (the admin token passes too). Without it the routing
+    /// API is open to whoever reaches the edge (each client's reservations stay its own and
+    /// capped).
+    #[arg(long, env = "KVENGINE_ROUTING_TOKEN", hide_env_values = true)]
+    pub routing_token: Option<String>,
+    /// The most route reservations (`POST /v1/route` not yet freed) one client (peer
+    /// address; IPv6: its /64) may hold; past it, routing answers 429
+    /// `too_many_reservations`. 0: no cap.
+    #[arg(long, env = "KVENGINE_MAX_RESERVATIONS_PER_CLIENT",
+          default_value_t = transport::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT as u64)]
+    pub max_reservations_per_client: u64,
+    /// A route reservation never freed is dropped from the load after this many seconds
+    /// (requests the router proxies itself keep --request-timeout-secs).
+    #[arg(long, env = "KVENGINE_RESERVATION_TIMEOUT_SECS",
+          default_value_t = transport::reservations::DEFAULT_RESERVATION_TIMEOUT.as_secs())]
+    pub reservation_timeout_secs: u64,
+    /// The most HTTP connections one core serves at once; one more is answered 503
+    /// `too_many_connections` and closed.
+    #[arg(long, env = "KVENGINE_MAX_CONNECTIONS_PER_CORE",
+          default_value_t = transport::http::conn::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections_per_core: usize,
+    /// Seconds a client has to send a request's headers; an idle keep-alive connection is
+    /// closed after the same time.
+    #[arg(long, env = "KVENGINE_HTTP_HEADER_TIMEOUT_SECS",
+          default_value_t = transport::http::conn::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    pub http_header_timeout_secs: f64,
+    /// Seconds a client has to send a request's body once its headers arrived (408).
+    #[arg(long, env = "KVENGINE_HTTP_BODY_TIMEOUT_SECS",
+          default_value_t = transport::http::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    pub http_body_timeout_secs: f64,
+    /// Seconds a response may stay unread by its client (its receive window full) before
+    /// the connection is closed.
+    #[arg(long, env = "KVENGINE_HTTP_WRITE_TIMEOUT_SECS",
+          default_value_t = transport::http::conn::DEFAULT_WRITE_TIMEOUT.as_secs_f64())]
+    pub http_write_timeout_secs: f64,
     /// The only hosts `POST /v1/workers` may point the router at (in `url`, `zmq`,
     /// `replay`): names or addresses, or `*.suffix` (comma-separated). Default: any host an
     /// authenticated admin names. Workers from flags and the config file are not checked.
@@ -358,13 +400,42 @@ impl ServeArgs {
 impl ServeArgs {
     /// The bounds of `--max-active-requests`, `--max-blocks-per-worker`, `--max-index-bytes`
     /// (0: none).
-    fn limits(&self) -> transport::bounds::Limits {
+    pub(crate) fn limits(&self) -> transport::bounds::Limits {
         let some = |n: u64| (n > 0).then(|| usize::try_from(n).unwrap_or(usize::MAX));
         transport::bounds::Limits {
             max_index_bytes: (self.max_index_bytes > 0).then_some(self.max_index_bytes),
             max_active_requests: some(self.max_active_requests),
             max_blocks_per_key: some(self.max_blocks_per_worker),
+            max_reservations_per_client: some(self.max_reservations_per_client),
+            reservation_timeout: Some(Duration::from_secs(self.reservation_timeout_secs.max(1))),
         }
+    }
+
+    /// The HTTP edge's connection bounds (`--max-connections-per-core`,
+    /// `--http-header-timeout-secs`, `--http-write-timeout-secs`).
+    pub fn conn_limits(&self) -> transport::http::conn::ConnLimits {
+        let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
+        transport::http::conn::ConnLimits {
+            max_connections: self.max_connections_per_core.max(1),
+            header_timeout: secs(self.http_header_timeout_secs),
+            write_timeout: secs(self.http_write_timeout_secs),
+            ..transport::http::conn::ConnLimits::default()
+        }
+    }
+
+    /// `--max-prompt-tokens`, if set.
+    pub fn prompt_cap(&self) -> Option<usize> {
+        (self.max_prompt_tokens > 0).then_some(self.max_prompt_tokens)
+    }
+
+    /// `--max-body-bytes`, else the limit that fits the prompt cap.
+    pub fn body_limit(&self) -> usize {
+        self.max_body_bytes.unwrap_or_else(|| {
+            transport::http::body_limit_for(
+                self.prompt_cap()
+                    .unwrap_or(transport::http::DEFAULT_MAX_PROMPT_TOKENS),
+            )
+        })
     }
 
     /// Whether the router runs without KV events (`--no-kv-events`, or `--kv-events=false`
@@ -577,7 +648,7 @@ fn run_on_cores(
     let mut warm = warm;
     let listeners = reuseport_listeners(&args.http_host, args.http_port, cores)?;
     let (handle_tx, handle_rx) = std::sync::mpsc::channel();
-    let (app_tx, app_rx) = tokio::sync::watch::channel::<Option<axum::Router>>(None);
+    let (app_tx, app_rx) = tokio::sync::watch::channel::<Option<Edge>>(None);
     let mut app_tx = Some(app_tx);
     let mut handle_rx = Some(handle_rx);
     let shared_tls = edge_tls(args)?;
@@ -622,7 +693,7 @@ fn run_on_cores(
                                 let startup = Startup { tls, warm, policy };
                                 serve(hub, args, stop, listener, handles, share, startup).await
                             }
-                            None => serve_share(listener, app_rx, stop, tls).await,
+                            None => serve_share(listener, app_rx, stop).await,
                         }
                     });
                     // Ends every task left (subscriptions, connections, health checks).
@@ -689,39 +760,43 @@ fn edge_tls(args: &ServeArgs) -> Result<Option<EdgeTls>> {
 
 type EdgeTls = Arc<transport::http::tls::TlsServerConfig>;
 
-/// Serves `router` on `listener` over HTTPS with `tls`, else plain HTTP, until `shutdown`.
-async fn serve_edge(
-    listener: tokio::net::TcpListener,
-    router: axum::Router,
-    tls: Option<EdgeTls>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::result::Result<(), transport::TransportError> {
-    match tls {
-        Some(tls) => transport::http::tls::serve_https(listener, router, tls, shutdown).await,
-        None => serve_http(listener, router, shutdown).await,
-    }
-}
+use transport::http::conn::Edge;
 
-/// Another core's share of the HTTP edge: the app core 0 built, on this core's listener.
+/// Another core's share of the HTTP edge: the edge core 0 built, on this core's listener.
 async fn serve_share(
     listener: tokio::net::TcpListener,
-    mut app: tokio::sync::watch::Receiver<Option<axum::Router>>,
+    mut app: tokio::sync::watch::Receiver<Option<Edge>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-    tls: Option<EdgeTls>,
 ) -> Result<()> {
     let Ok(ready) = app.wait_for(Option::is_some).await else {
         // Core 0's setup failed; it reports why.
         return Ok(());
     };
-    let Some(router) = ready.clone() else {
+    let Some(edge) = ready.clone() else {
         return Ok(());
     };
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    serve_edge(listener, router, tls, shutdown)
+    transport::http::conn::serve(listener, edge, shutdown)
         .await
         .context("HTTP edge")
+}
+
+/// What to warn about at start when the control plane (registering workers, KV events,
+/// load) is served without a token on an address others can reach: the loopback-only rule
+/// then stands between anyone on the network and the router's index, and any proxy or
+/// sidecar on this host that forwards traffic makes every client look local.
+pub(crate) fn control_plane_warning(args: &ServeArgs, addr: SocketAddr) -> Option<String> {
+    let token = args.admin_token.as_deref().is_some_and(|t| !t.is_empty());
+    (!token && !addr.ip().is_loopback()).then(|| {
+        format!(
+            "the control plane (POST /v1/workers, /v1/events, /v1/load) is served on {addr} \
+             without --admin-token: it is refused to other hosts, but every client behind a \
+             proxy or sidecar on this host arrives from 127.0.0.1 and passes; set \
+             --admin-token (KVENGINE_ADMIN_TOKEN) (docs/api.md \"Security\")"
+        )
+    })
 }
 
 /// `cores` listeners on one address with `SO_REUSEPORT`, so the kernel spreads connections
@@ -1063,7 +1138,7 @@ async fn serve(
     mut stop: tokio::sync::watch::Receiver<bool>,
     listener: tokio::net::TcpListener,
     spawner: Homes,
-    share: Option<tokio::sync::watch::Sender<Option<axum::Router>>>,
+    share: Option<tokio::sync::watch::Sender<Option<Edge>>>,
     Startup { tls, warm, policy }: Startup,
 ) -> Result<()> {
     let subs: Subscriptions = Arc::default();
@@ -1234,10 +1309,15 @@ async fn serve(
     let app = router(
         hub.clone(),
         HttpConfig {
-            max_body_bytes: args.max_body_bytes,
+            max_body_bytes: args.body_limit(),
+            max_prompt_tokens: args
+                .prompt_cap()
+                .unwrap_or(transport::http::DEFAULT_MAX_PROMPT_TOKENS),
             on_register: Some(on_register),
             on_remove: Some(on_remove),
             admin_token: args.admin_token.clone().filter(|t| !t.is_empty()),
+            routing_token: args.routing_token.clone().filter(|t| !t.is_empty()),
+            body_timeout: Duration::from_secs_f64(args.http_body_timeout_secs.max(0.001)),
             worker_hosts: args.worker_hosts.clone(),
             homes: Some(spawner.clone()),
         },
@@ -1247,15 +1327,26 @@ async fn serve(
         ProxyConfig {
             tokenizer,
             model_tokenizers,
-            max_body_bytes: args.max_body_bytes,
+            max_body_bytes: args.body_limit(),
+            max_prompt_tokens: args.prompt_cap(),
+            body_timeout: Duration::from_secs_f64(args.http_body_timeout_secs.max(0.001)),
             disagg: args.disagg.config()?,
             ..ProxyConfig::default()
         },
     ));
+    let edge = Edge {
+        router: app,
+        tls: tls.clone(),
+        limits: args.conn_limits(),
+        counters: hub.metrics().edge.clone(),
+    };
     if let Some(share) = share {
-        let _ = share.send(Some(app.clone()));
+        let _ = share.send(Some(edge.clone()));
     }
     let addr = listener.local_addr().context("HTTP listener")?;
+    if let Some(warning) = control_plane_warning(args, addr) {
+        tracing::warn!("{warning}");
+    }
     let scheme = if tls.is_some() { "https" } else { "http" };
     println!(
         "kvengine: HTTP on {scheme}://{addr} (OpenAI /v1/chat/completions and \
@@ -1280,7 +1371,7 @@ async fn serve(
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let served = serve_edge(listener, app, tls, shutdown).await;
+    let served = transport::http::conn::serve(listener, edge, shutdown).await;
     health.abort();
     if let Some(s) = snapshots {
         s.abort();

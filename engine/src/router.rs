@@ -462,6 +462,19 @@ impl Router {
         self.scheduler.active_requests()
     }
 
+    /// Frees request `name` at `deadline` (instead of the configured timeout after it was
+    /// routed) if it is still active then.
+    pub fn set_deadline(
+        &mut self,
+        name: &str,
+        deadline: Instant,
+    ) -> std::result::Result<(), RouteError> {
+        let id = self.id(name)?;
+        self.scheduler
+            .set_deadline(id, deadline)
+            .map_err(RouteError::Engine)
+    }
+
     /// Frees (and forgets) the requests whose timeout has passed by `now`; routing does
     /// this first anyway.
     pub fn expire(&mut self, now: Instant) {

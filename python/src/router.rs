@@ -124,7 +124,7 @@ impl Candidate {
 #[pyclass(frozen, get_all, module = "kvengine")]
 #[derive(Debug)]
 pub struct Decision {
-    /// The request's id (the caller's, or generated: `kvr-N`).
+    /// The request's id (the caller's, or generated: `kvr-` and 128 random bits in hex).
     pub request_id: String,
     /// The chosen worker.
     pub worker_id: u64,

@@ -8,8 +8,11 @@ renderer of the Go-template subset it uses (there is no `helm` binary here), and
 file is loaded by the router itself.
 """
 
+import base64
 import json
 import pathlib
+import secrets
+import string
 import re
 import subprocess
 import tempfile
@@ -112,9 +115,11 @@ def test_the_probed_endpoints_answer_as_the_manifest_expects():
 #
 # There is no `helm` here: `Chart` renders the Go-template subset deploy/helm/kvengine uses,
 # `{{ .Values.a.b }}`, `$`, `.Release.*`, `.Chart.*`, "strings" and numbers, pipelines of
-# include / toYaml / nindent / quote / default, `if`/`with` (with `else`) / `end`, `define`,
-# `{{/* comments */}}` and `{{-`/`-}}` trimming. Anything else (range, a function it does not
-# know, a value values.yaml does not declare) fails the test: keep the chart within it.
+# include / toYaml / nindent / quote / default / or / not / index / randAlphaNum / b64enc,
+# `(sub expressions)`, `lookup` (empty, as under `helm template`), `if`/`with` (with `else`)
+# / `end`, `define`, `{{/* comments */}}` and `{{-`/`-}}` trimming. Anything else (range, a
+# function it does not know, a value values.yaml does not declare) fails the test: keep the
+# chart within it.
 
 ACTION = re.compile(r"\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.S)
 
@@ -178,7 +183,35 @@ FUNCS = {
     "nindent": lambda chart, n, s: "\n" + "\n".join(" " * n + line for line in s.split("\n")),
     "quote": lambda chart, v: json.dumps(_text(v)),
     "default": lambda chart, fallback, v=None: v if v else fallback,
+    "or": lambda chart, *a: next((x for x in a if x), a[-1]),
+    "not": lambda chart, v: not v,
+    "index": lambda chart, m, k: m[k],
+    # `helm template` and a first install see no Secret in the cluster.
+    "lookup": lambda chart, *a: {},
+    "randAlphaNum": lambda chart, n: "".join(
+        secrets.choice(string.ascii_letters + string.digits) for _ in range(n)),
+    "b64enc": lambda chart, v: base64.b64encode(v.encode()).decode(),
 }
+
+
+def _split(expr, sep):
+    """`expr` split at `sep` (a space: any whitespace) outside quotes and parentheses."""
+    out, cur, depth, quoted = [], "", 0, False
+    for ch in expr:
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch == "(":
+            depth += 1
+        elif not quoted and ch == ")":
+            depth -= 1
+        at_sep = ch.isspace() if sep == " " else ch == sep
+        if at_sep and depth == 0 and not quoted:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [w.strip() for w in out if w.strip()]
 
 
 class Chart:
@@ -220,8 +253,8 @@ class Chart:
 
     def pipe(self, expr, dot):
         value, piped = None, False
-        for stage in expr.split("|"):
-            words = re.findall(r'"[^"]*"|\S+', stage)
+        for stage in _split(expr, "|"):
+            words = _split(stage, " ")
             args = [self.arg(w, dot) for w in words[1:]] + ([value] if piped else [])
             if words[0] in FUNCS:
                 value = FUNCS[words[0]](self, *args)
@@ -232,6 +265,8 @@ class Chart:
         return value
 
     def arg(self, word, dot):
+        if word.startswith("("):
+            return self.pipe(word[1:-1], dot)
         if word.startswith('"'):
             return json.loads(word)
         if word.isdigit():
@@ -328,7 +363,8 @@ def test_the_chart_is_versioned_with_the_workspace():
 @pytest.mark.parametrize("overrides", [None, ENABLED], ids=["defaults", "enabled"])
 def test_the_chart_renders_a_deployment_the_binary_accepts(overrides):
     objects, notes = render_chart(overrides)
-    expected = {"ConfigMap", "Deployment", "Service"} | ({"ServiceMonitor"} if overrides else set())
+    expected = {"ConfigMap", "Deployment", "Service"} | (
+        {"ServiceMonitor"} if overrides else {"Secret"})
     assert set(objects) == expected
     deployment, service, config_map = (objects[k]
                                        for k in ("Deployment", "Service", "ConfigMap"))
@@ -389,8 +425,24 @@ def test_the_chart_renders_a_deployment_the_binary_accepts(overrides):
         assert pod["spec"]["tolerations"] == ENABLED["tolerations"]
         assert "kvengine-admin" in notes
     else:
-        assert secret == []
-        assert "adminToken.existingSecret" in notes
+        # By default the chart generates the admin token and the router reads it.
+        generated = objects["Secret"]
+        assert secret == [{"name": "KVENGINE_ADMIN_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": generated["metadata"]["name"], "key": "token"}}}]
+        token = base64.b64decode(generated["data"]["token"]).decode()
+        assert len(token) >= 32 and token.isalnum(), token
+        assert generated["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert generated["metadata"]["name"] in notes
+
+
+def test_the_chart_warns_when_the_admin_token_is_turned_off():
+    objects, notes = render_chart({"adminToken": {"generate": False}})
+    assert "Secret" not in objects
+    assert not [e for e in container_of(objects)["env"] if e["name"] == "KVENGINE_ADMIN_TOKEN"]
+    assert "WARNING: no admin token" in notes
+    objects, _ = render_chart({"routingToken": {"existingSecret": "kvengine-routing"}})
+    assert {"name": "KVENGINE_ROUTING_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "kvengine-routing", "key": "token"}}} in container_of(objects)["env"]
 
 
 def test_the_charts_config_file_names_real_settings_and_matches_the_manifests():

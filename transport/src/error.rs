@@ -90,6 +90,24 @@ pub enum TransportError {
         /// The limit.
         limit: usize,
     },
+    /// A client of the routing API already holds its most open reservations
+    /// (`--max-reservations-per-client`).
+    #[error(
+        "{client} holds {limit} open route reservations, the most one client may \
+         (--max-reservations-per-client): free finished ones with DELETE /v1/requests/{{id}}"
+    )]
+    TooManyReservations {
+        /// The client (its address).
+        client: String,
+        /// The cap.
+        limit: usize,
+    },
+    /// A prompt longer than `--max-prompt-tokens`.
+    #[error("the prompt has more than {limit} tokens (--max-prompt-tokens)")]
+    PromptTooLong {
+        /// The cap.
+        limit: usize,
+    },
     /// A request or registration is invalid.
     #[error("invalid {name}: {reason}")]
     Invalid {
@@ -193,7 +211,9 @@ impl TransportError {
             | TransportError::UnknownModel(_)
             | TransportError::DuplicateRequest(_)
             | TransportError::Overloaded { .. }
+            | TransportError::TooManyReservations { .. }
             | TransportError::Io { .. } => DropReason::Other,
+            TransportError::PromptTooLong { .. } => DropReason::Oversized,
         }
     }
 }

@@ -45,6 +45,7 @@ use crate::error::{DropReason, Result, TransportError};
 use crate::metrics::Metrics;
 use crate::models::{DEFAULT_MODEL, ModelError, ModelSpec, Namespaces};
 use crate::replicas::LoadSink;
+use crate::reservations::ClientId;
 use engine::approx::ApproxConfig;
 use engine::directories::Applied;
 use engine::event::KvEvent;
@@ -365,6 +366,8 @@ impl Hub {
     /// Applies `limits` ([`crate::bounds`]; none by default).
     pub fn with_limits(mut self, limits: Limits) -> Self {
         self.budget = IndexBudget::new(limits.max_index_bytes);
+        lock(&self.routing).reservations =
+            crate::reservations::Reservations::new(limits.max_reservations_per_client);
         self.limits = limits;
         self
     }
@@ -1173,7 +1176,7 @@ impl Hub {
     pub fn route(&self, model: Option<&str>, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
         let (model, seqs) = self.prepare(model, call)?;
         let matches = self.find_matches(&model, &seqs, now)?;
-        self.decide_with(&model, call, &seqs, &matches, now, None)
+        self.decide_with(&model, call, &seqs, &matches, now, Decide::default())
     }
 
     /// [`Hub::route`] with `custom` choosing the worker among the scored candidates (the
@@ -1187,7 +1190,11 @@ impl Hub {
     ) -> Result<Routed> {
         let (model, seqs) = self.prepare(model, call)?;
         let matches = self.find_matches(&model, &seqs, now)?;
-        self.decide_with(&model, call, &seqs, &matches, now, Some(custom))
+        let how = Decide {
+            custom: Some(custom),
+            client: None,
+        };
+        self.decide_with(&model, call, &seqs, &matches, now, how)
     }
 
     /// [`Hub::route`] for async callers: on a hosted core, a query for another core's shard
@@ -1198,6 +1205,30 @@ impl Hub {
         call: &RouteCall<'_>,
         now: Instant,
     ) -> Result<Routed> {
+        self.route_async_as(model, call, now, None).await
+    }
+
+    /// [`Hub::route_async`] for a caller of the routing API (`POST /v1/route`): the request
+    /// becomes `client`'s reservation ([`crate::reservations`]): refused past the client's
+    /// cap, active for at most `--reservation-timeout-secs` unless freed, and only `client`
+    /// may mark or free it.
+    pub async fn reserve_async(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        client: ClientId,
+    ) -> Result<Routed> {
+        self.route_async_as(model, call, now, Some(client)).await
+    }
+
+    async fn route_async_as(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        client: Option<ClientId>,
+    ) -> Result<Routed> {
         let (model, seqs) = self.prepare(model, call)?;
         let hosted = matches!(self.engine, Engine::Hosted { .. }) && !self.approximate;
         let matches = match hosted {
@@ -1207,7 +1238,11 @@ impl Hub {
             },
             false => self.find_matches(&model, &seqs, now)?,
         };
-        self.decide_with(&model, call, &seqs, &matches, now, None)
+        let how = Decide {
+            custom: None,
+            client,
+        };
+        self.decide_with(&model, call, &seqs, &matches, now, how)
     }
 
     /// The namespace of the call and its prompt's seq hashes at that model's block size.
@@ -1230,10 +1265,23 @@ impl Hub {
         seqs: &[SeqHash],
         matches: &Matches,
         now: Instant,
-        custom: Option<&mut dyn Policy>,
+        how: Decide<'_>,
     ) -> Result<Routed> {
         let routed = {
             let mut routing = lock(&self.routing);
+            if let Some(client) = how.client
+                && let Err(at) = routing.admit_reservation(client).or_else(|_| {
+                    // At its cap: some of its reservations may have lapsed.
+                    routing.expire(now);
+                    routing.admit_reservation(client)
+                })
+            {
+                self.metrics.too_many_reservations.fetch_add(1, Relaxed);
+                return Err(TransportError::TooManyReservations {
+                    client: at.client.to_string(),
+                    limit: at.cap,
+                });
+            }
             if let Some(limit) = self.limits.max_active_requests
                 && routing.routed_requests() >= limit
             {
@@ -1264,8 +1312,21 @@ impl Hub {
             };
             let routed = ns
                 .router
-                .route_with(now, call, seqs, matches, custom)
+                .route_with(now, call, seqs, matches, how.custom)
                 .map_err(refused)?;
+            if let Some(client) = how.client {
+                let lifetime = self
+                    .limits
+                    .reservation_timeout
+                    .unwrap_or(crate::reservations::DEFAULT_RESERVATION_TIMEOUT);
+                if lifetime < self.config.scheduler.request_timeout
+                    && let Some(deadline) = now.checked_add(lifetime)
+                {
+                    // The request was routed just now: it is active.
+                    let _ = ns.router.set_deadline(&routed.request_id, deadline);
+                }
+                routing.add_reservation(routed.request_id.clone(), client);
+            }
             // Under the lock: peers see this replica's events in the order its state changed.
             if let Some(sink) = self.replicas.get() {
                 let d = &routed.decision;
@@ -1298,9 +1359,24 @@ impl Hub {
     /// Marks a routed request prefilled: its first token streamed now (the chosen worker's
     /// TTFT model learns from the time since routing).
     pub fn prefilled(&self, request_id: &str) -> Result<()> {
+        self.prefilled_as(request_id, None)
+    }
+
+    /// [`Hub::prefilled`] for a caller of the routing API: only `client`'s own reservations
+    /// are known to it (anything else is [`TransportError::UnknownRequest`]).
+    pub fn prefilled_by(&self, request_id: &str, client: ClientId) -> Result<()> {
+        self.prefilled_as(request_id, Some(client))
+    }
+
+    fn prefilled_as(&self, request_id: &str, client: Option<ClientId>) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         let now = Instant::now();
         let mut routing = lock(&self.routing);
+        if let Some(client) = client
+            && !routing.reservations.held_by(request_id, client)
+        {
+            return Err(TransportError::UnknownRequest(request_id.to_owned()));
+        }
         routing
             .with_request(request_id, |r| r.prefilled(now, request_id))
             .map_err(refused)?;
@@ -1312,8 +1388,23 @@ impl Hub {
 
     /// Frees a routed request (finished or cancelled).
     pub fn finish(&self, request_id: &str) -> Result<()> {
+        self.finish_as(request_id, None)
+    }
+
+    /// [`Hub::finish`] for a caller of the routing API: only `client`'s own reservations
+    /// are known to it (anything else is [`TransportError::UnknownRequest`]).
+    pub fn finish_by(&self, request_id: &str, client: ClientId) -> Result<()> {
+        self.finish_as(request_id, Some(client))
+    }
+
+    fn finish_as(&self, request_id: &str, client: Option<ClientId>) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         let mut routing = lock(&self.routing);
+        if let Some(client) = client
+            && !routing.reservations.held_by(request_id, client)
+        {
+            return Err(TransportError::UnknownRequest(request_id.to_owned()));
+        }
         let key = routing
             .with_request(request_id, |r| {
                 // The worker is looked up only where a TensorRT-LLM poller may want a poke.
@@ -1325,6 +1416,7 @@ impl Hub {
                 r.finish(request_id).map(|()| key)
             })
             .map_err(refused)?;
+        routing.reservations.remove(request_id);
         if let Some(sink) = self.replicas.get() {
             sink.freed(request_id);
         }
@@ -1361,6 +1453,14 @@ impl Hub {
     pub fn active_requests(&self) -> usize {
         lock(&self.routing).active_requests()
     }
+}
+
+/// How [`Hub::decide_with`] decides: a custom policy (the Python package's), and whether
+/// the request is a client's reservation.
+#[derive(Default)]
+struct Decide<'a> {
+    custom: Option<&'a mut dyn Policy>,
+    client: Option<ClientId>,
 }
 
 /// Whether `router` has both prefill and decode workers (its requests disaggregate).

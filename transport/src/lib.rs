@@ -15,6 +15,7 @@ pub mod models;
 pub mod native;
 pub mod openai;
 pub mod replicas;
+pub mod reservations;
 pub mod state;
 pub mod stream;
 pub mod trtllm;

@@ -39,6 +39,25 @@ pub const TRANSPORT_DROPS: [DropReason; 13] = [
     DropReason::Other,
 ];
 
+/// The HTTP edge's connection counters, shared by every listener's accept loop
+/// ([`crate::http::conn`]).
+#[derive(Debug, Default)]
+pub struct EdgeCounters {
+    /// Connections being served now.
+    pub open: AtomicU64,
+    /// Connections refused at `--max-connections-per-core`.
+    pub refused: AtomicU64,
+    /// Connections closed because a request's headers did not arrive in time (idle
+    /// keep-alive connections included).
+    pub header_timeouts: AtomicU64,
+    /// Requests answered 408 because their body did not arrive in time.
+    pub body_timeouts: AtomicU64,
+    /// Connections closed because the client stopped reading its response.
+    pub write_stalls: AtomicU64,
+    /// TLS handshakes that failed or timed out.
+    pub handshake_failures: AtomicU64,
+}
+
 /// A fixed-bucket histogram: cumulative counts are computed when rendered.
 #[derive(Debug)]
 pub struct Histogram {
@@ -158,8 +177,12 @@ pub struct Metrics {
     /// Front door: answers per (model, HTTP status). Models are the configured or
     /// registered ones (clients cannot add labels: an unknown name is [`NO_MODEL`]).
     statuses: Mutex<std::collections::BTreeMap<(String, u16), u64>>,
+    /// The HTTP edge's connections.
+    pub edge: std::sync::Arc<EdgeCounters>,
     /// Routing calls refused because the router carried `--max-active-requests`.
     pub overloaded: AtomicU64,
+    /// Routing calls refused because their client held `--max-reservations-per-client`.
+    pub too_many_reservations: AtomicU64,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -199,6 +222,8 @@ impl Default for Metrics {
             engine_unresponsive: AtomicU64::new(0),
             statuses: Mutex::new(std::collections::BTreeMap::new()),
             overloaded: AtomicU64::new(0),
+            too_many_reservations: AtomicU64::new(0),
+            edge: std::sync::Arc::default(),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),

@@ -29,10 +29,12 @@
 //! None: owned by the hub behind its routing mutex.
 
 use crate::error::{Result, TransportError};
+use crate::reservations::{AtCap, ClientId, Reservations};
 use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::router::{NameError, RouteError, Router};
 use engine::sched::SchedulerConfig;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 
 /// The namespace of workers registered without a model.
@@ -73,7 +75,8 @@ pub(crate) struct Namespaces {
     approx: Option<ApproxConfig>,
     by_model: BTreeMap<String, Namespace>,
     worker_model: HashMap<WorkerId, String>,
-    next_id: u64,
+    /// Requests routed through the routing API, by client ([`crate::reservations`]).
+    pub reservations: Reservations,
 }
 
 impl Namespaces {
@@ -94,7 +97,7 @@ impl Namespaces {
             approx,
             by_model,
             worker_model: HashMap::new(),
-            next_id: 0,
+            reservations: Reservations::default(),
         })
     }
 
@@ -267,15 +270,32 @@ impl Namespaces {
         self.by_model.values().any(|ns| ns.router.is_active(name))
     }
 
-    /// The id a request routed without one gets: never active anywhere (invariant 2).
+    /// The id a request routed without one gets: never active anywhere (invariant 2), and
+    /// unguessable (`kvr-` and 128 random bits in hex), so holding it is what lets a caller
+    /// act on the request.
     pub fn generate_id(&mut self) -> String {
         loop {
-            let name = format!("kvr-{}", self.next_id);
-            self.next_id += 1;
+            let name = random_id();
             if !self.is_active(&name) {
                 return name;
             }
         }
+    }
+
+    /// Whether `client` may make one more route reservation ([`crate::reservations`]).
+    pub fn admit_reservation(&mut self, client: ClientId) -> std::result::Result<(), AtCap> {
+        let by_model = &self.by_model;
+        self.reservations.admit(client, |id| {
+            by_model.values().any(|ns| ns.router.is_active(id))
+        })
+    }
+
+    /// Records request `id`, just routed, as `client`'s reservation.
+    pub fn add_reservation(&mut self, id: String, client: ClientId) {
+        let by_model = &self.by_model;
+        self.reservations.insert(id, client, |id| {
+            by_model.values().any(|ns| ns.router.is_active(id))
+        });
     }
 
     /// Runs `f` on the router where request `name` is active.
@@ -316,6 +336,67 @@ impl Namespaces {
         for ns in self.by_model.values_mut() {
             ns.router.expire(now);
         }
+    }
+}
+
+/// Random bytes drawn from the system's CSPRNG a page at a time (one `getrandom` per 256
+/// ids rather than one per id).
+struct RandomPool {
+    bytes: [u8; 4096],
+    used: usize,
+}
+
+thread_local! {
+    static RANDOM: RefCell<RandomPool> = const {
+        RefCell::new(RandomPool { bytes: [0; 4096], used: 4096 })
+    };
+}
+
+/// `kvr-` and 32 hex digits of fresh randomness. Should the system's generator ever fail,
+/// the bytes come from a hash of the time and a counter instead: still unique, only
+/// guessable with effort.
+fn random_id() -> String {
+    use ring::rand::{SecureRandom, SystemRandom};
+    use std::fmt::Write;
+    let mut id = [0u8; 16];
+    RANDOM.with(|cell| {
+        let mut pool = cell.borrow_mut();
+        if pool.used + id.len() > pool.bytes.len() {
+            if SystemRandom::new().fill(&mut pool.bytes).is_err() {
+                fallback_random(&mut pool.bytes);
+            }
+            pool.used = 0;
+        }
+        let at = pool.used;
+        if let Some(src) = pool.bytes.get(at..at + id.len()) {
+            id.copy_from_slice(src);
+        }
+        pool.used += id.len();
+    });
+    let mut name = String::with_capacity(4 + 32);
+    name.push_str("kvr-");
+    for b in id {
+        let _ = write!(name, "{b:02x}");
+    }
+    name
+}
+
+/// Fills `out` from SHA-256 of the time, the thread and a process-wide counter.
+fn fallback_random(out: &mut [u8]) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    for chunk in out.chunks_mut(32) {
+        let seed = format!(
+            "{nanos}/{:?}/{}",
+            std::thread::current().id(),
+            COUNTER.fetch_add(1, Relaxed)
+        );
+        let d = ring::digest::digest(&ring::digest::SHA256, seed.as_bytes());
+        let n = chunk.len();
+        chunk.copy_from_slice(&d.as_ref()[..n]);
     }
 }
 
@@ -385,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn generated_ids_skip_active_names() {
+    fn generated_ids_are_unguessable_and_never_active() {
         let mut n = spaces();
         let r = n.place(WorkerId(1), "m").unwrap();
         r.add_worker(
@@ -406,7 +487,16 @@ mod tests {
         )
         .unwrap();
         assert!(n.is_active("kvr-0"));
-        assert_eq!(n.generate_id(), "kvr-1");
+        let ids: std::collections::HashSet<String> = (0..1000).map(|_| n.generate_id()).collect();
+        assert_eq!(ids.len(), 1000);
+        for id in &ids {
+            let hex = id.strip_prefix("kvr-").unwrap();
+            assert_eq!(hex.len(), 32, "{id}");
+            assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        }
+        // Not a counter: two ids in a row share no long prefix (128 random bits each).
+        let (a, b) = (n.generate_id(), n.generate_id());
+        assert_ne!(a[..12], b[..12], "{a} {b}");
         assert!(n.with_request("kvr-0", |r| r.finish("kvr-0")).is_ok());
         assert!(n.with_request("kvr-0", |r| r.finish("kvr-0")).is_err());
     }

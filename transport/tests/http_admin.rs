@@ -199,3 +199,99 @@ async fn without_a_token_control_calls_come_from_this_host_only() {
         assert!(s.is_success(), "{method} {path}: {s} {v}");
     }
 }
+
+/// The routing API's own token: with `--routing-token`, `/v1/route`, `/v1/overlap` and
+/// `/v1/requests/...` need it (or the admin token); control calls still need the admin
+/// token, which the routing token does not replace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_routing_token_the_routing_api_needs_it() {
+    let cfg = HttpConfig {
+        admin_token: Some("admin".into()),
+        routing_token: Some("route".into()),
+        ..HttpConfig::default()
+    };
+    let (port, _stop) = serve(cfg, "127.0.0.1".parse().unwrap()).await;
+    let base = format!("http://127.0.0.1:{port}");
+    call(
+        &base,
+        Method::POST,
+        "/v1/workers",
+        Some(json!({"worker_id": 8})),
+        Some("admin"),
+    )
+    .await;
+    let route = json!({"token_ids": [1, 2, 3], "request_id": "r"});
+    for bearer in [None, Some("wrong"), Some("rout")] {
+        for (method, path) in [
+            (Method::POST, "/v1/route"),
+            (Method::POST, "/v1/overlap"),
+            (Method::POST, "/v1/requests/r/prefilled"),
+            (Method::DELETE, "/v1/requests/r"),
+        ] {
+            let (s, v, challenge) =
+                call(&base, method.clone(), path, Some(route.clone()), bearer).await;
+            assert_eq!(s, StatusCode::UNAUTHORIZED, "{path} {bearer:?}: {v}");
+            assert_eq!(challenge.as_deref(), Some("Bearer"));
+        }
+    }
+    let (s, v, _) = call(
+        &base,
+        Method::POST,
+        "/v1/route",
+        Some(route.clone()),
+        Some("route"),
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    let (s, _, _) = call(&base, Method::DELETE, "/v1/requests/r", None, Some("admin")).await;
+    assert_eq!(
+        s,
+        StatusCode::OK,
+        "the admin token passes the routing gate too"
+    );
+    // The routing token opens no control call.
+    let (s, _, _) = call(&base, Method::DELETE, "/v1/workers/8", None, Some("route")).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    // Health, metrics and the worker list stay open.
+    let (s, _, _) = call(&base, Method::GET, "/v1/workers", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+}
+
+/// Requests the router routes for itself (the OpenAI front door's) are no caller's
+/// reservation: `DELETE /v1/requests/{id}` and `/prefilled` answer 404 for them, from any
+/// peer, and they stay active until the router frees them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_own_requests_cannot_be_freed_through_the_routing_api() {
+    let (hub, runtime) = common::hub(1);
+    std::mem::forget(runtime);
+    hub.register(transport::hub::Registration::new(engine::WorkerId(8)))
+        .unwrap();
+    let (addr, _stop) = common::serve_app(
+        router(hub.clone(), HttpConfig::default()),
+        "127.0.0.1".parse().unwrap(),
+    )
+    .await;
+    let base = format!("http://127.0.0.1:{}", addr.port());
+    let call_ = transport::hub::RouteCall {
+        request_id: None,
+        tokens: &[1; 64],
+        ..Default::default()
+    };
+    let routed = hub
+        .route_async(None, &call_, std::time::Instant::now())
+        .await
+        .unwrap();
+    let id = routed.request_id;
+    assert!(id.starts_with("kvr-") && id.len() == 36, "{id}");
+    for (method, path) in [
+        (Method::POST, format!("/v1/requests/{id}/prefilled")),
+        (Method::DELETE, format!("/v1/requests/{id}")),
+    ] {
+        let (s, v, _) = call(&base, method, &path, None, None).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "{path}: {v}");
+        assert_eq!(v["error"]["code"], "unknown_request");
+    }
+    assert_eq!(hub.active_requests(), 1);
+    hub.finish(&id).unwrap();
+    assert_eq!(hub.active_requests(), 0);
+}

@@ -318,6 +318,20 @@ impl ActiveRequests {
         Ok(slot)
     }
 
+    /// Moves `id`'s deadline to `deadline` (a reservation that lives shorter than the
+    /// configured timeout).
+    pub(crate) fn set_deadline(&mut self, id: RequestId, deadline: Instant) -> Result<()> {
+        let active = self
+            .requests
+            .get_mut(&id)
+            .ok_or(EngineError::UnknownRequest(id))?;
+        if let Some(old) = active.deadline.replace(deadline) {
+            self.deadlines.remove(&(old, id));
+        }
+        self.deadlines.insert((deadline, id));
+        Ok(())
+    }
+
     /// Frees every request whose deadline is at or before `now`; returns their ids, oldest
     /// first.
     pub(crate) fn expire(&mut self, now: Instant) -> Vec<RequestId> {
@@ -619,6 +633,29 @@ mod tests {
             "1 and 2 still held by request 2"
         );
         a.check_invariants();
+    }
+
+    #[test]
+    fn a_shortened_deadline_expires_the_request_then_and_not_before() {
+        let now = Instant::now();
+        let s = WorkerSlot(0);
+        let mut a = ActiveRequests::new(16, Duration::from_secs(300));
+        a.add(now, s, RequestId(1), &hs(&[1]), 16, 0, done(now))
+            .unwrap();
+        a.add(now, s, RequestId(2), &hs(&[2]), 16, 0, done(now))
+            .unwrap();
+        a.set_deadline(RequestId(1), now + Duration::from_secs(60))
+            .unwrap();
+        a.check_invariants();
+        assert!(a.expire(now + Duration::from_secs(59)).is_empty());
+        assert_eq!(a.expire(now + Duration::from_secs(60)), vec![RequestId(1)]);
+        assert!(
+            a.contains(RequestId(2)),
+            "the other keeps the configured timeout"
+        );
+        assert!(a.set_deadline(RequestId(1), now).is_err(), "gone");
+        a.check_invariants();
+        assert_eq!(a.expire(now + Duration::from_secs(300)), vec![RequestId(2)]);
     }
 
     /// A path from the root of a small tree of blocks (3 children each, up to 6 deep), as

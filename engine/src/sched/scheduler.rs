@@ -478,6 +478,12 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Frees `id` at `deadline` rather than `request_timeout` after it was routed, if it is
+    /// still active then.
+    pub fn set_deadline(&mut self, id: RequestId, deadline: Instant) -> Result<()> {
+        self.active.set_deadline(id, deadline)
+    }
+
     /// Frees every request routed `request_timeout` or longer before `now`; returns their
     /// ids, oldest first.
     pub fn expire(&mut self, now: Instant) -> Vec<RequestId> {

@@ -8,13 +8,18 @@
 //!   calls; others get 403 `admin_forbidden`, which names the flag. The read and routing
 //!   endpoints (`/v1/route`, `/v1/overlap`, `/v1/requests/...`, `GET /v1/workers`,
 //!   `/metrics`, health) stay open: front ends call them per request.
+//! * The routing API (`/v1/route`, `/v1/overlap`, `/v1/requests/...`) takes its own token,
+//!   `--routing-token`, separate from the admin token (front ends hold it; they need not
+//!   hold the power to re-point workers). With it set, a routing call must present it or
+//!   the admin token; without it, the routing API is open (each client's reservations are
+//!   still its own and capped: `crate::reservations`).
 //!
 //! # Invariants
 //! 1. A control call from a peer whose address is unknown (a router served without
 //!    [`axum::extract::ConnectInfo`]) is refused unless it carries the token: the gate fails
 //!    closed. [`super::serve_http`] and [`super::tls::serve_https`] always supply the peer
 //!    address.
-//! 2. The token is compared by digest (no timing hint); refusals are counted
+//! 2. Tokens are compared by digest, in constant time (no timing hint); refusals are counted
 //!    ([`crate::DropReason::Unauthorized`]) and logged without the presented secret.
 
 use super::AppState;
@@ -102,17 +107,10 @@ pub(crate) fn check(
     peer: Option<SocketAddr>,
 ) -> Result<(), Refusal> {
     match token {
-        Some(token) => {
-            let presented = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim);
-            match presented {
-                Some(p) if same_secret(p, token) => Ok(()),
-                _ => Err(Refusal::BadToken),
-            }
-        }
+        Some(token) => match bearer(headers) {
+            Some(p) if same_secret(p, token) => Ok(()),
+            _ => Err(Refusal::BadToken),
+        },
         None => match peer {
             Some(addr) if addr.ip().to_canonical().is_loopback() => Ok(()),
             _ => Err(Refusal::NotLocal),
@@ -120,11 +118,66 @@ pub(crate) fn check(
     }
 }
 
-/// Compares SHA-256 digests rather than the strings: how long the comparison takes then
-/// says nothing about how much of the token a guess got right.
-fn same_secret(presented: &str, token: &str) -> bool {
+/// Compares SHA-256 digests rather than the strings, and those in constant time: how long
+/// the comparison takes says nothing about the token, not even its length.
+pub(crate) fn same_secret(presented: &str, token: &str) -> bool {
     use ring::digest::{SHA256, digest};
-    digest(&SHA256, presented.as_bytes()).as_ref() == digest(&SHA256, token.as_bytes()).as_ref()
+    let (a, b) = (
+        digest(&SHA256, presented.as_bytes()),
+        digest(&SHA256, token.as_bytes()),
+    );
+    let diff = a
+        .as_ref()
+        .iter()
+        .zip(b.as_ref())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// The bearer token a request presents, if any.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// Middleware on the routing API (`/v1/route`, `/v1/overlap`, `/v1/requests/...`): with
+/// `--routing-token`, a call must present it (or the admin token); without one, the
+/// routing API is open.
+pub(crate) async fn require_routing(
+    State(st): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(token) = st.cfg.routing_token.as_deref() else {
+        return next.run(req).await;
+    };
+    let ok = bearer(req.headers()).is_some_and(|p| {
+        same_secret(p, token)
+            || st
+                .cfg
+                .admin_token
+                .as_deref()
+                .is_some_and(|admin| same_secret(p, admin))
+    });
+    if ok {
+        return next.run(req).await;
+    }
+    let e = TransportError::Unauthorized("routing call without the routing token");
+    st.hub.metrics().drop_input(DropReason::Unauthorized, 1, &e);
+    let mut r = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "the routing API needs a token: send Authorization: Bearer <routing token>",
+    )
+    .into_response();
+    r.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    r
 }
 
 #[cfg(test)]
@@ -164,6 +217,14 @@ mod tests {
             check(None, &auth("Bearer x"), Some("10.0.0.5:9".parse().unwrap())),
             Err(Refusal::NotLocal)
         );
+    }
+
+    #[test]
+    fn secrets_match_exactly() {
+        assert!(same_secret("s3cret", "s3cret"));
+        for other in ["", "s3cre", "s3cret ", "S3cret", "s3cret2"] {
+            assert!(!same_secret(other, "s3cret"), "{other:?}");
+        }
     }
 
     #[test]

@@ -171,6 +171,14 @@ impl From<TransportError> for ApiError {
             TransportError::Oversized { .. } => {
                 Self::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
             }
+            TransportError::TooManyReservations { .. } => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too_many_reservations",
+                message,
+            ),
+            TransportError::PromptTooLong { .. } => {
+                Self::new(StatusCode::BAD_REQUEST, "prompt_too_long", message)
+            }
             TransportError::TokenCountMismatch { .. } => {
                 Self::new(StatusCode::BAD_REQUEST, "token_count_mismatch", message)
             }

@@ -469,6 +469,35 @@ fn register_bounds(reg: &mut Registry, hub: &Hub, cores: &[CoreSummary]) {
         "Routing calls refused (503 overloaded) at --max-active-requests",
         counter(hub.metrics().overloaded.load(Relaxed)),
     );
+    reg.register(
+        "kvengine_routes_too_many_reservations",
+        "Routing calls refused (429 too_many_reservations) at --max-reservations-per-client",
+        counter(hub.metrics().too_many_reservations.load(Relaxed)),
+    );
+    let edge = &hub.metrics().edge;
+    reg.register(
+        "kvengine_http_connections_open",
+        "HTTP connections being served",
+        gauge(edge.open.load(Relaxed)),
+    );
+    let closed = Family::<Labels1, Counter>::default();
+    for (reason, n) in [
+        ("connection_limit", &edge.refused),
+        ("header_timeout", &edge.header_timeouts),
+        ("body_timeout", &edge.body_timeouts),
+        ("write_stall", &edge.write_stalls),
+        ("tls_handshake", &edge.handshake_failures),
+    ] {
+        closed
+            .get_or_create(&[("reason", reason.to_owned())])
+            .inc_by(n.load(Relaxed));
+    }
+    reg.register(
+        "kvengine_http_connections_refused",
+        "HTTP connections refused or closed by the edge's bounds, by reason (body_timeout: \
+         requests answered 408)",
+        closed,
+    );
 }
 
 pub(super) async fn metrics(State(st): State<AppState>) -> Response {

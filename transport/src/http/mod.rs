@@ -14,6 +14,7 @@
 //!    buffered past the limit.
 
 mod admin;
+pub mod conn;
 pub mod errors;
 mod events;
 pub mod health;
@@ -37,10 +38,30 @@ use errors::ApiError;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// Default [`HttpConfig::max_body_bytes`]: 64 MiB.
-pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+/// Default [`HttpConfig::max_prompt_tokens`] (and the front door's, for a model whose
+/// tokenizer does not say its maximum length): 1,048,576 tokens, above every served model's
+/// context window today.
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 1 << 20;
+
+/// The body limit that fits `max_prompt_tokens`: every id as its longest JSON number and a
+/// separator (11 bytes), plus 1 MiB for the rest, and never below 16 MiB (chat requests
+/// carry more than their tokens: images as data URLs, tool schemas).
+pub fn body_limit_for(max_prompt_tokens: usize) -> usize {
+    max_prompt_tokens
+        .saturating_mul(11)
+        .saturating_add(1 << 20)
+        .max(16 << 20)
+}
+
+/// Default [`HttpConfig::max_body_bytes`]: the limit that fits the default prompt cap
+/// (12 MiB of ids; so 16 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// Default [`HttpConfig::body_timeout`]: 30 s to send a body (64 MiB at 17 Mbit/s).
+pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Called after a worker registers (with its merged registration).
 pub type RegisterHook = Arc<dyn Fn(&Registration) + Send + Sync>;
@@ -60,6 +81,14 @@ pub struct HttpConfig {
     /// The bearer token control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
     /// `/v1/load`) must carry; `None`: control calls only from this host (see `admin`).
     pub admin_token: Option<String>,
+    /// The bearer token routing calls (`/v1/route`, `/v1/overlap`, `/v1/requests/...`)
+    /// must carry (the admin token passes too); `None`: the routing API is open.
+    pub routing_token: Option<String>,
+    /// Prompts of more tokens are refused (400 `prompt_too_long`) as they are scanned.
+    pub max_prompt_tokens: usize,
+    /// How long a client may take to send a request body once its headers arrived;
+    /// slower ones get 408 `body_timeout`.
+    pub body_timeout: std::time::Duration,
     /// The hosts `POST /v1/workers` may name in `url`, `zmq` and `replay`: exact names or
     /// addresses, or `*.suffix`; empty: any host.
     pub worker_hosts: Vec<String>,
@@ -75,6 +104,9 @@ impl Default for HttpConfig {
             on_register: None,
             on_remove: None,
             admin_token: None,
+            routing_token: None,
+            max_prompt_tokens: DEFAULT_MAX_PROMPT_TOKENS,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
             worker_hosts: Vec::new(),
             homes: None,
         }
@@ -88,6 +120,12 @@ impl fmt::Debug for HttpConfig {
             .field("on_register", &self.on_register.is_some())
             .field("on_remove", &self.on_remove.is_some())
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
+            .field(
+                "routing_token",
+                &self.routing_token.as_ref().map(|_| "<set>"),
+            )
+            .field("body_timeout", &self.body_timeout)
+            .field("max_prompt_tokens", &self.max_prompt_tokens)
             .field("worker_hosts", &self.worker_hosts)
             .finish()
     }
@@ -128,28 +166,111 @@ impl FromRequest<AppState> for RawBody {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
-        match Bytes::from_request(req, state).await {
+        let (limit, deadline) = (state.cfg.max_body_bytes, state.cfg.body_timeout);
+        match read_body(req, limit, deadline, &state.hub).await {
             Ok(b) => Ok(RawBody(b)),
-            Err(rejection) if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
-                let limit = state.cfg.max_body_bytes;
-                let e = TransportError::Oversized {
-                    what: "request body",
-                    got: limit.saturating_add(1),
-                    limit,
-                };
-                state.hub.metrics().drop_input(DropReason::Oversized, 1, &e);
-                Err(ApiError::new(
-                    axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    format!("request body exceeds the limit of {limit} bytes"),
-                ))
-            }
-            Err(rejection) => Err(ApiError::new(
+            Err(e @ BodyError::TooLarge { .. }) => Err(ApiError::new(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                e.to_string(),
+            )),
+            Err(e @ BodyError::Timeout { .. }) => Err(ApiError::new(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                e.to_string(),
+            )),
+            Err(e @ BodyError::Unreadable(_)) => Err(ApiError::new(
                 axum::http::StatusCode::BAD_REQUEST,
                 "bad_body",
-                rejection.body_text(),
+                e.to_string(),
             )),
         }
+    }
+}
+
+/// Why a request body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    /// Past the limit (declared or sent).
+    #[error("request body exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit.
+        limit: usize,
+    },
+    /// Not all of it arrived in time.
+    #[error("the request body did not arrive within {} s", .deadline.as_secs_f64())]
+    Timeout {
+        /// The deadline.
+        deadline: std::time::Duration,
+    },
+    /// The connection failed or the framing was bad.
+    #[error("cannot read the request body: {0}")]
+    Unreadable(String),
+}
+
+/// Reads `req`'s whole body: at most `limit` bytes (a larger `Content-Length` is refused
+/// before anything is read), all of it within `deadline` of the headers. Refusals are
+/// counted on `hub`'s metrics (oversized drops, body timeouts). Every edge endpoint that
+/// takes a body reads it here: the routing and control APIs ([`RawBody`]) and the OpenAI
+/// front door.
+pub async fn read_body(
+    req: Request,
+    limit: usize,
+    deadline: std::time::Duration,
+    hub: &Hub,
+) -> Result<Bytes, BodyError> {
+    use http_body_util::BodyExt;
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let too_large = |got: u64| {
+        let e = TransportError::Oversized {
+            what: "request body",
+            got: usize::try_from(got).unwrap_or(usize::MAX),
+            limit,
+        };
+        hub.metrics().drop_input(DropReason::Oversized, 1, &e);
+        BodyError::TooLarge { limit }
+    };
+    if let Some(n) = declared
+        && n > limit as u64
+    {
+        return Err(too_large(n));
+    }
+    let body = http_body_util::Limited::new(req.into_body(), limit);
+    match tokio::time::timeout(deadline, body.collect()).await {
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(too_large(limit as u64 + 1))
+        }
+        Ok(Err(e)) => Err(BodyError::Unreadable(e.to_string())),
+        Err(_) => {
+            hub.metrics().edge.body_timeouts.fetch_add(1, Relaxed);
+            Err(BodyError::Timeout { deadline })
+        }
+    }
+}
+
+/// The peer's address, if the server supplied it ([`serve_http`] and
+/// [`tls::serve_https`] always do).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peer(pub Option<std::net::SocketAddr>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Peer {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(Peer(
+            parts
+                .extensions
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0),
+        ))
     }
 }
 
@@ -177,16 +298,30 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
         fences: Mutex::new(HashMap::new()),
     });
     let admin = axum::middleware::from_fn_with_state(state.clone(), admin::require_admin);
+    let routing = axum::middleware::from_fn_with_state(state.clone(), admin::require_routing);
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/live", get(health::healthz))
         .route("/ready", get(health::ready))
         .route("/health", get(health::health))
         .route("/metrics", get(metrics_text::metrics))
-        .route("/v1/overlap", post(routing::overlap))
-        .route("/v1/route", post(routing::route))
-        .route("/v1/requests/{id}/prefilled", post(routing::prefilled))
-        .route("/v1/requests/{id}", delete(routing::finish))
+        // The routing API: its own optional token (module `admin`).
+        .route(
+            "/v1/overlap",
+            post(routing::overlap).route_layer(routing.clone()),
+        )
+        .route(
+            "/v1/route",
+            post(routing::route).route_layer(routing.clone()),
+        )
+        .route(
+            "/v1/requests/{id}/prefilled",
+            post(routing::prefilled).route_layer(routing.clone()),
+        )
+        .route(
+            "/v1/requests/{id}",
+            delete(routing::finish).route_layer(routing),
+        )
         // Control calls: the admin gate first (module `admin`).
         .route(
             "/v1/events",
@@ -207,29 +342,19 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
         .with_state(state)
 }
 
-/// Serves `router` on `listener` (TCP_NODELAY on every connection) until `shutdown`
-/// resolves, then finishes the requests in flight.
+/// Serves `router` on `listener` over plain HTTP (TCP_NODELAY on every connection) with
+/// the default connection bounds ([`conn`]) until `shutdown` resolves, then finishes the
+/// requests in flight. `kvengine` itself calls [`conn::serve`] with its flags.
 pub async fn serve_http(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), TransportError> {
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("could not set TCP_NODELAY: {e}");
-        }
-    });
-    // The peer address feeds the admin gate (control calls from this host only, without a
-    // token).
-    axum::serve(
-        listener,
-        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
-    .map_err(|source| TransportError::Io {
-        context: "serving HTTP".into(),
-        source,
-    })
+    let edge = conn::Edge {
+        router,
+        tls: None,
+        limits: conn::ConnLimits::default(),
+        counters: Arc::default(),
+    };
+    conn::serve(listener, edge, shutdown).await
 }

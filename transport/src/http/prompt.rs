@@ -43,11 +43,33 @@ pub struct PromptFields {
 
 /// Decodes a prompt body: its token ids into `tokens` (cleared first), the rest returned.
 pub fn parse_prompt(bytes: &[u8], tokens: &mut Vec<u32>) -> Result<PromptFields, TransportError> {
+    parse_prompt_capped(bytes, tokens, usize::MAX)
+}
+
+/// [`parse_prompt`] refusing prompts of more than `cap` tokens
+/// ([`TransportError::PromptTooLong`]). The scanner stops at the first id past the cap, and
+/// never reserves room for more than `cap` ids; a body it hands to serde is checked once
+/// decoded (serde's buffer is bounded by the body's size).
+pub fn parse_prompt_capped(
+    bytes: &[u8],
+    tokens: &mut Vec<u32>,
+    cap: usize,
+) -> Result<PromptFields, TransportError> {
     tokens.clear();
-    if let Some(fields) = fast(bytes, tokens) {
+    let mut too_long = false;
+    if let Some(fields) = fast(bytes, tokens, cap, &mut too_long) {
         return Ok(fields);
     }
-    parse_prompt_serde(bytes, tokens)
+    if too_long {
+        tokens.clear();
+        return Err(TransportError::PromptTooLong { limit: cap });
+    }
+    let fields = parse_prompt_serde(bytes, tokens)?;
+    if tokens.len() > cap {
+        tokens.clear();
+        return Err(TransportError::PromptTooLong { limit: cap });
+    }
+    Ok(fields)
 }
 
 /// The reference decoder: serde only (what the scanner must agree with).
@@ -232,16 +254,21 @@ impl<'a> Cursor<'a> {
         serde_json::from_slice(self.b.get(start..self.i)?).ok()
     }
 
-    /// A `[u32, ...]` array into `out`.
-    fn token_array(&mut self, out: &mut Vec<u32>) -> Option<()> {
+    /// A `[u32, ...]` array into `out`, of at most `cap` ids (past it: `None` with
+    /// `too_long` set).
+    fn token_array(&mut self, out: &mut Vec<u32>, cap: usize, too_long: &mut bool) -> Option<()> {
         self.eat(b'[')?;
         self.ws();
         if self.eat(b']').is_some() {
             return Some(());
         }
         // Each id takes at least two bytes ("1,"), so this bounds the count.
-        out.reserve(self.b.len().saturating_sub(self.i) / 2 + 1);
+        out.reserve((self.b.len().saturating_sub(self.i) / 2 + 1).min(cap.saturating_add(1)));
         loop {
+            if out.len() >= cap {
+                *too_long = true;
+                return None;
+            }
             out.push(self.uint()?);
             match self.peek()? {
                 b',' => {
@@ -325,7 +352,12 @@ impl<'a> Cursor<'a> {
 }
 
 /// The scanner: `None` when unsure (the caller then asks serde).
-fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
+fn fast(
+    bytes: &[u8],
+    tokens: &mut Vec<u32>,
+    cap: usize,
+    too_long: &mut bool,
+) -> Option<PromptFields> {
     let mut c = Cursor { b: bytes, i: 0 };
     let mut f = PromptFields::default();
     let mut seen = 0u16;
@@ -339,7 +371,7 @@ fn fast(bytes: &[u8], tokens: &mut Vec<u32>) -> Option<PromptFields> {
         c.ws();
         let bit = match key {
             b"token_ids" => {
-                c.token_array(tokens)?;
+                c.token_array(tokens, cap, too_long)?;
                 1
             }
             b"request_id" => {
@@ -410,6 +442,34 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn prompts_past_the_cap_are_refused_by_the_scanner_and_by_serde() {
+        let mut t = Vec::new();
+        let ok = br#"{"token_ids": [1, 2, 3]}"#;
+        assert!(parse_prompt_capped(ok, &mut t, 3).is_ok());
+        assert_eq!(t, [1, 2, 3]);
+        let err = parse_prompt_capped(ok, &mut t, 2).unwrap_err();
+        assert!(
+            matches!(err, TransportError::PromptTooLong { limit: 2 }),
+            "{err}"
+        );
+        assert!(t.is_empty());
+        // An escaped key sends the body to serde: same answer.
+        let slow = br#"{"token\u005fids": [1, 2, 3]}"#;
+        assert!(fast(slow, &mut t, 2, &mut false).is_none());
+        assert!(parse_prompt_capped(slow, &mut t, 3).is_ok());
+        let err = parse_prompt_capped(slow, &mut t, 2).unwrap_err();
+        assert!(
+            matches!(err, TransportError::PromptTooLong { limit: 2 }),
+            "{err}"
+        );
+        // The scanner reserves for the cap, not for the body.
+        let big = format!(r#"{{"token_ids": [{}]}}"#, vec!["7"; 100_000].join(","));
+        let mut t = Vec::new();
+        assert!(parse_prompt_capped(big.as_bytes(), &mut t, 10).is_err());
+        assert!(t.capacity() < 1000, "{}", t.capacity());
+    }
+
     type Parsed = Option<(PromptFields, Vec<u32>)>;
 
     fn both(body: &str) -> (Parsed, Parsed) {
@@ -443,12 +503,28 @@ mod tests {
         let mut t = Vec::new();
         let f = parse_prompt(br#"{"token_ids": [1], "cache_salt": "tenant-a"}"#, &mut t).unwrap();
         assert_eq!(f.cache_salt.as_deref(), Some("tenant-a"));
-        assert!(fast(br#"{"token_ids": [1], "cache_salt": "tenant-a"}"#, &mut t).is_some());
+        assert!(
+            fast(
+                br#"{"token_ids": [1], "cache_salt": "tenant-a"}"#,
+                &mut t,
+                usize::MAX,
+                &mut false
+            )
+            .is_some()
+        );
         let mut t = Vec::new();
-        assert!(fast(br#"{"token_ids":[1,2,3]}"#, &mut t).is_some());
+        assert!(fast(br#"{"token_ids":[1,2,3]}"#, &mut t, usize::MAX, &mut false).is_some());
         assert_eq!(t, vec![1, 2, 3]);
         let mut t = Vec::new();
-        assert!(fast(b"{\"token_ids\" :\n[ 1 ,\t2 ] }\n", &mut t).is_some());
+        assert!(
+            fast(
+                b"{\"token_ids\" :\n[ 1 ,\t2 ] }\n",
+                &mut t,
+                usize::MAX,
+                &mut false
+            )
+            .is_some()
+        );
         assert_eq!(t, vec![1, 2]);
     }
 
@@ -500,7 +576,7 @@ mod tests {
             let list: Vec<String> = ids.iter().map(u32::to_string).collect();
             let body = format!("{{\"token_ids\": [{}], \"request_id\": \"r\"}}", list.join(sep));
             let mut t = Vec::new();
-            prop_assert!(fast(body.as_bytes(), &mut t).is_some());
+            prop_assert!(fast(body.as_bytes(), &mut t, usize::MAX, &mut false).is_some());
             prop_assert_eq!(&t, &ids);
             let (a, b) = both(&body);
             prop_assert_eq!(a, b);

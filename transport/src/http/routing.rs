@@ -1,10 +1,15 @@
 //! `POST /v1/overlap`, `POST /v1/route`, `POST /v1/requests/{id}/prefilled`,
 //! `DELETE /v1/requests/{id}`.
+//!
+//! A route made here is its caller's reservation ([`crate::reservations`]): capped per
+//! client, freed at `--reservation-timeout-secs` if the caller never frees it, and only the
+//! caller (its peer address) may mark it prefilled or free it.
 
 use super::errors::{ApiError, json};
-use super::prompt::{PromptFields, parse_prompt};
-use super::{AppState, RawBody, malformed};
+use super::prompt::{PromptFields, parse_prompt_capped};
+use super::{AppState, Peer, RawBody, malformed};
 use crate::hub::{Hub, RouteCall};
+use crate::reservations::ClientId;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -37,8 +42,13 @@ fn with_tokens<T>(f: impl FnOnce(&mut Vec<u32>) -> T) -> T {
     })
 }
 
-fn parse(hub: &Hub, body: &[u8], tokens: &mut Vec<u32>) -> Result<PromptFields, ApiError> {
-    parse_prompt(body, tokens).map_err(|e| malformed(hub, e))
+fn parse(
+    hub: &Hub,
+    body: &[u8],
+    tokens: &mut Vec<u32>,
+    cap: usize,
+) -> Result<PromptFields, ApiError> {
+    parse_prompt_capped(body, tokens, cap).map_err(|e| malformed(hub, e))
 }
 
 #[derive(Serialize)]
@@ -58,7 +68,7 @@ struct OverlapResponse {
 pub(super) async fn overlap(State(st): State<AppState>, body: RawBody) -> Response {
     let hub = &st.hub;
     let result = with_tokens(|tokens| {
-        let fields = parse(hub, &body.0, tokens)?;
+        let fields = parse(hub, &body.0, tokens, st.cfg.max_prompt_tokens)?;
         let (block_size, blocks, matches) = hub.overlap_salted(
             fields.model.as_deref(),
             tokens,
@@ -139,7 +149,13 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
     })
 }
 
-pub(super) async fn route(State(st): State<AppState>, body: RawBody) -> Response {
+/// The client a routing call comes from ([`crate::reservations`]).
+fn client_of(peer: Peer) -> ClientId {
+    ClientId::of(peer.0.map(|a| a.ip()))
+}
+
+pub(super) async fn route(State(st): State<AppState>, peer: Peer, body: RawBody) -> Response {
+    let client = client_of(peer);
     let hub = &st.hub;
     let now = Instant::now();
     // The buffer leaves the thread-local for the await (another request on this thread may
@@ -148,7 +164,8 @@ pub(super) async fn route(State(st): State<AppState>, body: RawBody) -> Response
         Ok(mut buf) => std::mem::take(&mut *buf),
         Err(_) => Vec::new(),
     });
-    let result = route_tokens(hub, &body.0, &mut tokens, now).await;
+    let cap = st.cfg.max_prompt_tokens;
+    let result = route_tokens(hub, &body.0, &mut tokens, now, client, cap).await;
     if tokens.capacity() <= KEEP_TOKENS {
         TOKENS.with(|cell| {
             if let Ok(mut buf) = cell.try_borrow_mut()
@@ -169,8 +186,10 @@ async fn route_tokens(
     body: &[u8],
     tokens: &mut Vec<u32>,
     now: Instant,
+    client: ClientId,
+    cap: usize,
 ) -> Result<RouteResponse, ApiError> {
-    let fields = parse(hub, body, tokens)?;
+    let fields = parse(hub, body, tokens, cap)?;
     let overrides = overrides(&fields)?;
     let call = RouteCall {
         request_id: fields.request_id,
@@ -179,7 +198,9 @@ async fn route_tokens(
         cache_salt: fields.cache_salt.as_deref(),
         overrides,
     };
-    let routed = hub.route_async(fields.model.as_deref(), &call, now).await?;
+    let routed = hub
+        .reserve_async(fields.model.as_deref(), &call, now, client)
+        .await?;
     let d = routed.decision;
     Ok(RouteResponse {
         request_id: routed.request_id,
@@ -218,18 +239,20 @@ struct Empty {}
 
 pub(super) async fn prefilled(
     State(st): State<AppState>,
+    peer: Peer,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_param(id)?;
-    st.hub.prefilled(&id)?;
+    st.hub.prefilled_by(&id, client_of(peer))?;
     Ok(json(StatusCode::OK, &Empty {}))
 }
 
 pub(super) async fn finish(
     State(st): State<AppState>,
+    peer: Peer,
     id: Result<Path<String>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let id = path_param(id)?;
-    st.hub.finish(&id)?;
+    st.hub.finish_by(&id, client_of(peer))?;
     Ok(json(StatusCode::OK, &Empty {}))
 }

@@ -10,7 +10,8 @@
 //! # Invariants
 //! 1. Accepting never waits on a peer: each connection's handshake runs in its own task,
 //!    bounded by [`HANDSHAKE_TIMEOUT`]. A failed or timed-out handshake closes that
-//!    connection, is logged at debug, and is never fatal to the server.
+//!    connection, is logged at debug, and is never fatal to the server. The accept loop and
+//!    the connection bounds are [`super::conn`]'s, shared with plain HTTP.
 //! 2. Every request carries the peer's `ConnectInfo<SocketAddr>`, as over plain HTTP, so
 //!    the admin gate (`admin.rs`) sees the real peer address and keeps failing closed.
 //! 3. When `shutdown` resolves, accepting stops, handshakes still under way are dropped (no
@@ -23,20 +24,12 @@
 use crate::error::Result;
 use crate::native::tls::{load_pem_files, provider, tls_err};
 use axum::Router;
-use axum::extract::{ConnectInfo, Extension};
-use hyper_util::rt::TokioIo;
-use hyper_util::server::graceful::GracefulShutdown;
-use hyper_util::service::TowerToHyperService;
 use quinn::rustls::ServerConfig;
 use std::future::Future;
 use std::path::Path;
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio_rustls::TlsAcceptor;
-use tower::Layer;
 
 /// The ALPN protocol the edge negotiates (HTTP/1.1 only).
 pub const ALPN_HTTP11: &[u8] = b"http/1.1";
@@ -79,8 +72,9 @@ pub fn server_config(cert_pem: &Path, key_pem: &Path) -> Result<Arc<ServerConfig
 }
 
 /// Serves `router` over TLS (`tls`, e.g. from [`server_config`]) on `listener` (TCP_NODELAY
-/// on every connection) until `shutdown` resolves, then finishes the requests in flight.
-/// See the module docs for the invariants.
+/// on every connection) with the default connection bounds ([`super::conn`]) until
+/// `shutdown` resolves, then finishes the requests in flight. See the module docs for the
+/// invariants.
 pub async fn serve_https(
     listener: TcpListener,
     router: Router,
@@ -98,89 +92,23 @@ async fn serve(
     handshake_timeout: Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let acceptor = TlsAcceptor::from(tls);
-    // Served connections are watched by `graceful`; handshakes are not connections hyper
-    // knows yet, so they listen to `stopping` instead and give up when it changes.
-    let graceful = GracefulShutdown::new();
-    let (stopping_tx, stopping_rx) = watch::channel(());
-    let mut shutdown = pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => accepted,
-        };
-        let (tcp, peer) = match accepted {
-            Ok(conn) => conn,
-            Err(e) => {
-                if !is_per_connection(&e) {
-                    // Out of descriptors or the like: retrying at once would spin.
-                    tracing::error!("accepting an HTTPS connection: {e}");
-                    tokio::select! {
-                        () = &mut shutdown => break,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    }
-                }
-                continue;
-            }
-        };
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("could not set TCP_NODELAY: {e}");
-        }
-        // The same extension `into_make_service_with_connect_info` adds: the admin gate
-        // reads it.
-        let service = TowerToHyperService::new(Extension(ConnectInfo(peer)).layer(router.clone()));
-        let acceptor = acceptor.clone();
-        // Taken before the handshake, so a shutdown that comes during it still reaches the
-        // connection once it is served (it is then closed as soon as it is idle).
-        let watcher = graceful.watcher();
-        let mut stopping = stopping_rx.clone();
-        tokio::spawn(async move {
-            let handshake = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp));
-            let stream = tokio::select! {
-                done = handshake => match done {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(e)) => {
-                        tracing::debug!("TLS handshake with {peer} failed: {e}");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!("TLS handshake with {peer} timed out");
-                        return;
-                    }
-                },
-                // Shutting down (or the server was dropped): nothing was read yet.
-                _ = stopping.changed() => return,
-            };
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::debug!("HTTPS connection from {peer}: {e}");
-            }
-        });
-    }
-    // Stop accepting first: new clients are refused rather than left waiting.
-    drop(listener);
-    // `send` errs only when every handshake task is gone already, which is fine.
-    let _ = stopping_tx.send(());
-    graceful.shutdown().await;
-    Ok(())
-}
-
-/// Whether an accept error concerns only the connection being accepted (the listener is
-/// fine and the next accept may succeed at once).
-fn is_per_connection(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::ConnectionRefused
-            | std::io::ErrorKind::ConnectionAborted
-            | std::io::ErrorKind::ConnectionReset
-    )
+    let edge = super::conn::Edge {
+        router,
+        tls: Some(tls),
+        limits: super::conn::ConnLimits {
+            handshake_timeout,
+            ..super::conn::ConnLimits::default()
+        },
+        counters: Arc::default(),
+    };
+    super::conn::serve(listener, edge, shutdown).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::TransportError;
+    use axum::extract::ConnectInfo;
     use axum::routing::get;
     use quinn::rustls::pki_types::{CertificateDer, ServerName};
     use quinn::rustls::{ClientConfig, RootCertStore};

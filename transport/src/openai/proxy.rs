@@ -20,14 +20,13 @@
 use super::disagg::{self, DisaggConfig};
 use super::errors::{OpenAiError, openai_error};
 use super::headers::{Forwarded, X_REQUEST_ID};
-use super::prompt::{PromptSource, parse_request};
+use super::prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
 use super::relay::{Active, Relay};
 use super::tokenize::PromptTokenizer;
 use super::usage::UsagePatch;
 use crate::hub::{Hub, RouteCall, Routed};
 use axum::Router;
 use axum::body::Body;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -60,6 +59,12 @@ pub struct ProxyConfig {
     pub upstream_timeout: Duration,
     /// Disaggregated serving: used when both prefill and decode workers are registered.
     pub disagg: DisaggConfig,
+    /// How long a client may take to send a request body once its headers arrived (408).
+    pub body_timeout: Duration,
+    /// Prompts of more tokens are refused (400 `context_length_exceeded`); `None`: each
+    /// model's tokenizer's `model_max_length`, else
+    /// [`crate::http::DEFAULT_MAX_PROMPT_TOKENS`].
+    pub max_prompt_tokens: Option<usize>,
 }
 
 impl Default for ProxyConfig {
@@ -70,6 +75,8 @@ impl Default for ProxyConfig {
             max_body_bytes: 64 << 20,
             upstream_timeout: Duration::from_secs(600),
             disagg: DisaggConfig::default(),
+            max_prompt_tokens: None,
+            body_timeout: crate::http::DEFAULT_BODY_TIMEOUT,
         }
     }
 }
@@ -77,11 +84,70 @@ impl Default for ProxyConfig {
 impl ProxyConfig {
     /// The tokenizer of `model`'s prompts: its own, else the router's.
     pub fn tokenizer_for(&self, model: &str) -> Option<&PromptTokenizer> {
-        self.model_tokenizers
-            .get(model)
-            .or(self.tokenizer.as_ref())
-            .map(|t| &**t)
+        self.tokenizer_arc_for(model).map(|t| &**t)
     }
+
+    fn tokenizer_arc_for(&self, model: &str) -> Option<&Arc<PromptTokenizer>> {
+        self.model_tokenizers.get(model).or(self.tokenizer.as_ref())
+    }
+
+    /// The most prompt tokens a request for `model` may carry.
+    pub fn prompt_cap(&self, model: &str) -> usize {
+        self.max_prompt_tokens.unwrap_or_else(|| {
+            self.tokenizer_for(model)
+                .and_then(PromptTokenizer::max_length)
+                .unwrap_or(crate::http::DEFAULT_MAX_PROMPT_TOKENS)
+        })
+    }
+
+    /// The cap applied while a body is read, before its model is known: the largest any
+    /// model allows.
+    fn scan_cap(&self) -> usize {
+        self.max_prompt_tokens.unwrap_or_else(|| {
+            self.model_tokenizers
+                .values()
+                .chain(self.tokenizer.as_ref())
+                .filter_map(|t| t.max_length())
+                .fold(crate::http::DEFAULT_MAX_PROMPT_TOKENS, usize::max)
+        })
+    }
+}
+
+/// Bodies above this many bytes are tokenized on the blocking pool, not on the core's event
+/// loop (a 16 MiB text takes the tokenizer seconds).
+const TOKENIZE_INLINE_BYTES: usize = 64 << 10;
+
+/// Large prompts tokenized at once, at most (the rest wait their turn without holding a
+/// thread).
+const LARGE_TOKENIZATIONS: usize = 2;
+
+static LARGE_TOKENIZING: tokio::sync::Semaphore =
+    tokio::sync::Semaphore::const_new(LARGE_TOKENIZATIONS);
+
+/// `prompt`'s token ids for `model`, at most its cap: inline when the body is small, else
+/// on the blocking pool, [`LARGE_TOKENIZATIONS`] at a time.
+async fn tokenize(
+    cfg: &ProxyConfig,
+    model: &str,
+    prompt: OpenAiPrompt,
+    body_len: usize,
+) -> Result<Vec<u32>, OpenAiError> {
+    let cap = cfg.prompt_cap(model);
+    let ids = if body_len <= TOKENIZE_INLINE_BYTES {
+        prompt.token_ids(cfg.tokenizer_for(model))?
+    } else {
+        let Ok(_permit) = LARGE_TOKENIZING.acquire().await else {
+            return Err(OpenAiError::unavailable("the tokenizer pool is closed"));
+        };
+        let tokenizer = cfg.tokenizer_arc_for(model).cloned();
+        tokio::task::spawn_blocking(move || prompt.token_ids(tokenizer.as_deref()))
+            .await
+            .map_err(|e| OpenAiError::unavailable(format!("tokenizing failed: {e}")))??
+    };
+    if ids.len() > cap {
+        return Err(super::prompt::too_long("prompt", cap));
+    }
+    Ok(ids)
 }
 
 /// How long an idle connection to a worker is kept for reuse: under vLLM's (uvicorn's)
@@ -131,10 +197,29 @@ pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
         .with_state(state)
 }
 
-type BodyResult = Result<Bytes, BytesRejection>;
+/// The request's body, or the OpenAI error to answer with (413 past the limit, 408 when
+/// it does not arrive in time: [`crate::http::read_body`]).
+async fn body_of(p: &Proxy, req: axum::extract::Request) -> Result<Bytes, Response> {
+    use crate::http::BodyError;
+    let (limit, deadline) = (p.cfg.max_body_bytes, p.cfg.body_timeout);
+    crate::http::read_body(req, limit, deadline, &p.hub)
+        .await
+        .map_err(|e| {
+            let status = match e {
+                BodyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                BodyError::Timeout { .. } => StatusCode::REQUEST_TIMEOUT,
+                BodyError::Unreadable(_) => StatusCode::BAD_REQUEST,
+            };
+            openai_error(status, "invalid_request_error", &e.to_string())
+        })
+}
 
-async fn chat(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: BodyResult) -> Response {
-    match body {
+async fn chat(
+    State(p): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    req: axum::extract::Request,
+) -> Response {
+    match body_of(&p, req).await {
         Ok(body) => {
             forward(
                 p,
@@ -145,16 +230,16 @@ async fn chat(State(p): State<Arc<Proxy>>, headers: HeaderMap, body: BodyResult)
             )
             .await
         }
-        Err(e) => unreadable(&p, e),
+        Err(refused) => refused,
     }
 }
 
 async fn completions(
     State(p): State<Arc<Proxy>>,
     headers: HeaderMap,
-    body: BodyResult,
+    req: axum::extract::Request,
 ) -> Response {
-    match body {
+    match body_of(&p, req).await {
         Ok(body) => {
             forward(
                 p,
@@ -165,26 +250,8 @@ async fn completions(
             )
             .await
         }
-        Err(e) => unreadable(&p, e),
+        Err(refused) => refused,
     }
-}
-
-/// A body that could not be read (over the limit: 413), as an OpenAI error.
-fn unreadable(p: &Proxy, e: BytesRejection) -> Response {
-    let status = e.status();
-    let message = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => format!(
-            "request body exceeds the limit of {} bytes",
-            p.cfg.max_body_bytes
-        ),
-        _ => e.body_text(),
-    };
-    let reason = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => crate::DropReason::Oversized,
-        _ => crate::DropReason::Other,
-    };
-    p.hub.metrics().drop_input(reason, 1, &message);
-    openai_error(status, "invalid_request_error", &message)
 }
 
 /// The served models ([`crate::models`]); without named ones, those of the first healthy
@@ -322,12 +389,14 @@ async fn forward_with(
     namespace: &mut Option<String>,
 ) -> Response {
     let bad = |e: OpenAiError| {
-        p.hub
-            .metrics()
-            .drop_input(crate::DropReason::MalformedJson, 1, &e.message);
+        let reason = match e.code {
+            Some("context_length_exceeded") => crate::DropReason::Oversized,
+            _ => crate::DropReason::MalformedJson,
+        };
+        p.hub.metrics().drop_input(reason, 1, &e.message);
         e.into_response()
     };
-    let prompt = match parse_request(&body, source) {
+    let prompt = match parse_request_capped(&body, source, p.cfg.scan_cap()) {
         Ok(r) => r,
         Err(e) => return bad(e),
     };
@@ -337,15 +406,16 @@ async fn forward_with(
         Err(e) => return OpenAiError::from_routing(e).into_response(),
     };
     *namespace = Some(model.clone());
-    let tokens = match prompt.token_ids(p.cfg.tokenizer_for(&model)) {
+    let salt_owned = prompt.cache_salt.clone();
+    let tokens = match tokenize(&p.cfg, &model, prompt, body.len()).await {
         Ok(t) => t,
         Err(e) => return bad(e),
     };
     if disagg::applies(&p.hub, &model) {
-        let salt = prompt.cache_salt.as_deref();
+        let salt = salt_owned.as_deref();
         return disagg::forward(&p, path, &body, &tokens, salt, fwd, &model).await;
     }
-    let salt = prompt.cache_salt.as_deref();
+    let salt = salt_owned.as_deref();
     let routed = match route(&p.hub, &model, &tokens, salt, RouteOverrides::default()).await {
         Ok(r) => r,
         Err(e) => return e.into_response(),

@@ -107,6 +107,9 @@ pub struct PromptTokenizer {
     content_format: Option<ContentFormat>,
     /// `bos_token`, `eos_token` … as template variables.
     special_tokens: Vec<(String, Value)>,
+    /// The model's longest input, from `tokenizer_config.json`'s `model_max_length` when it
+    /// holds a real length (transformers writes 1e30 for "unknown").
+    max_length: Option<usize>,
 }
 
 impl fmt::Debug for PromptTokenizer {
@@ -120,6 +123,10 @@ impl fmt::Debug for PromptTokenizer {
             .finish_non_exhaustive()
     }
 }
+
+/// `model_max_length` values above this are transformers' "no limit" sentinel (1e30) or
+/// the like, not a length.
+const MAX_SANE_MODEL_LENGTH: u64 = 1 << 28;
 
 fn tokenizer_err(reason: String) -> TransportError {
     TransportError::Invalid {
@@ -350,12 +357,18 @@ impl PromptTokenizer {
             sources.push((DEFAULT_TEMPLATE.to_owned(), source));
         }
 
+        let max_length = config
+            .get("model_max_length")
+            .and_then(serde_json::Value::as_u64)
+            .filter(|&n| n > 0 && n <= MAX_SANE_MODEL_LENGTH)
+            .and_then(|n| usize::try_from(n).ok());
         let mut this = PromptTokenizer {
             tokenizer,
             env: template::environment(),
             templates: HashMap::new(),
             content_format: None,
             special_tokens,
+            max_length,
         };
         for (name, source) in sources {
             this.add_template(name, source)?;
@@ -388,6 +401,12 @@ impl PromptTokenizer {
     pub fn with_content_format(mut self, format: ContentFormat) -> Self {
         self.content_format = Some(format);
         self
+    }
+
+    /// The model's longest input in tokens, if its `tokenizer_config.json` says
+    /// (`model_max_length`).
+    pub fn max_length(&self) -> Option<usize> {
+        self.max_length
     }
 
     /// Whether a chat template is available (chat requests fail without one).

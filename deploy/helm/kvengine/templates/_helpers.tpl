@@ -21,3 +21,13 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/* The Secret holding the admin token: the one named in adminToken.existingSecret, else
+the one the chart generates. */}}
+{{- define "kvengine.adminSecret" -}}
+{{- if .Values.adminToken.existingSecret -}}
+{{ .Values.adminToken.existingSecret }}
+{{- else -}}
+{{ include "kvengine.fullname" . }}-admin
+{{- end -}}
+{{- end }}
