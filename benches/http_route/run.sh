@@ -12,7 +12,9 @@
 # on N threads of its own, cores on theirs; see docs/architecture.md).
 #
 # Requests are never freed by the load generator; --request-timeout-secs 2 expires them
-# so the active set stays bounded. Prints wrk's report and the router's RSS.
+# so the active set stays bounded, and the per-client reservation cap is off
+# (KVENGINE_MAX_RESERVATIONS_PER_CLIENT=0: wrk is one client holding thousands; an older
+# binary ignores the variable). Prints wrk's report and the router's RSS.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PORT=${PORT:-8088}
@@ -30,7 +32,7 @@ if [ -z "$BIN" ]; then
 fi
 LAYOUT=()
 [ -n "$HTTP_THREADS" ] && LAYOUT=(--http-threads "$HTTP_THREADS")
-"$BIN" --cores "$CORES" "${LAYOUT[@]}" --http-host 127.0.0.1 \
+KVENGINE_MAX_RESERVATIONS_PER_CLIENT=0 "$BIN" --cores "$CORES" "${LAYOUT[@]}" --http-host 127.0.0.1 \
   --http-port "$PORT" --request-timeout-secs 2 $EXTRA >/dev/null 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT

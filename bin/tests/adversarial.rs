@@ -162,6 +162,7 @@ fn a_route_flood_from_one_client_leaves_every_other_client_routed() {
     assert_eq!(status, 200, "{text}");
     let (status, text) = flooder.call("POST", "/v1/route", &body);
     assert_eq!(status, 200, "{text}");
+    eprintln!("figure: route flood: peak RSS {} MB", peak_rss(&r) >> 20);
     assert!(peak_rss(&r) < RSS_BOUND, "{}", peak_rss(&r));
 }
 
@@ -220,7 +221,9 @@ fn a_thousand_slowloris_connections_neither_stop_the_router_nor_stay() {
     let began = Instant::now();
     let mut held = slowloris(&r.http, 1_000);
     // While they hang: ready, routing, and the front door all answer.
+    let asked = Instant::now();
     let (status, text) = r.call("GET", "/ready", "");
+    let ready_in = asked.elapsed();
     assert_eq!(status, 200, "{text}");
     let (status, text) = r.call("POST", "/v1/route", &route_body(64));
     assert_eq!(status, 200, "{text}");
@@ -242,7 +245,15 @@ fn a_thousand_slowloris_connections_neither_stop_the_router_nor_stay() {
             ),
         }
     }
-    assert!(began.elapsed() < Duration::from_secs(30));
+    let all_closed = began.elapsed();
+    assert!(all_closed < Duration::from_secs(30));
+    eprintln!(
+        "figure: slowloris 1000: /ready answered in {:.1} ms while held; all closed {:.2} s \
+         after the first opened (deadline 3 s); peak RSS {} MB",
+        ready_in.as_secs_f64() * 1e3,
+        all_closed.as_secs_f64(),
+        peak_rss(&r) >> 20
+    );
     let (_, metrics) = r.call("GET", "/metrics", "");
     let closed = metrics
         .lines()
@@ -344,5 +355,6 @@ fn giant_inputs_are_refused_and_the_router_stays_small() {
     let (status, text) = r.call("POST", "/v1/chat/completions", &chat_body());
     assert_eq!(status, 200, "{text}");
     let peak = peak_rss(&r);
+    eprintln!("figure: giant inputs: peak RSS {} MB", peak >> 20);
     assert!(peak < RSS_BOUND, "peak RSS {} MB", peak >> 20);
 }
