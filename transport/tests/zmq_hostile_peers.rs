@@ -1,11 +1,11 @@
 //! Hostile ZMQ peers over real TCP sockets (issue 29, item 9): a publisher that sends a
 //! frame header claiming 2^62 bytes (and the variants: a long frame with the MORE flag and
 //! a length of 2^64 - 1, a giant frame after a good one, a giant command, a giant READY, a
-//! truncated greeting, a garbage greeting), and clients that do the same to kvengine's own
-//! publisher (its PUB and ROUTER sockets). No byte sequence may abort or panic the
-//! process: the frame is refused and counted, the connection closed, the subscriber
-//! reconnects and works with a good publisher afterwards, and the publisher keeps serving
-//! its other subscribers.
+//! truncated greeting, a garbage greeting, silence), and clients that do the same to
+//! kvengine's own publisher (its PUB and ROUTER sockets; and a flood of subscriptions). No
+//! byte sequence may abort or panic the process: the frame is refused and counted, the
+//! connection closed, the subscriber reconnects and works with a good publisher
+//! afterwards, and the publisher keeps serving its other subscribers.
 
 mod common;
 
@@ -148,13 +148,21 @@ enum Attack {
     TruncatedGreeting,
     /// 64 bytes that are no greeting.
     GarbageGreeting,
+    /// Nothing at all: the connection stays open and silent.
+    Silent,
+    /// 2,000 subscriptions (a publisher keeps 1,024 at most).
+    SubscriptionFlood,
 }
 
 impl Attack {
-    fn counted_as(self) -> DropReason {
+    /// The reason a refusal is counted under (`None`: a stall, closed but not counted).
+    fn counted_as(self) -> Option<DropReason> {
         match self {
-            Attack::TruncatedGreeting | Attack::GarbageGreeting => DropReason::MalformedFrame,
-            _ => DropReason::Oversized,
+            Attack::TruncatedGreeting | Attack::GarbageGreeting | Attack::SubscriptionFlood => {
+                Some(DropReason::MalformedFrame)
+            }
+            Attack::Silent => None,
+            _ => Some(DropReason::Oversized),
         }
     }
 }
@@ -169,6 +177,7 @@ async fn play(mut s: TcpStream, attack: Attack, me: &str) -> bool {
                 s.shutdown().await?;
                 return Ok(());
             }
+            Attack::Silent => return Ok(()),
             Attack::GarbageGreeting => {
                 let mut junk = *b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
                 junk[0] = b'H';
@@ -195,6 +204,14 @@ async fn play(mut s: TcpStream, attack: Attack, me: &str) -> bool {
                 s.write_all(&long_header(0x02, GIANT)).await
             }
             Attack::GiantCommand => s.write_all(&long_header(0x06, GIANT)).await,
+            Attack::SubscriptionFlood => {
+                for i in 0..2000u32 {
+                    let topic = format!("\x01topic-{i}");
+                    s.write_all(&[0x00, topic.len() as u8]).await?;
+                    s.write_all(topic.as_bytes()).await?;
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
     };
@@ -328,11 +345,12 @@ async fn subscriber_survives(attack: Attack, times: usize, on_replay: bool) {
         }
     }
     wait_for("the attacks", || hostile.played.load(Relaxed) >= times).await;
-    let reason = attack.counted_as();
-    wait_for("the refusals counted", || {
-        hub.metrics().dropped(reason) >= times as u64
-    })
-    .await;
+    if let Some(reason) = attack.counted_as() {
+        wait_for("the refusals counted", || {
+            hub.metrics().dropped(reason) >= times as u64
+        })
+        .await;
+    }
     assert_eq!(
         hostile.closed.load(Relaxed),
         times,
@@ -382,6 +400,13 @@ async fn a_giant_command_is_refused() {
 async fn a_truncated_or_garbage_greeting_is_refused() {
     subscriber_survives(Attack::TruncatedGreeting, 2, false).await;
     subscriber_survives(Attack::GarbageGreeting, 2, false).await;
+}
+
+/// A publisher that accepts and says nothing: the connection attempt times out (0.8 s),
+/// and the next one reaches the good publisher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_publisher_is_given_up_on() {
+    subscriber_survives(Attack::Silent, 2, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -443,7 +468,8 @@ async fn the_publisher_refuses_giant_frames_and_keeps_serving() {
     }
     assert!(attack_publisher(&pub_ep, Attack::GiantAfterTopic, "SUB").await);
     assert!(attack_publisher(&replay_ep, Attack::GiantAfterTopic, "DEALER").await);
-    assert_eq!(publisher.refused_peers(), 2 * attacks.len() as u64 + 2);
+    assert!(attack_publisher(&pub_ep, Attack::SubscriptionFlood, "SUB").await);
+    assert_eq!(publisher.refused_peers(), 2 * attacks.len() as u64 + 3);
     // The subscriber it had still gets batches, a new one connects, and replays work.
     publish_until_seen(&hub, &mut publisher, 50, 2).await;
     let second = subscribe(51);

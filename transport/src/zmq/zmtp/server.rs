@@ -14,7 +14,8 @@
 //! 4. A ROUTER peer silent for [`ROUTER_IDLE`] is disconnected.
 //!
 //! # Concurrency
-//! One accept task per socket and one task per peer. The PUB socket's peer table is a
+//! One accept task per socket and one task per peer (in the accept task's `JoinSet`:
+//! dropping the socket aborts them all). The PUB socket's peer table is a
 //! `std::sync::Mutex` held for a scan and `try_send`s ([`PubSocket::send`]) or one
 //! subscription change (the peer's task), never across an `.await`. `queued_bytes` is
 //! added by the sender before `try_send` (and taken back if it fails) and subtracted by
@@ -34,7 +35,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 /// Connections one bound socket serves at once (invariant 2).
 pub const MAX_PEERS: usize = 1024;
@@ -45,6 +46,9 @@ pub const SEND_HWM: usize = 100_000;
 pub const SEND_HWM_BYTES: usize = 256 << 20;
 /// Subscriptions one subscriber may hold; one more closes its connection.
 pub const MAX_SUBSCRIPTIONS: usize = 1024;
+/// Bytes of topic prefixes one subscriber may hold (kept as copies, not as slices of its
+/// read buffer); more close its connection.
+pub const MAX_SUBSCRIPTION_BYTES: usize = 64 << 10;
 /// How long a ROUTER peer may stay silent (invariant 4).
 pub const ROUTER_IDLE: Duration = Duration::from_secs(60);
 /// What peers may send to a bound socket: subscriptions and replay requests, 64 KiB a
@@ -120,17 +124,20 @@ async fn bind(endpoint: &str) -> Result<(TcpListener, String)> {
 }
 
 /// Accepts connections on `listener` and runs `serve` for each on its own task, at most
-/// [`MAX_PEERS`] at once.
+/// [`MAX_PEERS`] at once. Aborting the returned task (the socket dropped) aborts every
+/// peer's task with it.
 fn spawn_accept<F, Fut>(listener: TcpListener, socket: SocketType, serve: F) -> JoinHandle<()>
 where
     F: Fn(TcpStream, SocketAddr) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     tokio::spawn(async move {
-        let active = Arc::new(AtomicUsize::new(0));
+        let mut peers = JoinSet::new();
         let mut last_full_log: Option<Instant> = None;
         loop {
-            let (stream, peer) = match listener.accept().await {
+            let accepted = listener.accept().await;
+            while peers.try_join_next().is_some() {}
+            let (stream, peer) = match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors and the like: do not spin.
@@ -139,7 +146,7 @@ where
                     continue;
                 }
             };
-            if active.load(Relaxed) >= MAX_PEERS {
+            if peers.len() >= MAX_PEERS {
                 let now = Instant::now();
                 if last_full_log.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1)) {
                     last_full_log = Some(now);
@@ -149,12 +156,7 @@ where
                 drop(stream);
                 continue;
             }
-            active.fetch_add(1, Relaxed);
-            let (active, task) = (active.clone(), serve(stream, peer));
-            tokio::spawn(async move {
-                task.await;
-                active.fetch_sub(1, Relaxed);
-            });
+            peers.spawn(serve(stream, peer));
         }
     })
 }
@@ -167,6 +169,8 @@ struct PubPeer {
     id: u64,
     /// Topic prefixes, as a multiset (a CANCEL removes one).
     subscriptions: Vec<Bytes>,
+    /// Their bytes.
+    subscription_bytes: usize,
     queue: mpsc::Sender<Queued>,
     queued_bytes: Arc<AtomicUsize>,
 }
@@ -286,6 +290,7 @@ async fn serve_pub_peer(
         .push(PubPeer {
             id,
             subscriptions: Vec::new(),
+            subscription_bytes: 0,
             queue: tx,
             queued_bytes: queued_bytes.clone(),
         });
@@ -335,21 +340,26 @@ fn subscribe(shared: &PubShared, id: u64, change: Incoming) -> Result<()> {
     let mut full = false;
     match change {
         Incoming::Subscribe(topic) => shared.with_peer(id, |p| {
-            full = p.subscriptions.len() >= MAX_SUBSCRIPTIONS;
+            let bytes = p.subscription_bytes.saturating_add(topic.len());
+            full = p.subscriptions.len() >= MAX_SUBSCRIPTIONS || bytes > MAX_SUBSCRIPTION_BYTES;
             if !full {
-                p.subscriptions.push(topic);
+                // A copy: a slice would keep the peer's read buffer alive.
+                p.subscriptions.push(Bytes::copy_from_slice(&topic));
+                p.subscription_bytes = bytes;
             }
         }),
         Incoming::Cancel(topic) => shared.with_peer(id, |p| {
             if let Some(i) = p.subscriptions.iter().position(|s| *s == topic) {
-                p.subscriptions.swap_remove(i);
+                let gone = p.subscriptions.swap_remove(i);
+                p.subscription_bytes = p.subscription_bytes.saturating_sub(gone.len());
             }
         }),
         Incoming::Message(_) => {}
     }
     match full {
         true => Err(TransportError::MalformedFrame(format!(
-            "ZMTP: more than {MAX_SUBSCRIPTIONS} subscriptions"
+            "ZMTP: more than {MAX_SUBSCRIPTIONS} subscriptions or {MAX_SUBSCRIPTION_BYTES} \
+             bytes of them"
         ))),
         false => Ok(()),
     }
