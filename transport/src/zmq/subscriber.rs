@@ -77,8 +77,8 @@ const YIELD_EVERY: u32 = 8;
 /// one starts (this bounds the delay to reach a publisher that came back).
 pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(800);
 
-/// The pause after a connection attempt that failed at once (not a refused connection,
-/// which the attempt itself retries).
+/// The pause after a connection attempt that failed before [`CONNECT_ATTEMPT`] ran out (a
+/// refused connection, a refused handshake).
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 /// Subscription settings.
@@ -266,8 +266,8 @@ impl Stream {
                 Err(_) => None,
             };
             attempts += 1;
-            // Once, then every minute or so.
-            if attempts == 1 || attempts.is_multiple_of(75) {
+            // Once, then every minute or so (an attempt takes 0.2 to 0.8 s).
+            if attempts == 1 || attempts.is_multiple_of(150) {
                 let why = failure
                     .as_deref()
                     .unwrap_or("nothing accepts connections there");
