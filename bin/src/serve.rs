@@ -184,6 +184,14 @@ pub struct ServeArgs {
     #[arg(long = "zmq-worker", env = "KVENGINE_ZMQ_WORKERS", value_delimiter = ';',
           value_parser = parse_zmq)]
     pub zmq_workers: Vec<ZmqSource>,
+    /// The largest ZMQ message (all its frames) a KV-event publisher or its replay socket
+    /// may send; a frame header that would exceed it is refused before its bytes are read
+    /// (counted `reason="oversized"`, the connection closed and made again). The default is
+    /// the largest batch the decoder takes (64 MiB) plus 64 KiB for the topic and seq.
+    #[arg(long, env = "KVENGINE_ZMQ_MAX_MESSAGE_BYTES",
+          default_value_t = transport::zmq::zmtp::DEFAULT_MAX_MESSAGE_BYTES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=(1 << 40)))]
+    pub zmq_max_message_bytes: usize,
     /// Poll a TensorRT-LLM worker's KV events (`POST {URL}/kv_cache_events` of
     /// `trtllm-serve`): `ID=http://HOST:PORT[,poll_ms=N]` (repeatable; the env var takes a
     /// `;`-separated list). The URL is also where its requests go.
@@ -912,13 +920,22 @@ fn run_threaded(
     Ok(summaries)
 }
 
+/// The running subscriptions and pollers, by worker and source.
+type SubscriptionTasks = HashMap<(WorkerId, String), JoinHandle<()>>;
+
 /// One subscription per (worker, publisher endpoint): a data-parallel worker has one
-/// publisher per rank, all under the same worker id.
-type Subscriptions = Arc<Mutex<HashMap<(WorkerId, String), JoinHandle<()>>>>;
+/// publisher per rank, all under the same worker id; and the settings new ZMQ
+/// subscriptions get.
+#[derive(Clone, Default)]
+struct Subscriptions {
+    tasks: Arc<Mutex<SubscriptionTasks>>,
+    zmq: SubscriberConfig,
+}
 
 /// Ends `worker`'s subscriptions (all, or all but the one to `keep`).
 fn unsubscribe(subs: &Subscriptions, worker: WorkerId, keep: Option<&str>) {
     let mut subs = subs
+        .tasks
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     subs.retain(|(w, publisher), task| {
@@ -1094,6 +1111,7 @@ async fn reload_on_sighup(
 /// [`subscribe`]).
 fn poll(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: TrtllmSource) {
     let mut subs = subs
+        .tasks
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let id = (source.worker, source.events_url());
@@ -1107,18 +1125,19 @@ fn poll(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: TrtllmSou
 }
 
 fn subscribe(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: ZmqSource) {
-    let mut subs = subs
+    let mut tasks = subs
+        .tasks
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let id = (source.worker, source.publisher.clone());
-    if subs.get(&id).is_some_and(|t| !t.is_finished()) {
+    if tasks.get(&id).is_some_and(|t| !t.is_finished()) {
         // Already subscribed (a repeated registration): keep the stream and its fence.
         return;
     }
     let current = tokio::runtime::Handle::current();
     let on = spawner.home(source.worker).unwrap_or(&current);
-    let task = spawn_subscriber_on(on, hub.clone(), source, SubscriberConfig::default());
-    subs.insert(id, task);
+    let task = spawn_subscriber_on(on, hub.clone(), source, subs.zmq);
+    tasks.insert(id, task);
 }
 
 /// The setup and this thread's share of the edge: registrations and subscriptions, simulated
@@ -1141,7 +1160,16 @@ async fn serve(
     share: Option<tokio::sync::watch::Sender<Option<Edge>>>,
     Startup { tls, warm, policy }: Startup,
 ) -> Result<()> {
-    let subs: Subscriptions = Arc::default();
+    let subs = Subscriptions {
+        zmq: SubscriberConfig {
+            limits: transport::zmq::zmtp::Limits {
+                max_message_bytes: args.zmq_max_message_bytes,
+                ..Default::default()
+            },
+            ..SubscriberConfig::default()
+        },
+        ..Subscriptions::default()
+    };
     // Before any subscription starts: restored workers get their resume points.
     let restoring = match warm.as_ref().and_then(|w| w.plan.as_ref()) {
         Some(plan) => Some(transport::state::begin_restore(&hub, plan)?),
@@ -1377,6 +1405,7 @@ async fn serve(
         s.abort();
     }
     for (_, task) in subs
+        .tasks
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .drain()

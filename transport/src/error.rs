@@ -9,8 +9,9 @@ pub enum TransportError {
     /// A msgpack KV-event batch (vLLM / SGLang) could not be decoded.
     #[error("malformed msgpack batch: {0}")]
     MalformedMsgpack(String),
-    /// A native (rkyv) frame failed validation.
-    #[error("malformed native frame: {0}")]
+    /// A frame failed validation: native (rkyv), replica, or ZMTP (a greeting, command or
+    /// message frame from a ZMQ peer).
+    #[error("malformed frame: {0}")]
     MalformedFrame(String),
     /// A JSON body could not be decoded.
     #[error("malformed JSON: {0}")]
@@ -139,7 +140,7 @@ pub type Result<T> = std::result::Result<T, TransportError>;
 pub enum DropReason {
     /// A msgpack batch that does not decode.
     MalformedMsgpack,
-    /// A native frame that fails validation.
+    /// A native, replica or ZMTP frame (or ZMTP greeting) that fails validation.
     MalformedFrame,
     /// A JSON body that does not decode.
     MalformedJson,

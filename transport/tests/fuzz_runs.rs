@@ -1,17 +1,19 @@
 //! Fuzzing that runs on the stable toolchain, in the default test suite: every network
 //! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
-//! bodies, OpenAI request bodies, router replicas' NATS frames, TensorRT-LLM event pages) gets
-//! a fixed budget of inputs mutated from a corpus of valid ones (the recorded fixtures under
-//! `../shared/data` when present and vLLM 0.32's under `tests/data/vllm-0.32.0`, the
-//! hand-written TensorRT-LLM pages under `tests/data/trtllm`, and inputs built here with the
-//! encoders), on top of the cargo-fuzz targets in `fuzz/` (which need nightly).
+//! bodies, OpenAI request bodies, router replicas' NATS frames, TensorRT-LLM event pages,
+//! the ZMTP streams ZMQ peers send) gets a fixed budget of inputs mutated from a corpus of
+//! valid ones (the recorded fixtures under `../shared/data` when present and vLLM 0.32's
+//! under `tests/data/vllm-0.32.0`, the hand-written TensorRT-LLM pages under
+//! `tests/data/trtllm`, and inputs built here with the encoders), on top of the cargo-fuzz
+//! targets in `fuzz/` (which need nightly).
 //!
 //! Each input must be decoded without a panic, and where a decoder has a reference (the
-//! `/v1/route` scanner and serde; the owned and in-place native frame decoders) the two must
-//! agree. A run must see mutated inputs both accepted and refused, or it explored nothing.
-//! Runs are deterministic (a fixed RNG seed): a failure prints the shrunk corpus index and
-//! edits, which reproduce it. `KVENGINE_FUZZ_CASES` raises the budget (default 3,000 inputs
-//! per decoder; CI also runs 50,000).
+//! `/v1/route` scanner and serde; the owned and in-place native frame decoders; the ZMTP
+//! decoder fed whole and in 3-byte pieces) the two must agree. A run must see mutated
+//! inputs both accepted and refused, or it explored nothing. Runs are deterministic (a
+//! fixed RNG seed): a failure prints the shrunk corpus index and edits, which reproduce it.
+//! `KVENGINE_FUZZ_CASES` raises the budget (default 3,000 inputs per decoder; CI also runs
+//! 50,000).
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -534,5 +536,97 @@ fn trtllm_pages_survive_mutation() {
             }
             Err(_) => false,
         }
+    });
+}
+
+/// Everything a ZMTP decoder bounded at `max` gives for `input` fed `chunk` bytes at a time,
+/// and whether it ended in an error; the decoder never asks past its bound.
+fn zmtp_decode(
+    input: &[u8],
+    max: usize,
+    chunk: usize,
+) -> (Vec<transport::zmq::zmtp::Decoded>, bool) {
+    use transport::zmq::zmtp::codec::{Decoder, GREETING_LEN, MAX_COMMAND_BYTES};
+    let bound = max.max(MAX_COMMAND_BYTES).max(GREETING_LEN) + 9;
+    let mut d = Decoder::new(max);
+    let mut buf = bytes::BytesMut::new();
+    let mut out = Vec::new();
+    for piece in input.chunks(chunk.max(1)) {
+        buf.extend_from_slice(piece);
+        loop {
+            match d.decode(&mut buf) {
+                Ok(Some(unit)) => out.push(unit),
+                Ok(None) => break,
+                Err(_) => return (out, true),
+            }
+        }
+        assert!(
+            d.needed(&buf) <= bound,
+            "the ZMTP decoder asked past its bound"
+        );
+    }
+    (out, false)
+}
+
+/// What ZMQ peers send: a greeting (libzmq's 3.1), READY, then live messages, vLLM's replay
+/// replies (a long frame among them), subscriptions and heartbeats.
+fn zmtp_streams() -> Vec<Vec<u8>> {
+    use bytes::{Bytes, BytesMut};
+    use transport::zmq::zmtp::SocketType;
+    use transport::zmq::zmtp::codec::{encode_command, encode_message, encode_ready, greeting};
+    let start = |t: SocketType| {
+        let mut b = BytesMut::from(&greeting()[..]);
+        b[11] = 1;
+        encode_ready(&mut b, t);
+        b
+    };
+    let payload = Bytes::from(wire_batches().remove(0));
+    let seq = |s: u64| Bytes::copy_from_slice(&s.to_be_bytes());
+    let topic = Bytes::from_static(b"kv-events");
+    let mut live = start(SocketType::Pub);
+    for s in 0..3 {
+        encode_message(&mut live, &[topic.clone(), seq(s), payload.clone()]);
+    }
+    encode_command(&mut live, "PING", &[0, 0]);
+    let mut replay = start(SocketType::Router);
+    encode_message(
+        &mut replay,
+        &[Bytes::new(), topic.clone(), seq(0), payload.clone()],
+    );
+    encode_message(
+        &mut replay,
+        &[Bytes::new(), Bytes::new(), seq(u64::MAX), Bytes::new()],
+    );
+    let mut sub = start(SocketType::Sub);
+    encode_message(&mut sub, &[Bytes::from_static(b"\x01kv-events")]);
+    encode_command(&mut sub, "SUBSCRIBE", b"kv");
+    encode_command(&mut sub, "CANCEL", b"kv");
+    let mut dealer = start(SocketType::Dealer);
+    encode_message(&mut dealer, &[Bytes::new(), seq(7)]);
+    [live, replay, sub, dealer]
+        .into_iter()
+        .map(|b| b.to_vec())
+        .collect()
+}
+
+#[test]
+fn zmtp_streams_decode_alike_in_any_split() {
+    let corpus = zmtp_streams();
+    for seed in &corpus {
+        assert!(!zmtp_decode(seed, 1 << 20, seed.len()).1);
+    }
+    run("ZMTP streams", corpus, |data| {
+        // A bound that the corpus's batches fit, and one they do not.
+        let mut accepted = false;
+        for max in [1 << 20, 100] {
+            let whole = zmtp_decode(data, max, data.len());
+            assert_eq!(
+                whole,
+                zmtp_decode(data, max, 3),
+                "ZMTP decoding depends on the split"
+            );
+            accepted |= !whole.1;
+        }
+        accepted
     });
 }

@@ -135,6 +135,7 @@ async fn setup_shaped(worker: u64, replay: bool, shape: ReplayShape) -> (Rig, Vl
         source,
         SubscriberConfig {
             replay_timeout: Duration::from_secs(2),
+            ..SubscriberConfig::default()
         },
     );
     connect(&hub, &mut publisher).await;
@@ -659,7 +660,8 @@ fn frames_of(v: &serde_json::Value) -> Vec<Bytes> {
 /// last batch catches up through vLLM's 4-frame replay replies and its end marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_subscription_catches_up_through_vllms_recorded_replay() {
-    use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+    use transport::zmq::zmtp::server::Handler;
+    use transport::zmq::zmtp::{PubSocket, Refusals, RouterSocket};
     let fixture: serde_json::Value =
         serde_json::from_str(include_str!("data/vllm-0.32.0/kv_events_replay.json")).unwrap();
     let live: Vec<Vec<Bytes>> = fixture["live"]
@@ -681,36 +683,28 @@ async fn a_new_subscription_catches_up_through_vllms_recorded_replay() {
     assert!(replays.iter().flat_map(|r| &r.1).all(|f| f.len() == 4));
 
     let (hub, runtime) = common::hub(2);
-    let mut live_socket = PubSocket::new();
-    let publish_ep = live_socket
-        .bind("tcp://127.0.0.1:0")
+    let refusals = Arc::new(Refusals::default());
+    let live_socket = PubSocket::bind("tcp://127.0.0.1:0", refusals.clone())
         .await
-        .unwrap()
-        .to_string();
-    let mut router = RouterSocket::new();
-    let replay_ep = router.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+        .unwrap();
+    let publish_ep = live_socket.endpoint().to_owned();
     let unknown_requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let unknown = unknown_requests.clone();
-    let server = tokio::spawn(async move {
-        while let Ok(request) = router.recv().await {
-            let frames = request.into_vec();
-            let Some((identity, body)) = frames.split_first() else {
-                continue;
-            };
-            let Some((_, replies)) = replays.iter().find(|(req, _)| req[..] == *body) else {
+    // Each request is answered on its own connection (a ROUTER's identity frame is not on
+    // the wire), with the replies vLLM gave it.
+    let handler: Handler = Arc::new(move |body: Vec<Bytes>| {
+        match replays.iter().find(|(req, _)| req[..] == body[..]) {
+            Some((_, replies)) => replies.clone(),
+            None => {
                 unknown.fetch_add(1, Relaxed);
-                continue;
-            };
-            for reply in replies {
-                let mut out = vec![identity.clone()];
-                out.extend(reply.iter().cloned());
-                router
-                    .send(ZmqMessage::try_from(out).unwrap())
-                    .await
-                    .unwrap();
+                Vec::new()
             }
         }
     });
+    let router = RouterSocket::bind("tcp://127.0.0.1:0", handler, refusals.clone())
+        .await
+        .unwrap();
+    let replay_ep = router.endpoint().to_owned();
     let source = ZmqSource::new(WorkerId(21), &publish_ep, Some(&replay_ep))
         .unwrap()
         .with_topic(fixture["topic"].as_str().unwrap());
@@ -727,10 +721,7 @@ async fn a_new_subscription_catches_up_through_vllms_recorded_replay() {
     let start = Instant::now();
     while hub.metrics().replayed_batches.load(Relaxed) < 4 {
         assert!(start.elapsed() < Duration::from_secs(20), "no catch-up");
-        live_socket
-            .send(ZmqMessage::try_from(last.clone()).unwrap())
-            .await
-            .unwrap();
+        live_socket.send(last.clone());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Batches 0..=3: stores of prompts 1 and 2 (2 blocks each), 2001 removed, prompt 3.
@@ -749,9 +740,10 @@ async fn a_new_subscription_catches_up_through_vllms_recorded_replay() {
         "nothing applied twice"
     );
     assert_eq!(unknown_requests.load(Relaxed), 0, "asked from seq 0");
+    assert_eq!(refusals.count(), 0);
     task.abort();
     let _ = task.await;
-    server.abort();
+    drop(router);
     drop(hub);
     let _ = runtime;
 }

@@ -29,7 +29,7 @@ pub const LEN_BYTES: usize = 4;
 pub type FrameBuf = rkyv::util::AlignedVec<16>;
 
 fn malformed(e: impl std::fmt::Display) -> TransportError {
-    TransportError::MalformedFrame(e.to_string())
+    TransportError::MalformedFrame(format!("native frame: {e}"))
 }
 
 /// The length prefix of a frame body of `len` bytes, refusing bodies over `max`.

@@ -17,10 +17,13 @@
 //! * [`subscriber`]: one task per worker subscription: decode, fence, replay or resync,
 //!   hand to the [`crate::hub::Hub`].
 //! * [`publisher`]: a vLLM-compatible publisher with a replay buffer.
+//! * [`zmtp`]: the ZMTP 3.x sockets both speak, bounded against hostile peers (and why
+//!   kvengine has its own rather than the `zeromq` crate's).
 
 pub mod publisher;
 pub mod source;
 pub mod subscriber;
+pub mod zmtp;
 
 pub use publisher::{ReplayShape, VllmPublisher};
 pub use source::ZmqSource;

@@ -5,18 +5,22 @@
 //! vLLM's shape (`["", topic, seq, payload]`, ended by `["", "", 0xff..ff, ""]`) or, with
 //! [`ReplayShape::Sglang`], in SGLang's (`["", seq, payload]`, ended by `["", 0xff..ff, ""]`).
 //!
+//! Its sockets are [`super::zmtp`]'s: what a peer sends them is bounded
+//! ([`super::zmtp::server::PEER_LIMITS`]); a peer that breaks a bound is refused, counted
+//! ([`VllmPublisher::refused_peers`]) and disconnected, and the others are served on.
+//!
 //! # Concurrency
-//! The publisher is owned by one task. The replay task shares only the buffer (a mutex held
-//! for a copy of the matching entries).
+//! The publisher is owned by one task. The replay socket's peer tasks share only the
+//! buffer (a mutex held for a copy of the matching entries).
 
 use super::REPLAY_END;
-use crate::error::{Result, TransportError};
+use super::zmtp::server::Handler;
+use super::zmtp::{PubSocket, Refusals, RouterSocket};
+use crate::error::Result;
 use crate::kv_events::{WireBatch, WireEvent, WireExtraItem, WireExtraKeys};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
-use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
@@ -30,13 +34,6 @@ pub enum ReplayShape {
     Sglang,
 }
 
-fn zmq_err(context: &str, e: zeromq::ZmqError) -> TransportError {
-    TransportError::Io {
-        context: context.to_owned(),
-        source: std::io::Error::other(e.to_string()),
-    }
-}
-
 /// See the module docs.
 pub struct VllmPublisher {
     socket: PubSocket,
@@ -44,9 +41,8 @@ pub struct VllmPublisher {
     next_seq: u64,
     buffer: Buffer,
     capacity: usize,
-    endpoint: String,
-    replay_endpoint: Option<String>,
-    replay_task: Option<JoinHandle<()>>,
+    replay: Option<RouterSocket>,
+    refusals: Arc<Refusals>,
 }
 
 impl VllmPublisher {
@@ -64,30 +60,17 @@ impl VllmPublisher {
         shape: ReplayShape,
     ) -> Result<Self> {
         let topic = Bytes::from_static(b"kv-events");
-        let mut socket = PubSocket::new();
-        let endpoint = socket
-            .bind(publish)
-            .await
-            .map_err(|e| zmq_err("cannot bind the PUB socket", e))?
-            .to_string();
+        let refusals = Arc::new(Refusals::default());
+        let socket = PubSocket::bind(publish, refusals.clone()).await?;
         let buffer_store: Buffer = Arc::new(Mutex::new(VecDeque::with_capacity(buffer)));
-        let (replay_endpoint, replay_task) = match replay {
+        let replay = match replay {
             Some(r) => {
-                let mut router = RouterSocket::new();
-                let bound = router
-                    .bind(r)
-                    .await
-                    .map_err(|e| zmq_err("cannot bind the replay socket", e))?
-                    .to_string();
-                let task = tokio::spawn(serve_replay(
-                    router,
-                    buffer_store.clone(),
-                    shape,
-                    topic.clone(),
-                ));
-                (Some(bound), Some(task))
+                let (buffer, topic) = (buffer_store.clone(), topic.clone());
+                let handler: Handler =
+                    Arc::new(move |request| replay_replies(&request, &buffer, shape, &topic));
+                Some(RouterSocket::bind(r, handler, refusals.clone()).await?)
             }
-            None => (None, None),
+            None => None,
         };
         Ok(Self {
             socket,
@@ -95,20 +78,25 @@ impl VllmPublisher {
             next_seq: 0,
             buffer: buffer_store,
             capacity: buffer.max(1),
-            endpoint,
-            replay_endpoint,
-            replay_task,
+            replay,
+            refusals,
         })
     }
 
     /// The bound PUB endpoint.
     pub fn endpoint(&self) -> &str {
-        &self.endpoint
+        self.socket.endpoint()
     }
 
     /// The bound replay endpoint.
     pub fn replay_endpoint(&self) -> Option<&str> {
-        self.replay_endpoint.as_deref()
+        self.replay.as_ref().map(RouterSocket::endpoint)
+    }
+
+    /// Peers of either socket refused so far for what they sent (an oversized or
+    /// malformed frame, a bad greeting): each was disconnected.
+    pub fn refused_peers(&self) -> u64 {
+        self.refusals.count()
     }
 
     /// The seq the next batch gets.
@@ -143,25 +131,18 @@ impl VllmPublisher {
     /// Numbers, buffers and publishes an already encoded batch; returns its seq.
     pub async fn publish_payload(&mut self, payload: Bytes) -> Result<u64> {
         let seq = self.remember(payload.clone());
-        self.send(seq, payload).await?;
+        self.send(seq, payload);
         Ok(seq)
     }
 
-    /// Sends `[topic, seq, payload]` on the live stream.
-    async fn send(&mut self, seq: u64, payload: Bytes) -> Result<()> {
-        let frames = vec![
+    /// Sends `[topic, seq, payload]` on the live stream (to the subscribers whose
+    /// subscription prefixes the topic; one whose queue is full misses it, as on any PUB).
+    fn send(&mut self, seq: u64, payload: Bytes) {
+        self.socket.send(vec![
             self.topic.clone(),
             Bytes::copy_from_slice(&seq.to_be_bytes()),
             payload,
-        ];
-        let msg = ZmqMessage::try_from(frames).map_err(|e| TransportError::Io {
-            context: "cannot build the message".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        self.socket
-            .send(msg)
-            .await
-            .map_err(|e| zmq_err("cannot publish", e))
+        ]);
     }
 
     /// Numbers and buffers a batch, but sends a damaged copy (cut in half) on the live
@@ -169,7 +150,7 @@ impl VllmPublisher {
     pub async fn publish_damaged(&mut self, batch: &WireBatch) -> Result<u64> {
         let good = Bytes::from(encode_batch(batch));
         let seq = self.remember(good.clone());
-        self.send(seq, good.slice(..good.len() / 2)).await?;
+        self.send(seq, good.slice(..good.len() / 2));
         Ok(seq)
     }
 
@@ -183,50 +164,42 @@ impl VllmPublisher {
 impl std::fmt::Debug for VllmPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VllmPublisher")
-            .field("endpoint", &self.endpoint)
-            .field("replay_endpoint", &self.replay_endpoint)
+            .field("endpoint", &self.endpoint())
+            .field("replay_endpoint", &self.replay_endpoint())
             .field("next_seq", &self.next_seq)
             .finish_non_exhaustive()
     }
 }
 
-impl Drop for VllmPublisher {
-    fn drop(&mut self) {
-        if let Some(t) = self.replay_task.take() {
-            t.abort();
-        }
-    }
-}
-
-async fn serve_replay(mut router: RouterSocket, buffer: Buffer, shape: ReplayShape, topic: Bytes) {
-    loop {
-        let Ok(request) = router.recv().await else {
-            return;
-        };
-        // [identity, "", start seq]; tolerate a missing delimiter.
-        let frames = request.into_vec();
-        let Some(identity) = frames.first().cloned() else {
-            continue;
-        };
-        let Some(start) = frames
-            .last()
-            .and_then(|f| <[u8; 8]>::try_from(f.as_ref()).ok())
-            .map(u64::from_be_bytes)
-        else {
-            continue;
-        };
-        let entries: Vec<(u64, Bytes)> = buffer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .filter(|(s, _)| *s >= start)
-            .cloned()
-            .collect();
-        let replies = entries
-            .into_iter()
-            .chain(std::iter::once((REPLAY_END, Bytes::new())));
-        for (seq, payload) in replies {
-            let mut frames = vec![identity.clone(), Bytes::new()];
+/// The replies to one replay request `["", start seq]` (a missing delimiter tolerated):
+/// every buffered batch from `start` on, then the end marker, in `shape`. A request
+/// without an 8-byte seq last gets no reply.
+fn replay_replies(
+    request: &[Bytes],
+    buffer: &Buffer,
+    shape: ReplayShape,
+    topic: &Bytes,
+) -> Vec<Vec<Bytes>> {
+    let Some(start) = request
+        .last()
+        .and_then(|f| <[u8; 8]>::try_from(f.as_ref()).ok())
+        .map(u64::from_be_bytes)
+    else {
+        return Vec::new();
+    };
+    let entries: Vec<(u64, Bytes)> = buffer
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|(s, _)| *s >= start)
+        .cloned()
+        .collect();
+    entries
+        .into_iter()
+        .chain(std::iter::once((REPLAY_END, Bytes::new())))
+        .map(|(seq, payload)| {
+            let mut frames = Vec::with_capacity(4);
+            frames.push(Bytes::new());
             if shape == ReplayShape::Vllm {
                 // vLLM's end marker has an empty topic.
                 frames.push(match seq {
@@ -236,14 +209,9 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, shape: ReplaySha
             }
             frames.push(Bytes::copy_from_slice(&seq.to_be_bytes()));
             frames.push(payload);
-            let Ok(msg) = ZmqMessage::try_from(frames) else {
-                break;
-            };
-            if router.send(msg).await.is_err() {
-                break;
-            }
-        }
-    }
+            frames
+        })
+        .collect()
 }
 
 /// Encodes a batch as vLLM does today: `[ts, [event maps], dp_rank]`, each event a map with

@@ -5,13 +5,20 @@
 //! HTTP; this task adds the connection, the replay and which keys a clear covers.
 //!
 //! # Connection
-//! The SUB socket is connected by this task, not left to the zeromq crate's reconnection
-//! (which backs off up to 30 s): each attempt is a new socket given [`CONNECT_ATTEMPT`],
-//! and a lost connection (the socket monitor's `Disconnected`) drops the socket and starts
-//! again at once. The stream shows `connecting` in `/v1/workers` and `/ready` until the TCP
-//! connection to the publisher is up, and again from the moment it drops: a publisher that
-//! is not listening (a worker given `tcp://127.0.0.1:P`, which connects out, instead of
+//! The SUB connection ([`super::zmtp`]) is made by this task: each attempt (TCP, greeting,
+//! READY, subscription) is given [`CONNECT_ATTEMPT`], and a lost connection starts again at
+//! once. The stream shows `connecting` in `/v1/workers` and `/ready` until the connection
+//! to the publisher is up, and again from the moment it drops: a publisher that is not
+//! listening (a worker given `tcp://127.0.0.1:P`, which connects out, instead of
 //! `tcp://*:P`) keeps it `connecting`.
+//!
+//! # Hostile publishers
+//! Nothing a publisher (or its replay socket) sends can make this task allocate more than
+//! [`SubscriberConfig::limits`] allows or panic: a frame over the bound (checked from its
+//! header, before its bytes are read), a malformed frame or greeting is counted
+//! (`oversized`, `malformed_frame`, `unsupported_version`), logged, and its connection
+//! closed; the subscription then reconnects as after any lost connection (invariant 5),
+//! and a failed replay is handled as any failed replay (invariant 2).
 //!
 //! # Replay replies
 //! Both shapes are read: SGLang's (and kvengine's publisher with [`super::ReplayShape::Sglang`])
@@ -45,6 +52,7 @@
 //!    distrust by itself (the hub's invariant 7).
 //! 7. Nothing here stops the subscription except the task being aborted.
 
+use super::zmtp::{Connection, Incoming, Limits, SocketType, is_violation};
 use super::{REPLAY_END, ZmqSource};
 use crate::error::{DropReason, TransportError};
 use crate::hub::{Hub, StreamState};
@@ -55,25 +63,22 @@ use crate::stream::{
 };
 use bytes::Bytes;
 use engine::{DpRank, WorkerKey};
-use futures_util::StreamExt;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// Live batches a subscription handles before it lets the other tasks of its core thread
 /// run (an event burst measured 64 ms route p99 against 2 ms quiet without it).
 const YIELD_EVERY: u32 = 8;
 
-/// How long one connection attempt may take before a new socket tries again (the crate's
-/// own retries back off towards 30 s; this bounds the delay to reach a publisher that came
-/// back).
+/// How long one connection attempt (TCP, handshake, subscription) may take before a new
+/// one starts (this bounds the delay to reach a publisher that came back).
 pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(800);
 
-/// The pause after a connection attempt that failed at once (not a refused connection,
-/// which the attempt itself retries).
+/// The pause after a connection attempt that failed before [`CONNECT_ATTEMPT`] ran out (a
+/// refused connection, a refused handshake).
 const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 /// Subscription settings.
@@ -81,6 +86,10 @@ const RETRY_PAUSE: Duration = Duration::from_millis(200);
 pub struct SubscriberConfig {
     /// Longest wait for each replay reply before giving up on the replay.
     pub replay_timeout: Duration,
+    /// What the publisher and its replay socket may send: the largest message (64 MiB and
+    /// 64 KiB by default: the largest batch the decoder takes, with its topic and seq) and
+    /// the handshake's deadline.
+    pub limits: Limits,
 }
 
 impl Default for SubscriberConfig {
@@ -89,6 +98,7 @@ impl Default for SubscriberConfig {
             // A starting vLLM answers late (its publisher thread waits for the GIL while
             // the engine warms up): 2 s timed out on a loaded 2-core machine.
             replay_timeout: Duration::from_secs(5),
+            limits: Limits::default(),
         }
     }
 }
@@ -212,13 +222,13 @@ impl Stream {
         loop {
             self.hub
                 .note_stream(self.source.worker, StreamState::Connecting);
-            let (mut socket, mut monitor) = self.connect().await;
+            let mut socket = self.connect().await;
             tracing::info!(worker = %self.source.worker, endpoint = %self.source.publisher,
                 "subscribed to KV events");
             self.hub
                 .note_stream(self.source.worker, StreamState::Subscribed);
             self.on_connected().await;
-            self.receive(&mut socket, &mut monitor, &mut handled).await;
+            self.receive(&mut socket, &mut handled).await;
             self.hub
                 .note_stream(self.source.worker, StreamState::Connecting);
             tracing::warn!(worker = %self.source.worker, endpoint = %self.source.publisher,
@@ -228,34 +238,36 @@ impl Stream {
         }
     }
 
-    /// A SUB socket connected to the publisher and its monitor; retries (a new socket
-    /// every [`CONNECT_ATTEMPT`]) until the publisher accepts.
-    async fn connect(
-        &self,
-    ) -> (
-        SubSocket,
-        impl futures_util::Stream<Item = SocketEvent> + Unpin + use<>,
-    ) {
+    /// A SUB connection to the publisher, subscribed; retries (a new connection every
+    /// [`CONNECT_ATTEMPT`]) until the publisher accepts.
+    async fn connect(&self) -> Connection {
         let mut attempts = 0u64;
         loop {
-            let mut socket = SubSocket::new();
-            let monitor = socket.monitor();
-            let topic = &self.source.topic;
+            let topic = Bytes::from(self.source.topic.clone().into_bytes());
             let endpoint = &self.source.publisher;
+            let limits = self.config.limits;
             let attempt = tokio::time::timeout(CONNECT_ATTEMPT, async {
-                // The publisher filters by this prefix (vLLM's `topic`; "" takes all).
-                socket.subscribe(topic).await?;
-                socket.connect(endpoint).await
+                let mut conn = Connection::connect(endpoint, SocketType::Sub, &limits).await?;
+                // The publisher filters by this prefix (vLLM's `topic`; "" takes all), as a
+                // ZMTP 3.0 subscription message.
+                let mut subscribe = Vec::with_capacity(1 + topic.len());
+                subscribe.push(1);
+                subscribe.extend_from_slice(&topic);
+                conn.send(&[Bytes::from(subscribe)]).await?;
+                Ok::<_, TransportError>(conn)
             })
             .await;
             let failure = match attempt {
-                Ok(Ok(())) => return (socket, monitor),
-                Ok(Err(e)) => Some(e.to_string()),
+                Ok(Ok(conn)) => return conn,
+                Ok(Err(e)) => {
+                    self.refused(&e, "publisher");
+                    Some(e.to_string())
+                }
                 Err(_) => None,
             };
             attempts += 1;
-            // Once, then every minute or so.
-            if attempts == 1 || attempts.is_multiple_of(75) {
+            // Once, then every minute or so (an attempt takes 0.2 to 0.8 s).
+            if attempts == 1 || attempts.is_multiple_of(150) {
                 let why = failure
                     .as_deref()
                     .unwrap_or("nothing accepts connections there");
@@ -269,38 +281,50 @@ impl Stream {
         }
     }
 
-    /// Receives live batches until the connection drops.
-    async fn receive(
-        &mut self,
-        socket: &mut SubSocket,
-        monitor: &mut (impl futures_util::Stream<Item = SocketEvent> + Unpin),
-        handled: &mut u32,
-    ) {
+    /// Counts `e` if it is the peer's fault (a frame or greeting refused: the connection
+    /// is closed by the caller).
+    fn refused(&self, e: &TransportError, socket: &str) {
+        if is_violation(e) {
+            self.hub.metrics().drop_input(
+                e.reason(),
+                1,
+                &format_args!(
+                    "worker {}: its {socket} sent {e}; connection closed",
+                    self.source.worker
+                ),
+            );
+        }
+    }
+
+    /// Receives live batches until the connection drops (or the publisher breaks a bound:
+    /// counted, and the connection closed).
+    async fn receive(&mut self, socket: &mut Connection, handled: &mut u32) {
+        let topic = self.source.topic.clone();
         loop {
-            tokio::select! {
-                // What arrived before a disconnection is handled first.
-                biased;
-                received = socket.recv() => {
-                    let frames = match received {
-                        Ok(m) => m.into_vec(),
-                        Err(e) => {
-                            tracing::warn!(worker = %self.source.worker, "receive failed: {e}");
-                            return;
-                        }
-                    };
-                    self.on_message(&frames).await;
-                    // A backlog of buffered batches never makes the socket wait, so this
-                    // task would keep the core thread from its HTTP connections until the
-                    // backlog is gone: let them run between batches now and then.
-                    *handled = handled.wrapping_add(1);
-                    if handled.is_multiple_of(YIELD_EVERY) {
-                        tokio::task::yield_now().await;
-                    }
+            let frames = match socket.recv().await {
+                Ok(Incoming::Message(frames)) => frames,
+                // Subscriptions are a publisher's business.
+                Ok(Incoming::Subscribe(_) | Incoming::Cancel(_)) => continue,
+                Err(e) => {
+                    self.refused(&e, "publisher");
+                    tracing::warn!(worker = %self.source.worker, "receive failed: {e}");
+                    return;
                 }
-                event = monitor.next() => match event {
-                    Some(SocketEvent::Disconnected(_)) | None => return,
-                    Some(_) => {}
-                },
+            };
+            // As a libzmq SUB: only the subscribed prefix (a publisher filters it already).
+            if !frames
+                .first()
+                .is_some_and(|f| f.starts_with(topic.as_bytes()))
+            {
+                continue;
+            }
+            self.on_message(&frames).await;
+            // A backlog of buffered batches never makes the socket wait, so this task would
+            // keep the core thread from its HTTP connections until the backlog is gone: let
+            // them run between batches now and then.
+            *handled = handled.wrapping_add(1);
+            if handled.is_multiple_of(YIELD_EVERY) {
+                tokio::task::yield_now().await;
             }
         }
     }
@@ -548,24 +572,20 @@ impl Stream {
         }
     }
 
-    /// A replay socket asked for every batch from `from` on.
-    async fn open_replay(&self, endpoint: &str, from: u64) -> Result<DealerSocket, TransportError> {
+    /// A replay connection asked for every batch from `from` on.
+    async fn open_replay(&self, endpoint: &str, from: u64) -> Result<Connection, TransportError> {
         let timeout = self.config.replay_timeout;
-        let mut dealer = DealerSocket::new();
-        tokio::time::timeout(timeout, dealer.connect(endpoint))
-            .await
-            .map_err(|_| replay_io("replay connect", "timed out".into()))?
-            .map_err(|e| replay_io("replay connect", e.to_string()))?;
-        let request = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&from.to_be_bytes()),
-        ])
-        .map_err(|e| replay_io("replay request", e.to_string()))?;
-        dealer
-            .send(request)
-            .await
-            .map_err(|e| replay_io("replay request", e.to_string()))?;
-        Ok(dealer)
+        let limits = self.config.limits;
+        let opened = tokio::time::timeout(timeout, async {
+            let mut dealer = Connection::connect(endpoint, SocketType::Dealer, &limits).await?;
+            dealer
+                .send(&[Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())])
+                .await?;
+            Ok::<_, TransportError>(dealer)
+        })
+        .await
+        .map_err(|_| replay_io("replay connect", "timed out".into()))?;
+        opened.inspect_err(|e| self.refused(e, "replay socket"))
     }
 
     /// A replay from `from` and its first batch (`None`: the replay ended at once).
@@ -573,23 +593,29 @@ impl Stream {
         &self,
         endpoint: &str,
         from: u64,
-    ) -> Result<(DealerSocket, Option<(u64, Bytes)>), TransportError> {
+    ) -> Result<(Connection, Option<(u64, Bytes)>), TransportError> {
         let mut dealer = self.open_replay(endpoint, from).await?;
         let (seq, payload) = self.next_replayed(&mut dealer).await?;
         let first = (seq != REPLAY_END).then_some((seq, payload));
         Ok((dealer, first))
     }
 
-    /// The next `(seq, payload)` a replay socket sends ([`REPLAY_END`] ends it).
-    async fn next_replayed(
-        &self,
-        dealer: &mut DealerSocket,
-    ) -> Result<(u64, Bytes), TransportError> {
-        let reply = tokio::time::timeout(self.config.replay_timeout, dealer.recv())
-            .await
-            .map_err(|_| replay_io("replay", "timed out".into()))?
-            .map_err(|e| replay_io("replay", e.to_string()))?
-            .into_vec();
+    /// The next `(seq, payload)` a replay connection sends ([`REPLAY_END`] ends it). On an
+    /// error the caller drops the connection.
+    async fn next_replayed(&self, dealer: &mut Connection) -> Result<(u64, Bytes), TransportError> {
+        let reply = loop {
+            let received = tokio::time::timeout(self.config.replay_timeout, dealer.recv())
+                .await
+                .map_err(|_| replay_io("replay", "timed out".into()))?;
+            match received {
+                Ok(Incoming::Message(frames)) => break frames,
+                Ok(_) => continue,
+                Err(e) => {
+                    self.refused(&e, "replay socket");
+                    return Err(e);
+                }
+            }
+        };
         match split_replay(&reply) {
             Some((seq, payload)) => Ok((seq, payload.clone())),
             None => Err(TransportError::MalformedMsgpack(format!(
@@ -606,7 +632,7 @@ impl Stream {
     }
 
     /// Applies what `dealer` replays until its end.
-    async fn replay_rest(&mut self, dealer: &mut DealerSocket) -> Result<(), TransportError> {
+    async fn replay_rest(&mut self, dealer: &mut Connection) -> Result<(), TransportError> {
         loop {
             let (seq, payload) = self.next_replayed(dealer).await?;
             if seq == REPLAY_END {
