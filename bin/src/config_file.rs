@@ -200,8 +200,13 @@ struct KvEventsConfig {
 }
 
 impl WorkerEntry {
-    /// Checks the endpoints' shape (`tcp://HOST:PORT`) and the event source.
+    /// Checks the addresses' shape (a bare `http[s]://HOST[:PORT][/PREFIX]` URL, `tcp://HOST:PORT`
+    /// endpoints: [`transport::outbound::addr`]) and the event source.
     fn check(&self) -> Result<()> {
+        if let Some(url) = &self.url {
+            transport::outbound::WorkerUrl::parse(url)
+                .map_err(|e| anyhow::anyhow!("worker {}: url {e}", self.id))?;
+        }
         self.trtllm_source()?;
         if let Some((zmq, replay)) = self.endpoints()? {
             transport::zmq::ZmqSource::new(engine::WorkerId(self.id), &zmq, replay.as_deref())
@@ -287,7 +292,11 @@ impl WorkerEntry {
                 cfg.publisher
             );
         }
-        let host = self.url.as_deref().and_then(url_host);
+        let host = self
+            .url
+            .as_deref()
+            .and_then(|u| transport::outbound::WorkerUrl::parse(u).ok())
+            .map(|u| u.host().to_string());
         let fix = |e: String| -> Result<String> {
             match e.strip_prefix("tcp://*:") {
                 Some(port) => match &host {
@@ -309,17 +318,6 @@ impl WorkerEntry {
             cfg.replay_endpoint.map(fix).transpose()?,
         )))
     }
-}
-
-/// `http://host:port/...` -> `host`.
-fn url_host(url: &str) -> Option<String> {
-    let rest = url.split_once("://")?.1;
-    let authority = rest.split('/').next()?;
-    let host = match authority.rsplit_once(':') {
-        Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
-        _ => authority,
-    };
-    (!host.is_empty()).then(|| host.to_owned())
 }
 
 /// The `KVENGINE_*` variable of each long flag of `kvengine serve`.
@@ -534,6 +532,11 @@ mod tests {
             "id=x",
             "id=1,colour=red",
             "id=1,zmq=udp://a:1",
+            "id=1,url=http://169.254.169.254#@gpu-1",
+            "id=1,url=http://gpu-1@169.254.169.254",
+            "id=1,url=http://gpu-1?x",
+            "id=1,url=ftp://gpu-1",
+            "id=1,zmq=tcp://gpu-1@169.254.169.254:5557",
             "id",
         ] {
             assert!(WorkerEntry::from_spec(bad).is_err(), "{bad:?} accepted");

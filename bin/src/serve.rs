@@ -36,6 +36,7 @@ use transport::models::ModelSpec;
 use transport::native::{QuicServerConfig, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
+use transport::outbound::Outbound;
 use transport::trtllm::TrtllmSource;
 use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber_on};
 
@@ -270,6 +271,11 @@ pub struct ServeArgs {
     /// authenticated admin names. Workers from flags and the config file are not checked.
     #[arg(long, env = "KVENGINE_WORKER_HOSTS", value_delimiter = ',')]
     pub worker_hosts: Vec<String>,
+    /// PEM file of the CA certificates `https://` workers must present a chain to (it
+    /// replaces the public web roots compiled in, which are used without it). Worker API
+    /// keys and clients' Authorization headers then travel encrypted.
+    #[arg(long, env = "KVENGINE_WORKER_CA")]
+    pub worker_ca: Option<PathBuf>,
     /// TLS certificate chain (PEM): the HTTP edge then serves HTTPS only, and QUIC uses it
     /// too (without it QUIC generates a self-signed one and logs its fingerprint).
     #[arg(
@@ -953,6 +959,7 @@ fn register_file_workers(
     hub: &Arc<Hub>,
     subs: &Subscriptions,
     spawner: &Homes,
+    outbound: &Outbound,
     workers: &[crate::config_file::WorkerEntry],
 ) -> Result<()> {
     for w in workers {
@@ -982,7 +989,7 @@ fn register_file_workers(
                 source.events_url()
             );
             unsubscribe(subs, id, Some(&source.events_url()));
-            poll(hub, subs, spawner, source);
+            poll(hub, subs, spawner, outbound, source);
             continue;
         }
         match &endpoints {
@@ -1022,6 +1029,7 @@ fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
 /// load changes nothing (logged). `stamp` is the file's as of before it was first read, so
 /// a change made while the router was starting is not missed.
 #[cfg(unix)]
+#[allow(clippy::too_many_arguments)] // the reload task's whole state, moved in once
 async fn reload_on_sighup(
     path: PathBuf,
     mut stamp: Option<(u64, std::time::SystemTime)>,
@@ -1029,6 +1037,7 @@ async fn reload_on_sighup(
     hub: Arc<Hub>,
     subs: Subscriptions,
     spawner: Homes,
+    outbound: Outbound,
     mut hup: Option<tokio::signal::unix::Signal>,
 ) {
     let mut poll = tokio::time::interval(CONFIG_POLL);
@@ -1078,7 +1087,7 @@ async fn reload_on_sighup(
                 continue;
             }
         };
-        if let Err(e) = register_file_workers(&hub, &subs, &spawner, &workers) {
+        if let Err(e) = register_file_workers(&hub, &subs, &spawner, &outbound, &workers) {
             tracing::error!("reloading {}: {e:#}", path.display());
             continue;
         }
@@ -1108,8 +1117,14 @@ async fn reload_on_sighup(
 }
 
 /// Starts polling a TensorRT-LLM worker's events (once per worker and URL, as
-/// [`subscribe`]).
-fn poll(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: TrtllmSource) {
+/// [`subscribe`]), with a client of `outbound`.
+fn poll(
+    hub: &Arc<Hub>,
+    subs: &Subscriptions,
+    spawner: &Homes,
+    outbound: &Outbound,
+    source: TrtllmSource,
+) {
     let mut subs = subs
         .tasks
         .lock()
@@ -1120,7 +1135,7 @@ fn poll(hub: &Arc<Hub>, subs: &Subscriptions, spawner: &Homes, source: TrtllmSou
     }
     let current = tokio::runtime::Handle::current();
     let on = spawner.home(source.worker).unwrap_or(&current);
-    let task = transport::trtllm::spawn_poller_on(on, hub.clone(), source);
+    let task = transport::trtllm::spawn_poller_on(on, hub.clone(), source, outbound);
     subs.insert(id, task);
 }
 
@@ -1170,6 +1185,13 @@ async fn serve(
         },
         ..Subscriptions::default()
     };
+    let outbound = Outbound::new(args.worker_ca.as_deref()).context("--worker-ca")?;
+    if args.worker_ca.is_some() {
+        println!(
+            "kvengine: https:// workers are verified against {}",
+            outbound.trust()
+        );
+    }
     // Before any subscription starts: restored workers get their resume points.
     let restoring = match warm.as_ref().and_then(|w| w.plan.as_ref()) {
         Some(plan) => Some(transport::state::begin_restore(&hub, plan)?),
@@ -1186,12 +1208,12 @@ async fn serve(
     }
     for source in &args.trtllm_workers {
         hub.register(Registration {
-            url: Some(source.url.clone()),
+            url: Some(source.url.to_string()),
             trtllm_poll: Some(source.poll_interval),
             ..Registration::new(source.worker)
         })?;
         println!("kvengine: polling TensorRT-LLM worker {source}");
-        poll(&hub, &subs, &spawner, source.clone());
+        poll(&hub, &subs, &spawner, &outbound, source.clone());
     }
     // Taken before the file is read: a change from here on is reloaded.
     let stamp = args.config.as_deref().and_then(file_stamp);
@@ -1214,7 +1236,7 @@ async fn serve(
             hub.block_size_in(&m.name)
         );
     }
-    register_file_workers(&hub, &subs, &spawner, &file_workers)?;
+    register_file_workers(&hub, &subs, &spawner, &outbound, &file_workers)?;
     #[cfg(unix)]
     if let Some(path) = args.config.clone() {
         // The file's own workers: those given with --worker are not the file's to remove.
@@ -1239,6 +1261,7 @@ async fn serve(
             hub.clone(),
             subs.clone(),
             spawner.clone(),
+            outbound.clone(),
             hup,
         ));
     }
@@ -1247,7 +1270,7 @@ async fn serve(
         Some(spec) => load_tokenizer(&spec.to_string_lossy()).context("--tokenizer")?,
         None => None,
     };
-    let sims = start_sim_workers(&hub, &subs, &spawner, args, tokenizer.clone()).await?;
+    let sims = start_sim_workers(&hub, &subs, &spawner, &outbound, args, tokenizer.clone()).await?;
     for r in &args.disagg.worker_roles {
         hub.register(Registration {
             role: Some(r.role),
@@ -1287,13 +1310,14 @@ async fn serve(
 
     let on_register = {
         let (hub, subs, spawner) = (hub.clone(), subs.clone(), spawner.clone());
+        let outbound = outbound.clone();
         Arc::new(move |reg: &Registration| {
             if let (Some(interval), Some(url)) = (reg.trtllm_poll, &reg.url) {
                 match TrtllmSource::new(reg.worker, url, interval) {
                     Ok(source) => {
                         // A worker that moved from ZMQ (or another URL) keeps one source.
                         unsubscribe(&subs, reg.worker, Some(&source.events_url()));
-                        poll(&hub, &subs, &spawner, source);
+                        poll(&hub, &subs, &spawner, &outbound, source);
                     }
                     Err(e) => tracing::warn!(worker = %reg.worker, "not polling: {e}"),
                 }
@@ -1359,6 +1383,7 @@ async fn serve(
             max_prompt_tokens: args.prompt_cap(),
             body_timeout: Duration::from_secs_f64(args.http_body_timeout_secs.max(0.001)),
             disagg: args.disagg.config()?,
+            outbound: outbound.clone(),
             ..ProxyConfig::default()
         },
     ));
@@ -1386,6 +1411,7 @@ async fn serve(
         interval,
         interval.min(Duration::from_secs(2)),
         args.health_failures,
+        outbound.clone(),
     ));
     let events = match args.approximate() {
         true => " without KV events (approximate)",
@@ -1444,6 +1470,7 @@ async fn start_sim_workers(
     hub: &Arc<Hub>,
     subs: &Subscriptions,
     spawner: &Homes,
+    outbound: &Outbound,
     args: &ServeArgs,
     tokenizer: Option<Arc<PromptTokenizer>>,
 ) -> Result<Vec<SimWorkerHandle>> {
@@ -1484,7 +1511,7 @@ async fn start_sim_workers(
         hub.register(reg)?;
         if !args.approximate() && w.is_trtllm() {
             let source = TrtllmSource::new(id, &w.url(), transport::trtllm::DEFAULT_POLL_INTERVAL)?;
-            poll(hub, subs, spawner, source);
+            poll(hub, subs, spawner, outbound, source);
         } else if !args.approximate() {
             subscribe(hub, subs, spawner, ZmqSource::new(id, &zmq, Some(&replay))?);
         }

@@ -134,6 +134,36 @@ pub enum TransportError {
 /// `Result` with [`TransportError`].
 pub type Result<T> = std::result::Result<T, TransportError>;
 
+/// Why a call to a worker whose answer the router reads (health check, metrics page, model
+/// list, prefill answer, TensorRT-LLM event page) gave no answer to use
+/// ([`crate::outbound::fetch`]).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerCallError {
+    /// No connection or no answer: refused, unresolvable, a failed TLS handshake (the
+    /// causes, `: `-separated).
+    #[error("{0}")]
+    Connect(String),
+    /// The answer was larger than its kind's cap (it was not read further).
+    #[error("{kind} answer over the cap of {cap} bytes")]
+    TooLarge {
+        /// What the answer was for.
+        kind: crate::outbound::body::BodyKind,
+        /// The cap.
+        cap: usize,
+    },
+    /// The answer was not whole within its deadline.
+    #[error("{kind} answer not whole within {deadline:?}")]
+    TooSlow {
+        /// What the answer was for.
+        kind: crate::outbound::body::BodyKind,
+        /// The deadline of the whole exchange.
+        deadline: std::time::Duration,
+    },
+    /// The answer broke off.
+    #[error("the answer broke off: {0}")]
+    Broken(String),
+}
+
 /// The label a dropped or refused input is counted under. The engine's own refusals keep
 /// their [`RejectReason`] labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -75,11 +75,12 @@ pub struct Registration {
     pub worker: WorkerId,
     /// Its data-parallel ranks (empty: rank 0).
     pub dp_ranks: Vec<DpRank>,
-    /// Its HTTP base URL (health-checked and, for the OpenAI proxy, forwarded to).
+    /// Its HTTP base URL (health-checked and, for the OpenAI proxy, forwarded to). Stored
+    /// as [`crate::outbound::WorkerUrl`]'s canonical text ([`Hub::register`] checks).
     pub url: Option<String>,
-    /// Its ZMQ KV-event publisher.
+    /// Its ZMQ KV-event publisher (a canonical [`crate::outbound::ZmqEndpoint`]).
     pub zmq: Option<String>,
-    /// Its ZMQ replay endpoint.
+    /// Its ZMQ replay endpoint (a canonical [`crate::outbound::ZmqEndpoint`]).
     pub replay: Option<String>,
     /// Its role in a disaggregated deployment (`None`: keep the registered one, aggregated
     /// for a new worker).
@@ -143,6 +144,8 @@ pub struct WorkerInfo {
     pub resyncing: Vec<DpRank>,
     /// The first configuration error seen in its events (a foreign block size).
     pub config_error: Option<String>,
+    /// Why its last health check failed (`None`: it passed, or none ran yet).
+    pub health_error: Option<String>,
     /// KV events handed to the engine for it.
     pub events: u64,
     /// Its ZMQ event stream, if the router subscribes to one.
@@ -183,6 +186,7 @@ struct WorkerEntry {
     healthy: bool,
     resyncing: BTreeSet<DpRank>,
     config_error: Option<String>,
+    health_error: Option<String>,
     events: u64,
     stream: Option<StreamState>,
     /// Its model's block size (what its events are converted at).
@@ -539,8 +543,13 @@ impl Hub {
     // ----- workers -----
 
     /// Registers a worker, or adds ranks and addresses to a registered one. Its ranks join
-    /// routing. Returns whether it was new.
-    pub fn register(&self, reg: Registration) -> Result<bool> {
+    /// routing. Returns whether it was new. An address that does not parse as a bare worker
+    /// URL or `tcp://host:port` endpoint is [`TransportError::Invalid`], naming the field.
+    pub fn register(&self, mut reg: Registration) -> Result<bool> {
+        // Addresses are stored canonical, and only if they parse (crate::outbound::addr).
+        reg.url = crate::outbound::canonical_url(reg.url)?;
+        reg.zmq = crate::outbound::canonical_endpoint("zmq", reg.zmq)?;
+        reg.replay = crate::outbound::canonical_endpoint("replay", reg.replay)?;
         let mut ranks: BTreeSet<DpRank> = reg.dp_ranks.iter().copied().collect();
         if ranks.is_empty() {
             ranks.insert(DpRank(0));
@@ -554,6 +563,7 @@ impl Hub {
             healthy: true,
             resyncing: BTreeSet::new(),
             config_error: None,
+            health_error: None,
             events: 0,
             stream: None,
             block_size: default_block_size,
@@ -699,6 +709,19 @@ impl Hub {
         }
     }
 
+    /// Records the outcome of `worker`'s last health check (`None`: it passed), shown in
+    /// `/v1/workers` and `/ready`. Unknown workers are ignored.
+    pub fn note_health(&self, worker: WorkerId, error: Option<String>) {
+        // Most rounds change nothing: no write lock for them.
+        let same = |e: &WorkerEntry| e.health_error == error;
+        if self.registry_read().get(&worker).is_none_or(same) {
+            return;
+        }
+        if let Some(e) = self.registry_write().get_mut(&worker) {
+            e.health_error = error;
+        }
+    }
+
     /// Records where the subscription to `worker`'s event stream stands (the ZMQ
     /// subscriber calls this; `/ready` reads it). Unknown workers are ignored.
     pub fn note_stream(&self, worker: WorkerId, state: StreamState) {
@@ -771,6 +794,7 @@ impl Hub {
                     r.into_iter().collect()
                 },
                 config_error: e.config_error.clone(),
+                health_error: e.health_error.clone(),
                 events: e.events,
                 stream: e.stream,
                 loads: e

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod models;
 pub mod native;
 pub mod openai;
+pub mod outbound;
 pub mod replicas;
 pub mod reservations;
 pub mod state;

@@ -189,6 +189,8 @@ pub struct Metrics {
     pub disagg_local: AtomicU64,
     /// Prefill or decode halves that failed and were served elsewhere.
     pub disagg_fallbacks: AtomicU64,
+    /// Workers' answers refused for their size or slowness ([`crate::outbound::body`]).
+    pub worker_answers: crate::outbound::body::Refusals,
     drops: [AtomicU64; TRANSPORT_DROPS.len()],
     decisions: [AtomicU64; RouteMode::ALL.len()],
     /// Routing decisions by why the chosen worker won ([`DecisionReason`]).
@@ -227,6 +229,7 @@ impl Default for Metrics {
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),
+            worker_answers: Default::default(),
             drops: Default::default(),
             decisions: Default::default(),
             reasons: Default::default(),

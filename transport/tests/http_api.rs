@@ -908,6 +908,7 @@ async fn health_checks_take_failing_workers_out_of_routing_and_back() {
         Duration::from_millis(20),
         Duration::from_millis(500),
         2,
+        Default::default(),
     ));
     let healthy = |id: u64| {
         hub.workers()

@@ -111,7 +111,7 @@ async fn setup(
     })
     .unwrap();
     let source = TrtllmSource::new(WorkerId(1), &url, poll).unwrap();
-    let task = spawn_poller(hub.clone(), source);
+    let task = spawn_poller(hub.clone(), source, &Default::default());
     // The task ends with the test's runtime.
     drop(task);
     (hub, rt, script, stop)

@@ -64,6 +64,7 @@ async fn the_health_loop_reads_each_ranks_load_from_the_workers_page() {
         Duration::from_millis(20),
         Duration::from_secs(2),
         1,
+        Default::default(),
     ));
     let mut tries = 0;
     while hub.metrics().load_scrape_failures.load(Relaxed) < 2
@@ -111,6 +112,7 @@ async fn a_page_naming_unknown_ranks_adds_none() {
         Duration::from_millis(20),
         Duration::from_secs(2),
         1,
+        Default::default(),
     ));
     let mut tries = 0;
     while reported(&hub, 7).iter().all(|(_, l)| l.is_none()) {

@@ -140,7 +140,7 @@ impl Router {
             if cfg.mode.kv_events() && w.is_trtllm() {
                 let source = TrtllmSource::new(id, &w.url(), TRTLLM_POLL)
                     .context("a TensorRT-LLM worker's URL")?;
-                subscribers.push(spawn_poller(hub.clone(), source));
+                subscribers.push(spawn_poller(hub.clone(), source, &Default::default()));
             } else if cfg.mode.kv_events() {
                 let source = ZmqSource::new(id, w.zmq_endpoint(), Some(w.replay_endpoint()))
                     .context("a worker's ZMQ endpoints")?;

@@ -10,28 +10,33 @@
 //! * `/health`: the same assessment with its details, always 200 (for people and dashboards).
 //!
 //! [`health_loop`] GETs `{url}/health` of every worker registered with a `url`, all at once,
-//! once per interval. `failures_to_down` consecutive failures (a non-2xx status, a refused
-//! connection or no answer within the timeout) take the worker out of routing
+//! once per interval, with a client from [`crate::outbound`] (so `https://` workers are
+//! verified as everywhere else). `failures_to_down` consecutive failures (a non-2xx status,
+//! a refused connection or failed TLS handshake, no whole answer within the timeout, an
+//! answer over 1 MiB) take the worker out of routing
 //! ([`Hub::set_healthy`]`(false)`: its active requests are freed, its blocks stay indexed);
-//! the first success after that puts it back. A healthy worker's `{url}/metrics` page is
-//! read in the same round and its ranks' load recorded ([`super::scrape`]), as if the
-//! worker had called `POST /v1/load`. Each round also refreshes the cached-block totals the
+//! the first success after that puts it back. Why the last check failed is shown in
+//! `/v1/workers` (`health_error`) and in `/ready`'s problems. A healthy worker's
+//! `{url}/metrics` page (at most 4 MiB, within the same timeout) is read in the same round
+//! and its ranks' load recorded ([`super::scrape`]), as if the worker had called
+//! `POST /v1/load`. Each round also refreshes the cached-block totals the
 //! scheduler breaks ties with, and reads the cores' figures, which checks the index against
 //! its memory budget ([`crate::bounds`]).
 
 use super::AppState;
 use super::errors::json;
+use crate::error::WorkerCallError;
 use crate::hub::{Hub, StreamState, WorkerInfo};
+use crate::metrics::Metrics;
+use crate::outbound::body::BodyKind;
+use crate::outbound::{Outbound, WorkerClient, WorkerUrl, fetch};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use bytes::Bytes;
 use engine::sched::WorkerLoad;
 use engine::{DpRank, WorkerId};
-use http_body_util::{BodyExt, Empty};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::Full;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -160,6 +165,9 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
             if let Some(e) = &w.config_error {
                 return Some(format!("worker {id}: its KV events cannot be applied: {e}"));
             }
+            if let Some(e) = &w.health_error {
+                return Some(format!("worker {id}: health check failing: {e}"));
+            }
             (w.stream == Some(StreamState::Connecting)).then(|| {
                 format!(
                     "worker {id}: KV event stream not connected{}",
@@ -230,61 +238,48 @@ pub(super) async fn health(State(st): State<AppState>) -> Response {
     json(StatusCode::OK, &assess(&st.hub))
 }
 
-type HttpClient = Client<HttpConnector, Empty<Bytes>>;
-
-/// One check: whether `{url}/health` answered 2xx within `timeout`.
-async fn check(client: HttpClient, url: String, timeout: Duration) -> Result<(), String> {
-    let target = format!("{}/health", url.trim_end_matches('/'));
-    let uri: hyper::Uri = target
-        .parse()
-        .map_err(|e| format!("bad health URL {target:?}: {e}"))?;
-    let attempt = async {
-        let resp = client.get(uri).await.map_err(|e| e.to_string())?;
-        let status = resp.status();
-        // Read the (small) body so the connection can be reused.
-        let _ = resp.into_body().collect().await;
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(format!("status {status}"))
-        }
-    };
-    match tokio::time::timeout(timeout, attempt).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("no answer within {timeout:?}")),
+/// `GET {url}{path}`, its answer read whole within `timeout` and under `kind`'s cap.
+async fn get(
+    client: &WorkerClient,
+    url: &WorkerUrl,
+    path: &str,
+    kind: BodyKind,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<Bytes, String> {
+    let uri = url.join(path).map_err(|e| e.to_string())?;
+    let req = hyper::Request::get(uri)
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    match fetch(client, req, kind, timeout, &metrics.worker_answers).await {
+        Ok((status, body)) if status.is_success() => Ok(body),
+        Ok((status, _)) => Err(format!("status {status}")),
+        Err(e @ WorkerCallError::TooSlow { .. }) => Err(format!("no answer: {e}")),
+        Err(e) => Err(e.to_string()),
     }
 }
 
-/// The largest metrics page read (vLLM's are tens of KiB).
-const MAX_METRICS_PAGE: usize = 4 << 20;
+/// One check: whether `{url}/health` answered 2xx within `timeout`.
+async fn check(
+    client: &WorkerClient,
+    url: &WorkerUrl,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<(), String> {
+    get(client, url, "/health", BodyKind::Health, timeout, metrics)
+        .await
+        .map(drop)
+}
 
 /// Each rank's load from `{url}/metrics` (see [`super::scrape`]).
 async fn scrape(
-    client: HttpClient,
-    url: String,
+    client: &WorkerClient,
+    url: &WorkerUrl,
     timeout: Duration,
+    metrics: &Metrics,
 ) -> Result<Vec<(DpRank, WorkerLoad)>, String> {
-    let target = format!("{}/metrics", url.trim_end_matches('/'));
-    let uri: hyper::Uri = target
-        .parse()
-        .map_err(|e| format!("bad metrics URL {target:?}: {e}"))?;
-    let attempt = async {
-        let resp = client.get(uri).await.map_err(|e| e.to_string())?;
-        let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_METRICS_PAGE)
-            .collect()
-            .await
-            .map_err(|e| format!("reading the page: {e}"))?
-            .to_bytes();
-        if !status.is_success() {
-            return Err(format!("status {status}"));
-        }
-        Ok(super::scrape::parse_loads(&String::from_utf8_lossy(&body)))
-    };
-    match tokio::time::timeout(timeout, attempt).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("no answer within {timeout:?}")),
-    }
+    let page = get(client, url, "/metrics", BodyKind::Metrics, timeout, metrics).await?;
+    Ok(super::scrape::parse_loads(&String::from_utf8_lossy(&page)))
 }
 
 /// Records the loads a worker's page showed, for the ranks it is known to have (a page
@@ -303,18 +298,17 @@ fn record_loads(hub: &Hub, worker: WorkerId, known: &[DpRank], loads: Vec<(DpRan
     }
 }
 
-/// Health-checks every worker with a `url` each `interval` (see the module docs). Runs
-/// until the task is aborted or dropped.
+/// Health-checks every worker with a `url` each `interval` (see the module docs), over
+/// clients of `outbound`. Runs until the task is aborted or dropped.
 pub async fn health_loop(
     hub: Arc<Hub>,
     interval: Duration,
     timeout: Duration,
     failures_to_down: u32,
+    outbound: Outbound,
 ) {
     let failures_to_down = failures_to_down.max(1);
-    let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(interval.saturating_mul(4).max(Duration::from_secs(1)))
-        .build_http();
+    let client = outbound.client(interval.saturating_mul(4).max(Duration::from_secs(1)));
     let mut failures: HashMap<WorkerId, u32> = HashMap::new();
     let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(1)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -323,13 +317,22 @@ pub async fn health_loop(
         let workers = hub.workers();
         let mut checks = JoinSet::new();
         for w in &workers {
-            if let Some(url) = &w.registration.url {
-                let (client, url, id) = (client.clone(), url.clone(), w.registration.worker);
+            if let Some(text) = &w.registration.url {
+                let id = w.registration.worker;
+                // Registrations hold parsed URLs only (Hub::register); one that does not
+                // parse is a failed check, never a request.
+                let url = WorkerUrl::parse(text);
+                let (client, hub) = (client.clone(), hub.clone());
                 checks.spawn(async move {
-                    let health = check(client.clone(), url.clone(), timeout).await;
+                    let url = match url {
+                        Ok(u) => u,
+                        Err(e) => return (id, Err(e.to_string()), None),
+                    };
+                    let metrics = hub.metrics();
+                    let health = check(&client, &url, timeout, metrics).await;
                     // A healthy worker's own metrics page says how loaded it is.
                     let loads = match health {
-                        Ok(()) => Some(scrape(client, url, timeout).await),
+                        Ok(()) => Some(scrape(&client, &url, timeout, metrics).await),
                         Err(_) => None,
                     };
                     (id, health, loads)
@@ -362,6 +365,7 @@ pub async fn health_loop(
                 None => {}
             }
             let was_healthy = healthy.get(&id).copied().unwrap_or(true);
+            hub.note_health(id, result.as_ref().err().cloned());
             match result {
                 Ok(()) => {
                     failures.remove(&id);

@@ -319,6 +319,21 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         "Worker /metrics pages that could not be read",
         counter(m.load_scrape_failures.load(Relaxed)),
     );
+    let refused = Family::<Labels2, Counter>::default();
+    for (kind, why, n) in m.worker_answers.all() {
+        refused
+            .get_or_create(&[
+                ("kind", kind.as_str().into()),
+                ("reason", why.as_str().into()),
+            ])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_worker_answers_refused",
+        "Answers read from workers refused for their size (too_large) or slowness (too_slow), \
+         by kind (health, metrics, models, prefill, kv_cache_events, usage)",
+        refused,
+    );
     reg.register(
         "kvengine_publisher_restarts",
         "Event publisher restarts detected",

@@ -4,6 +4,7 @@ use super::errors::{ApiError, json};
 use super::routing::path_param;
 use super::{AppState, RawBody, decode};
 use crate::hub::{Registration, WorkerInfo};
+use crate::outbound::{AddrError, Host, WorkerUrl, ZmqEndpoint, host_allowed};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -47,6 +48,8 @@ pub(super) struct WorkerJson {
     /// The model it serves (`null`: none named).
     model: Option<String>,
     healthy: bool,
+    /// Why its last health check failed (`null`: it passed, or none ran yet).
+    health_error: Option<String>,
     resyncing: Vec<u32>,
     config_error: Option<String>,
     events: u64,
@@ -82,6 +85,7 @@ impl From<WorkerInfo> for WorkerJson {
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             model: r.model,
             healthy: w.healthy,
+            health_error: w.health_error,
             resyncing: w.resyncing.iter().map(|d| d.0).collect(),
             config_error: w.config_error,
             events: w.events,
@@ -155,68 +159,29 @@ struct RegisterBody {
     poll_ms: Option<u64>,
 }
 
-/// Accepts `http://host[:port][/path]` (what the health checker can reach).
-fn check_url(url: &str) -> Result<(), ApiError> {
-    let bad = |why: &str| Err(ApiError::invalid(format!("invalid url {url:?}: {why}")));
-    let Ok(uri) = url.parse::<axum::http::Uri>() else {
-        return bad("not a URI");
-    };
-    if uri.scheme_str() != Some("http") {
-        return bad("only http:// URLs are supported");
-    }
-    if uri.host().is_none_or(str::is_empty) {
-        return bad("no host");
-    }
-    if uri.query().is_some() {
-        return bad("no query string allowed");
-    }
-    Ok(())
-}
-
-fn check_endpoint(name: &str, value: &str) -> Result<(), ApiError> {
-    if value.is_empty() || value.chars().any(char::is_whitespace) {
-        return Err(ApiError::invalid(format!(
-            "invalid {name} endpoint {value:?}"
-        )));
-    }
-    Ok(())
-}
-
-/// The host of a `scheme://host[:port][/...]` address (`[v6]` without brackets).
-fn host_of(addr: &str) -> Option<&str> {
-    let rest = addr.split_once("://")?.1;
-    let authority = rest.split('/').next()?;
-    let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    if let Some(v6) = authority.strip_prefix('[') {
-        return v6.split_once(']').map(|(h, _)| h);
-    }
-    Some(authority.rsplit_once(':').map_or(authority, |(h, _)| h))
-}
-
-/// Whether `host` matches one of `allowed` (exact, case-insensitive, or `*.suffix`); an
-/// empty list allows any host.
-pub(crate) fn host_allowed(allowed: &[String], host: &str) -> bool {
-    allowed.is_empty()
-        || allowed.iter().any(|p| match p.strip_prefix("*.") {
-            Some(suffix) => host
-                .to_ascii_lowercase()
-                .ends_with(&format!(".{}", suffix.to_ascii_lowercase())),
-            None => p.eq_ignore_ascii_case(host),
-        })
-}
-
-/// Refuses an address whose host is not in `--worker-hosts` (403): the router must not be
-/// pointed at hosts the operator did not name, even by an authenticated caller's mistake.
-fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
-    match host_of(addr) {
-        Some(h) if host_allowed(allowed, h) => Ok(()),
-        _ if allowed.is_empty() => Ok(()),
-        _ => Err(ApiError::new(
+/// `field`'s worker address, parsed ([`crate::outbound::addr`]): 400 naming the field if
+/// it is not a bare base address, 403 if its host is not in `--worker-hosts` (the router
+/// must not be pointed at hosts the operator did not name, even by an authenticated
+/// caller's mistake).
+fn check_addr<T>(
+    allowed: &[String],
+    field: &str,
+    text: &str,
+    parse: impl Fn(&str) -> Result<T, AddrError>,
+    host: impl Fn(&T) -> &Host,
+) -> Result<T, ApiError> {
+    let addr = parse(text).map_err(|e| ApiError::invalid(format!("invalid {field}: {e}")))?;
+    if !host_allowed(allowed, host(&addr)) {
+        return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "host_not_allowed",
-            format!("{what} {addr:?}: its host is not in --worker-hosts"),
-        )),
+            format!(
+                "{field} {text:?}: its host {} is not in --worker-hosts",
+                host(&addr)
+            ),
+        ));
     }
+    Ok(addr)
 }
 
 pub(super) async fn register(
@@ -233,20 +198,17 @@ pub(super) async fn register(
         ));
     }
     let allowed = &st.cfg.worker_hosts;
-    for (what, addr) in [("url", &b.url), ("zmq", &b.zmq), ("replay", &b.replay)] {
-        if let Some(a) = addr {
-            check_host(allowed, what, a)?;
-        }
-    }
-    if let Some(u) = &b.url {
-        check_url(u)?;
-    }
-    if let Some(z) = &b.zmq {
-        check_endpoint("zmq", z)?;
-    }
-    if let Some(r) = &b.replay {
-        check_endpoint("replay", r)?;
-    }
+    let url = b
+        .url
+        .as_deref()
+        .map(|u| check_addr(allowed, "url", u, WorkerUrl::parse, WorkerUrl::host))
+        .transpose()?;
+    let [zmq, replay] = [("zmq", &b.zmq), ("replay", &b.replay)].map(|(field, e)| {
+        e.as_deref()
+            .map(|e| check_addr(allowed, field, e, ZmqEndpoint::parse, ZmqEndpoint::host))
+            .transpose()
+    });
+    let (zmq, replay) = (zmq?, replay?);
     let trtllm_poll = match (b.events.as_deref(), b.poll_ms) {
         (None | Some("zmq"), None) => None,
         (None | Some("zmq"), Some(_)) => {
@@ -258,13 +220,13 @@ pub(super) async fn register(
                     "events \"trtllm\" polls the worker's url; it takes no zmq or replay",
                 ));
             }
-            let Some(url) = &b.url else {
+            let Some(url) = &url else {
                 return Err(ApiError::invalid(
                     "events \"trtllm\" needs the worker's url (trtllm-serve)",
                 ));
             };
             let interval = ms.map_or(crate::trtllm::DEFAULT_POLL_INTERVAL, Duration::from_millis);
-            crate::trtllm::TrtllmSource::new(WorkerId(b.worker_id), url, interval)
+            crate::trtllm::TrtllmSource::new(WorkerId(b.worker_id), url.as_str(), interval)
                 .map_err(|e| ApiError::invalid(e.to_string()))?;
             Some(interval)
         }
@@ -290,9 +252,9 @@ pub(super) async fn register(
             .into_iter()
             .map(DpRank)
             .collect(),
-        url: b.url.map(|u| u.trim_end_matches('/').to_owned()),
-        zmq: b.zmq,
-        replay: b.replay,
+        url: url.map(|u| u.as_str().to_owned()),
+        zmq: zmq.map(|e| e.as_str().to_owned()),
+        replay: replay.map(|e| e.as_str().to_owned()),
         role,
         bootstrap_port: b.bootstrap_port,
         api_key: b.api_key.filter(|k| !k.is_empty()),
@@ -397,27 +359,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hosts_are_matched_exactly_or_by_suffix() {
-        let allowed = vec![
-            "gpu-1".to_owned(),
-            "*.pool.internal".to_owned(),
-            "10.0.0.7".into(),
-        ];
-        for (addr, ok) in [
-            ("http://gpu-1:8000", true),
-            ("http://GPU-1:8000/v1", true),
-            ("tcp://a.pool.internal:5557", true),
-            ("tcp://pool.internal:5557", false),
-            ("tcp://a.pool.internal.evil.com:5557", false),
-            ("http://10.0.0.7", true),
-            ("http://user@evil:80", false),
-            ("http://gpu-2:8000", false),
-            ("tcp://[::1]:5557", false),
-            ("no-scheme", false),
-        ] {
-            assert_eq!(check_host(&allowed, "url", addr).is_ok(), ok, "{addr}");
-        }
-        assert!(check_host(&[], "url", "http://anything:1").is_ok());
-        assert_eq!(host_of("tcp://[::1]:5557"), Some("::1"));
+    fn addresses_are_checked_as_parsed_then_against_the_allowed_hosts() {
+        let allowed = vec!["gpu-1".to_owned(), "*.pool.internal".to_owned()];
+        let url = |s: &str| {
+            check_addr(&allowed, "url", s, WorkerUrl::parse, WorkerUrl::host).map_err(|e| e.status)
+        };
+        assert!(url("http://gpu-1:8000").is_ok());
+        assert!(url("https://a.pool.internal").is_ok());
+        assert_eq!(
+            url("http://169.254.169.254#@gpu-1"),
+            Err(StatusCode::BAD_REQUEST)
+        );
+        assert_eq!(url("http://gpu-1.evil.com"), Err(StatusCode::FORBIDDEN));
+        let zmq = |s: &str| {
+            check_addr(&allowed, "zmq", s, ZmqEndpoint::parse, ZmqEndpoint::host)
+                .map_err(|e| e.status)
+        };
+        assert!(zmq("tcp://gpu-1:5557").is_ok());
+        assert_eq!(
+            zmq("tcp://gpu-1@10.0.0.1:5557"),
+            Err(StatusCode::BAD_REQUEST)
+        );
+        assert_eq!(zmq("tcp://10.0.0.1:5557"), Err(StatusCode::FORBIDDEN));
     }
 }

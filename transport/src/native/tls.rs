@@ -109,7 +109,7 @@ pub(crate) fn load_pem_files(
 
 /// Keeps an I/O failure an I/O error (missing file, permissions) and makes anything else
 /// (bad base64, an unterminated section, no item of the kind wanted) invalid input.
-fn pem_err(path: &Path, what: &str, e: pem::Error) -> TransportError {
+pub(crate) fn pem_err(path: &Path, what: &str, e: pem::Error) -> TransportError {
     match e {
         pem::Error::Io(source) => TransportError::Io {
             context: format!("reading {}", path.display()),

@@ -34,16 +34,14 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use engine::WorkerKey;
 use engine::sched::{Pool, RouteMode, RouteOverrides};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+use crate::outbound::body::BodyKind;
+use crate::outbound::{Outbound, WorkerClient, WorkerUrl};
 
 /// How the proxy is set up.
 #[derive(Clone, Debug)]
@@ -65,6 +63,8 @@ pub struct ProxyConfig {
     /// model's tokenizer's `model_max_length`, else
     /// [`crate::http::DEFAULT_MAX_PROMPT_TOKENS`].
     pub max_prompt_tokens: Option<usize>,
+    /// How workers are reached (TLS trust for `https://` workers: [`crate::outbound`]).
+    pub outbound: Outbound,
 }
 
 impl Default for ProxyConfig {
@@ -77,6 +77,7 @@ impl Default for ProxyConfig {
             disagg: DisaggConfig::default(),
             max_prompt_tokens: None,
             body_timeout: crate::http::DEFAULT_BODY_TIMEOUT,
+            outbound: Outbound::default(),
         }
     }
 }
@@ -158,7 +159,7 @@ const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
 pub(crate) struct Proxy {
     pub(crate) hub: Arc<Hub>,
     pub(crate) cfg: ProxyConfig,
-    pub(crate) client: HttpClient,
+    pub(crate) client: WorkerClient,
     /// When the proxy started (Unix seconds): the `created` of the models it lists.
     pub(crate) started: u64,
 }
@@ -170,9 +171,7 @@ pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
     // closes a keep-alive connection after 5 s idle, and a request sent on one it is closing
     // fails before reaching the worker, so it was retried on another worker (found with real
     // vLLM workers: the first request after an idle spell went elsewhere than predicted).
-    let client = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(UPSTREAM_IDLE)
-        .build_http();
+    let client = cfg.outbound.client(UPSTREAM_IDLE);
     let started = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -254,6 +253,9 @@ async fn completions(
     }
 }
 
+/// The longest a worker's model list may take, whole.
+const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The served models ([`crate::models`]); without named ones, those of the first healthy
 /// worker that answers (its workers all serve the one model).
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
@@ -273,26 +275,33 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         let Some(url) = w.registration.url.as_deref().filter(|_| w.healthy) else {
             continue;
         };
-        let Ok(req) = hyper::Request::get(format!("{}/v1/models", url.trim_end_matches('/')))
-            .body(Full::new(Bytes::new()))
-        else {
+        let Ok(uri) = WorkerUrl::parse(url).and_then(|u| u.join("/v1/models")) else {
             continue;
         };
-        let Ok(Ok(resp)) =
-            tokio::time::timeout(Duration::from_secs(5), p.client.request(req)).await
-        else {
+        let Ok(req) = hyper::Request::get(uri).body(Full::new(Bytes::new())) else {
             continue;
         };
-        if !resp.status().is_success() {
-            continue;
-        }
-        if let Ok(body) = resp.into_body().collect().await {
-            return (
-                StatusCode::OK,
-                [(header::CONTENT_TYPE, "application/json")],
-                body.to_bytes(),
-            )
-                .into_response();
+        let metrics = p.hub.metrics();
+        let answer = crate::outbound::fetch(
+            &p.client,
+            req,
+            BodyKind::Models,
+            MODELS_TIMEOUT,
+            &metrics.worker_answers,
+        )
+        .await;
+        match answer {
+            Ok((status, body)) if status.is_success() => {
+                return (
+                    StatusCode::OK,
+                    [(header::CONTENT_TYPE, "application/json")],
+                    body,
+                )
+                    .into_response();
+            }
+            Ok((status, _)) => tracing::debug!(worker = %w.registration.worker,
+                "GET /v1/models: status {status}"),
+            Err(e) => tracing::debug!(worker = %w.registration.worker, "GET /v1/models: {e}"),
         }
     }
     (
@@ -346,14 +355,17 @@ pub(crate) async fn send(
         .hub
         .worker_url(key.worker)
         .ok_or_else(|| format!("worker {} has no url", key.worker))?;
-    let mut req = hyper::Request::post(format!("{}{path}", url.trim_end_matches('/')))
+    let uri = WorkerUrl::parse(&url)
+        .and_then(|u| u.join(path))
+        .map_err(|e| e.to_string())?;
+    let mut req = hyper::Request::post(uri)
         .body(Full::new(body.clone()))
         .map_err(|e| e.to_string())?;
     *req.headers_mut() = fwd.for_worker(p.hub.worker_api_key(key.worker).as_deref());
     let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| crate::outbound::chain(&e))?;
     if resp.status().is_server_error() {
         return Err(format!("status {}", resp.status()));
     }

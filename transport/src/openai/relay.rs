@@ -6,11 +6,15 @@
 //! 2. A [`Relay`] marks its request prefilled at the first data frame and frees it at the
 //!    end of the body, on an upstream error, or when dropped.
 //! 3. With a [`UsagePatch`], every byte of the answer reaches the client, in order, with
-//!    only the `usage.prompt_tokens_details.cached_tokens` value replaced.
+//!    only the `usage.prompt_tokens_details.cached_tokens` value replaced (unless the
+//!    answer outgrew what the patch may hold: then it goes out unpatched, counted).
+//! 4. Nothing else is buffered: each chunk of the worker's answer is passed on as it
+//!    arrives.
 
 use super::errors::OpenAiError;
 use super::usage::UsagePatch;
 use crate::hub::Hub;
+use crate::outbound::body::{BodyKind, Overrun};
 use axum::http::StatusCode;
 use bytes::Bytes;
 use hyper::body::{Frame, Incoming};
@@ -137,7 +141,15 @@ impl hyper::body::Body for Relay {
                 Poll::Ready(Some(Ok(frame))) => {
                     let frame = match (frame.into_data(), self.patch.as_mut()) {
                         (Ok(data), Some(patch)) => {
-                            let out = patch.feed(&data);
+                            let out = patch.feed(data);
+                            if patch.gave_up() {
+                                self.active.hub.metrics().worker_answers.refused(
+                                    BodyKind::Usage,
+                                    Overrun::TooLarge,
+                                    &"an answer held back to patch its usage outgrew the \
+                                      cap; relayed unpatched",
+                                );
+                            }
                             if out.is_empty() {
                                 // Held back until its event (or the whole answer) is complete.
                                 continue;

@@ -9,7 +9,12 @@
 //! 1. Bytes go out in order; an SSE event is held back only until its terminating blank
 //!    line arrives, a whole (non-SSE) answer until its end.
 //! 2. Anything that is not a JSON object with a `usage` object passes through unchanged.
+//! 3. What is held back is bounded: an SSE event over [`BodyKind::Usage`]'s cap (1 MiB),
+//!    or a whole answer over [`MAX_HELD_ANSWER`] (16 MiB), ends the patching: what was
+//!    held goes out as it came, and so does the rest of the answer ([`UsagePatch::gave_up`]
+//!    tells the relay, which counts it).
 
+use crate::outbound::body::{BodyKind, MAX_HELD_ANSWER};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
@@ -19,6 +24,10 @@ pub(crate) struct UsagePatch {
     cached_tokens: u64,
     sse: bool,
     pending: Vec<u8>,
+    /// Whether the answer outgrew what may be held (invariant 3): relayed as is since.
+    bypass: bool,
+    /// Set when `bypass` began, until [`UsagePatch::gave_up`] reads it.
+    newly_bypassed: bool,
 }
 
 impl UsagePatch {
@@ -28,26 +37,59 @@ impl UsagePatch {
             cached_tokens,
             sse,
             pending: Vec::new(),
+            bypass: false,
+            newly_bypassed: false,
         }
     }
 
-    /// Takes the next bytes of the answer; returns what can go out now.
-    pub(crate) fn feed(&mut self, data: &[u8]) -> Bytes {
-        self.pending.extend_from_slice(data);
-        if !self.sse {
-            return Bytes::new();
+    /// The most bytes held back: one SSE event, or a whole answer.
+    fn cap(&self) -> usize {
+        match self.sse {
+            true => BodyKind::Usage.cap(),
+            false => MAX_HELD_ANSWER,
         }
-        let Some(end) = last_event_end(&self.pending) else {
-            return Bytes::new();
-        };
-        let rest = self.pending.split_off(end);
-        let complete = std::mem::replace(&mut self.pending, rest);
-        Bytes::from(self.patch_events(&complete))
+    }
+
+    /// Whether the patching was given up since the last call (invariant 3; true once).
+    pub(crate) fn gave_up(&mut self) -> bool {
+        std::mem::take(&mut self.newly_bypassed)
+    }
+
+    /// Gives up patching: what is held goes out as it came.
+    #[cold]
+    fn give_up(&mut self, out: &mut Vec<u8>) {
+        self.bypass = true;
+        self.newly_bypassed = true;
+        out.append(&mut self.pending);
+        self.pending = Vec::new();
+    }
+
+    /// Takes the next bytes of the answer; returns what can go out now.
+    pub(crate) fn feed(&mut self, data: Bytes) -> Bytes {
+        if self.bypass {
+            return data;
+        }
+        self.pending.extend_from_slice(&data);
+        let mut out = Vec::new();
+        if self.sse
+            && let Some(end) = last_event_end(&self.pending)
+        {
+            let rest = self.pending.split_off(end);
+            let complete = std::mem::replace(&mut self.pending, rest);
+            out = self.patch_events(&complete);
+        }
+        if self.pending.len() > self.cap() {
+            self.give_up(&mut out);
+        }
+        Bytes::from(out)
     }
 
     /// The end of the answer: whatever was held back, patched.
     pub(crate) fn finish(&mut self) -> Bytes {
         let all = std::mem::take(&mut self.pending);
+        if self.bypass {
+            return Bytes::from(all);
+        }
         if self.sse {
             Bytes::from(self.patch_events(&all))
         } else {
@@ -127,7 +169,7 @@ mod tests {
         let mut out = Vec::new();
         // Feed in awkward pieces: mid-line, mid-event.
         for piece in stream.as_bytes().chunks(7) {
-            out.extend_from_slice(&p.feed(piece));
+            out.extend_from_slice(&p.feed(Bytes::copy_from_slice(piece)));
         }
         out.extend_from_slice(&p.finish());
         let text = String::from_utf8(out).unwrap();
@@ -140,17 +182,50 @@ mod tests {
     #[test]
     fn whole_answers_get_details_added_and_others_pass_through() {
         let mut p = UsagePatch::new(7, false);
-        assert!(p.feed(br#"{"usage":{"prompt_tokens":9}}"#).is_empty());
+        assert!(
+            p.feed(Bytes::from_static(br#"{"usage":{"prompt_tokens":9}}"#))
+                .is_empty()
+        );
         let out = p.finish();
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(cached_tokens(&v), Some(7));
 
         let mut p = UsagePatch::new(7, false);
-        p.feed(b"not json at all");
+        p.feed(Bytes::from_static(b"not json at all"));
         assert_eq!(&p.finish()[..], b"not json at all");
 
         let mut p = UsagePatch::new(7, true);
-        let out = p.feed(b"data: {\"usage\":null}\n\n: comment\n\n");
+        let out = p.feed(Bytes::from_static(
+            b"data: {\"usage\":null}\n\n: comment\n\n",
+        ));
         assert_eq!(&out[..], b"data: {\"usage\":null}\n\n: comment\n\n");
+    }
+
+    #[test]
+    fn what_is_held_back_is_bounded_and_then_relayed_as_is() {
+        // An SSE event that never ends: held up to the cap, then everything passes.
+        let mut p = UsagePatch::new(5, true);
+        let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+        let mut out = 0;
+        let mut fed = 0;
+        while !p.bypass {
+            out += p.feed(chunk.clone()).len();
+            fed += chunk.len();
+            assert!(p.pending.len() <= BodyKind::Usage.cap());
+        }
+        assert!(p.gave_up());
+        assert!(!p.gave_up(), "told once");
+        assert_eq!(out, fed, "what was held went out");
+        assert_eq!(p.feed(chunk.clone()), chunk);
+        assert!(p.finish().is_empty());
+        // A whole answer over its cap: the same.
+        let mut p = UsagePatch::new(5, false);
+        let big = Bytes::from(vec![b' '; MAX_HELD_ANSWER + 1]);
+        assert_eq!(p.feed(big).len(), MAX_HELD_ANSWER + 1);
+        assert!(p.gave_up());
+        assert_eq!(
+            &p.feed(Bytes::from_static(br#"{"usage":{}}"#))[..],
+            br#"{"usage":{}}"#
+        );
     }
 }

@@ -4,38 +4,47 @@
 //!
 //! # Invariants
 //! 1. One poll at a time per worker, so pages apply in the order the server drained them.
-//! 2. A failed poll (connection refused, timeout, non-2xx, an answer over
-//!    [`MAX_PAGE_BYTES`], or not a JSON array) is logged once per outage and retried next
-//!    tick; the stream shows `connecting` until a poll succeeds. The server still holds
+//! 2. A failed poll (connection refused, a failed TLS handshake, no whole answer within
+//!    [`POLL_TIMEOUT`], non-2xx, an answer over [`MAX_PAGE_BYTES`] (counted, see
+//!    [`crate::outbound::body`]), or not a JSON array) is logged once per outage and
+//!    retried next tick; the stream shows `connecting` until a poll succeeds. The server still holds
 //!    what it did not hand out, so nothing is lost unless its buffer overflows, which the
 //!    next page's ids reveal.
 //! 3. Nothing stops the task but aborting it; on abort the worker's wake-up is removed.
 
 use super::apply::WorkerEvents;
 use super::source::TrtllmSource;
-use super::wire::{MAX_PAGE_BYTES, decode_page};
+#[cfg(doc)]
+use super::wire::MAX_PAGE_BYTES;
+use super::wire::decode_page;
 use crate::hub::{Hub, StreamState};
+use crate::metrics::Metrics;
+use crate::outbound::body::BodyKind;
+use crate::outbound::{Outbound, WorkerClient, fetch};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http_body_util::Full;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// The longest a poll may take before it counts as failed.
-const POLL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a poll may take, answer and all, before it counts as failed.
+pub const POLL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Starts `source`'s poller on the runtime `on` (with the edge on the cores: the worker's
-/// home core, so its pages are applied on one thread). The worker must be registered first.
+/// home core, so its pages are applied on one thread), polling through a client of
+/// `outbound`. The worker must be registered first.
 pub fn spawn_poller_on(
     on: &tokio::runtime::Handle,
     hub: Arc<Hub>,
     source: TrtllmSource,
+    outbound: &Outbound,
 ) -> JoinHandle<()> {
+    let client = outbound.client(
+        source
+            .poll_interval
+            .saturating_mul(4)
+            .max(Duration::from_secs(2)),
+    );
     let resume = hub.persisted().take_resume(source.worker);
     on.spawn(async move {
         let events = match resume {
@@ -46,13 +55,13 @@ pub fn spawn_poller_on(
             hub: hub.clone(),
             worker: source.worker,
         };
-        run(hub, source, events).await;
+        run(hub, source, events, client).await;
     })
 }
 
 /// Starts `source`'s poller on the current runtime.
-pub fn spawn_poller(hub: Arc<Hub>, source: TrtllmSource) -> JoinHandle<()> {
-    spawn_poller_on(&tokio::runtime::Handle::current(), hub, source)
+pub fn spawn_poller(hub: Arc<Hub>, source: TrtllmSource, outbound: &Outbound) -> JoinHandle<()> {
+    spawn_poller_on(&tokio::runtime::Handle::current(), hub, source, outbound)
 }
 
 /// Removes the worker's wake-up when the task ends (or is aborted).
@@ -67,18 +76,10 @@ impl Drop for Unregister {
     }
 }
 
-async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents) {
+async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents, client: WorkerClient) {
     let worker = source.worker;
     let wake = hub.trtllm_pokes().register(worker);
-    let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(
-            source
-                .poll_interval
-                .saturating_mul(4)
-                .max(Duration::from_secs(2)),
-        )
-        .build_http();
-    let uri: hyper::Uri = match source.events_url().parse() {
+    let uri: hyper::Uri = match source.url.join("/kv_cache_events") {
         Ok(u) => u,
         Err(e) => {
             tracing::error!(worker = %worker, url = %source.url, "cannot poll: {e}");
@@ -91,7 +92,7 @@ async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents) {
     tracing::info!(worker = %worker, url = %source.events_url(),
         interval_ms = source.poll_interval.as_millis() as u64, "polling TensorRT-LLM KV events");
     loop {
-        match poll(&client, &uri).await {
+        match poll(&client, &uri, hub.metrics()).await {
             Ok(body) => {
                 if reachable != Some(true) {
                     tracing::info!(worker = %worker, "TensorRT-LLM KV events reachable");
@@ -127,26 +128,15 @@ async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents) {
 }
 
 /// One drain: the answer's body, or why there is none.
-async fn poll(client: &HttpClient, uri: &hyper::Uri) -> Result<Bytes, String> {
-    let attempt = async {
-        let request = hyper::Request::post(uri.clone())
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
-        let resp = client.request(request).await.map_err(|e| e.to_string())?;
-        let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_PAGE_BYTES)
-            .collect()
-            .await
-            .map_err(|e| format!("reading the answer: {e}"))?
-            .to_bytes();
-        if !status.is_success() {
-            return Err(format!("status {status}"));
-        }
-        Ok(body)
-    };
-    match tokio::time::timeout(POLL_TIMEOUT, attempt).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("no answer within {POLL_TIMEOUT:?}")),
+async fn poll(client: &WorkerClient, uri: &hyper::Uri, metrics: &Metrics) -> Result<Bytes, String> {
+    let request = hyper::Request::post(uri.clone())
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    let kind = BodyKind::KvCacheEvents;
+    match fetch(client, request, kind, POLL_TIMEOUT, &metrics.worker_answers).await {
+        Ok((status, body)) if status.is_success() => Ok(body),
+        Ok((status, _)) => Err(format!("status {status}")),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -1,7 +1,8 @@
-//! `--trtllm-worker ID=http://HOST:PORT[,poll_ms=N]`: where one TensorRT-LLM worker's KV
-//! events are polled, and how often.
+//! `--trtllm-worker ID=http[s]://HOST:PORT[,poll_ms=N]`: where one TensorRT-LLM worker's
+//! KV events are polled, and how often. The URL is a [`WorkerUrl`] with a port and no path.
 
 use crate::error::TransportError;
+use crate::outbound::WorkerUrl;
 use engine::WorkerId;
 use std::fmt;
 use std::str::FromStr;
@@ -20,8 +21,9 @@ pub const POLL_INTERVAL_RANGE: std::ops::RangeInclusive<Duration> =
 pub struct TrtllmSource {
     /// The worker.
     pub worker: WorkerId,
-    /// `trtllm-serve`'s base URL (`http://host:port`); events are at `{url}/kv_cache_events`.
-    pub url: String,
+    /// `trtllm-serve`'s base URL (`http[s]://host:port`); events are at
+    /// `{url}/kv_cache_events`.
+    pub url: WorkerUrl,
     /// How often it is polled when no request finishing there asks for a poll first.
     pub poll_interval: Duration,
 }
@@ -34,21 +36,19 @@ fn invalid(reason: String) -> TransportError {
 }
 
 impl TrtllmSource {
-    /// A source from parts, checking the URL's shape (`http://HOST:PORT`, no path) and the
-    /// interval's range.
+    /// A source from parts, checking the URL's shape (`http[s]://HOST:PORT`, no path) and
+    /// the interval's range.
     pub fn new(
         worker: WorkerId,
         url: &str,
         poll_interval: Duration,
     ) -> Result<Self, TransportError> {
-        let url = url.trim_end_matches('/');
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| invalid(format!("{url:?} is not http://HOST:PORT")))?;
-        match rest.rsplit_once(':') {
-            Some((host, port))
-                if !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok() => {}
-            _ => return Err(invalid(format!("{url:?} is not http://HOST:PORT"))),
+        let url = WorkerUrl::parse(url).map_err(|e| invalid(e.to_string()))?;
+        if url.port().is_none() || !url.path().is_empty() {
+            return Err(invalid(format!(
+                "{url:?} is not http[s]://HOST:PORT",
+                url = url.as_str()
+            )));
         }
         if !POLL_INTERVAL_RANGE.contains(&poll_interval) {
             return Err(invalid(format!(
@@ -57,7 +57,7 @@ impl TrtllmSource {
         }
         Ok(Self {
             worker,
-            url: url.to_owned(),
+            url,
             poll_interval,
         })
     }
@@ -72,9 +72,11 @@ impl FromStr for TrtllmSource {
     type Err = TransportError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (id, rest) = s
-            .split_once('=')
-            .ok_or_else(|| invalid(format!("{s:?}: expected ID=http://HOST:PORT[,poll_ms=N]")))?;
+        let (id, rest) = s.split_once('=').ok_or_else(|| {
+            invalid(format!(
+                "{s:?}: expected ID=http[s]://HOST:PORT[,poll_ms=N]"
+            ))
+        })?;
         let worker = id
             .trim()
             .parse::<u64>()
@@ -121,14 +123,16 @@ mod tests {
     fn parses_the_flag_forms() {
         let s: TrtllmSource = "3=http://ctx-0:8000".parse().unwrap();
         assert_eq!(s.worker, WorkerId(3));
-        assert_eq!(s.url, "http://ctx-0:8000");
+        assert_eq!(s.url.as_str(), "http://ctx-0:8000");
         assert_eq!(s.poll_interval, DEFAULT_POLL_INTERVAL);
         assert_eq!(s.events_url(), "http://ctx-0:8000/kv_cache_events");
         let s: TrtllmSource = "4=http://10.0.0.4:8001/,poll_ms=250".parse().unwrap();
-        assert_eq!(s.url, "http://10.0.0.4:8001");
+        assert_eq!(s.url.as_str(), "http://10.0.0.4:8001");
         assert_eq!(s.poll_interval, Duration::from_millis(250));
         assert_eq!(s.to_string(), "4=http://10.0.0.4:8001,poll_ms=250");
         assert_eq!(s.to_string().parse::<TrtllmSource>().unwrap(), s);
+        let s: TrtllmSource = "5=https://ctx-1:8443".parse().unwrap();
+        assert_eq!(s.events_url(), "https://ctx-1:8443/kv_cache_events");
     }
 
     #[test]
@@ -138,7 +142,8 @@ mod tests {
             "3",
             "x=http://a:1",
             "3=tcp://a:1",
-            "3=https://a:1",
+            "3=http://a:1#@b",
+            "3=http://b@a:1",
             "3=http://a",
             "3=http://:1",
             "3=http://a:1/v1",

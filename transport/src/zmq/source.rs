@@ -1,6 +1,7 @@
 //! `--zmq-worker ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`: one worker's endpoints.
 
 use crate::error::TransportError;
+use crate::outbound::ZmqEndpoint;
 use engine::WorkerId;
 use std::fmt;
 use std::str::FromStr;
@@ -10,29 +11,24 @@ use std::str::FromStr;
 pub struct ZmqSource {
     /// The worker.
     pub worker: WorkerId,
-    /// Its PUB endpoint (`tcp://host:port`).
+    /// Its PUB endpoint (a canonical `tcp://host:port`, [`ZmqEndpoint`]).
     pub publisher: String,
-    /// Its replay (ROUTER) endpoint, if it has one.
+    /// Its replay (ROUTER) endpoint, if it has one (canonical too).
     pub replay: Option<String>,
     /// The topic prefix subscribed to (vLLM's `--kv-events-config` `topic`; `""`: every
     /// message the publisher sends).
     pub topic: String,
 }
 
+/// `s` as a canonical `tcp://host:port` ([`ZmqEndpoint`]: no userinfo, path or anything
+/// else; `ipc://`, `inproc://` and the bind-only `tcp://*:port` are refused).
 fn check_endpoint(s: &str, what: &'static str) -> Result<String, TransportError> {
-    let rest = s
-        .strip_prefix("tcp://")
-        .ok_or_else(|| TransportError::Invalid {
+    ZmqEndpoint::parse(s)
+        .map(|e| e.as_str().to_owned())
+        .map_err(|e| TransportError::Invalid {
             name: what,
-            reason: format!("{s:?} is not tcp://HOST:PORT"),
-        })?;
-    match rest.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_owned()),
-        _ => Err(TransportError::Invalid {
-            name: what,
-            reason: format!("{s:?} is not tcp://HOST:PORT"),
-        }),
-    }
+            reason: e.to_string(),
+        })
 }
 
 impl ZmqSource {
@@ -142,6 +138,11 @@ mod tests {
             "7=tcp://a:1,foo=tcp://b:2",
             "7=tcp://a:1,replay=tcp://b:2,replay=tcp://b:3",
             "7=tcp://a:1,topic=a,topic=b",
+            "7=tcp://b@a:1",
+            "7=tcp://a:1#@b",
+            "7=tcp://*:1",
+            "7=ipc:///tmp/x",
+            "7=inproc://x",
         ] {
             assert!(bad.parse::<ZmqSource>().is_err(), "{bad:?} accepted");
         }

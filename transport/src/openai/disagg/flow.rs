@@ -14,6 +14,7 @@
 
 use super::SGLANG_BOOTSTRAP_PORT;
 use super::handoff::{Body, Handoff, Pair};
+use crate::error::WorkerCallError;
 use crate::openai::errors::{OpenAiError, openai_error};
 use crate::openai::headers::Forwarded;
 use crate::openai::proxy::{
@@ -22,12 +23,12 @@ use crate::openai::proxy::{
 use crate::openai::relay::Active;
 use crate::openai::sse::whole_answer_as_sse;
 use crate::openai::usage::cached_tokens;
+use crate::outbound::body::{BodyKind, Overrun, ReadError, read_capped};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use engine::WorkerKey;
 use engine::sched::{Pool, RouteMode, RouteOverrides};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::Value;
 use std::sync::Arc;
@@ -187,8 +188,8 @@ fn pair(p: &Proxy, p_key: WorkerKey, request_id: &str, attempt: usize) -> Pair {
     let prefill_host = reg
         .as_ref()
         .and_then(|r| r.url.as_deref())
-        .and_then(|u| u.parse::<axum::http::Uri>().ok())
-        .and_then(|u| u.host().map(str::to_owned))
+        .and_then(|u| crate::outbound::WorkerUrl::parse(u).ok())
+        .map(|u| u.host().to_string())
         .unwrap_or_else(|| "127.0.0.1".into());
     let bootstrap_port = reg
         .and_then(|r| r.bootstrap_port)
@@ -219,15 +220,45 @@ async fn prefill_answer(
     body: &Body,
     fwd: &Forwarded,
 ) -> Result<Value, Failure> {
+    // One deadline for the whole answer, headers and body (crate::outbound, invariant 4).
+    let started = std::time::Instant::now();
     let resp = send(p, key, path, &to_bytes(body), fwd)
         .await
         .map_err(Failure::Prefill)?;
     let status = resp.status();
-    let bytes = tokio::time::timeout(p.cfg.upstream_timeout, resp.into_body().collect())
-        .await
-        .map_err(|_| Failure::Prefill("no whole answer in time".into()))?
-        .map_err(|e| Failure::Prefill(format!("answer broke off: {e}")))?
-        .to_bytes();
+    let left = p.cfg.upstream_timeout.saturating_sub(started.elapsed());
+    let kind = BodyKind::Prefill;
+    let refusals = &p.hub.metrics().worker_answers;
+    let bytes = match tokio::time::timeout(left, read_capped(resp.into_body(), kind.cap())).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(ReadError::TooLarge)) => {
+            let e = WorkerCallError::TooLarge {
+                kind,
+                cap: kind.cap(),
+            };
+            refusals.refused(
+                kind,
+                Overrun::TooLarge,
+                &format_args!("worker {}: {e}", key.worker),
+            );
+            return Err(Failure::Prefill(e.to_string()));
+        }
+        Ok(Err(ReadError::Broken(why))) => {
+            return Err(Failure::Prefill(format!("answer broke off: {why}")));
+        }
+        Err(_) => {
+            let e = WorkerCallError::TooSlow {
+                kind,
+                deadline: p.cfg.upstream_timeout,
+            };
+            refusals.refused(
+                kind,
+                Overrun::TooSlow,
+                &format_args!("worker {}: {e}", key.worker),
+            );
+            return Err(Failure::Prefill(e.to_string()));
+        }
+    };
     if status.is_client_error() {
         let mut r = (status, bytes).into_response();
         r.headers_mut().insert(
