@@ -24,7 +24,8 @@ pub struct PublishArgs {
     /// JSON lines of event batches (see `docs/api.md`, `POST /v1/events`).
     #[arg(long, env = "KVENGINE_PUBLISH_EVENTS")]
     events: PathBuf,
-    /// The router's ingest token.
+    /// An ingest token the router accepts for every worker in the file (its
+    /// --ingest-token, or a --scoped-ingest-token covering them).
     #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
     ingest_token: String,
     /// Trust the router's certificate by its SHA-256 fingerprint (hex, as the router logs it).

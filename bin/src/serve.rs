@@ -33,7 +33,7 @@ use transport::cores::{self, Homes};
 use transport::http::{HttpConfig, health::health_loop, router};
 use transport::hub::{Hub, HubConfig, Registration, start_engine_from};
 use transport::models::ModelSpec;
-use transport::native::{QuicServerConfig, TlsSource, serve_quic};
+use transport::native::{IngestCredentials, QuicServerConfig, ScopedToken, TlsSource, serve_quic};
 use transport::openai::proxy::{ProxyConfig, openai_router};
 use transport::openai::tokenize::PromptTokenizer;
 use transport::outbound::Outbound;
@@ -212,7 +212,8 @@ pub struct ServeArgs {
     #[arg(long = "model", env = "KVENGINE_MODEL", value_delimiter = ';',
           value_parser = crate::config_file::ModelEntry::from_spec)]
     pub models: Vec<crate::config_file::ModelEntry>,
-    /// Accept native (QUIC + rkyv) publishers on this address; needs --ingest-token.
+    /// Accept native (QUIC + rkyv) publishers on this address; needs an ingest token
+    /// (--ingest-token, --scoped-ingest-token or --ingest-token-file).
     #[arg(long, env = "KVENGINE_QUIC")]
     pub quic: Option<SocketAddr>,
     /// Log lines as `text` or `json` (one object per line). The level filter is
@@ -223,9 +224,38 @@ pub struct ServeArgs {
     /// "Configuration file"). Flags beat environment variables, which beat the file.
     #[arg(long, env = "KVENGINE_CONFIG")]
     pub config: Option<PathBuf>,
-    /// The token QUIC publishers must present.
+    /// A token QUIC publishers may present to publish for ANY worker (kept for
+    /// compatibility: --scoped-ingest-token and --ingest-token-file bind a publisher to the
+    /// workers it may write).
     #[arg(long, env = "KVENGINE_INGEST_TOKEN", hide_env_values = true)]
     pub ingest_token: Option<String>,
+    /// A QUIC ingest token bound to the workers it may publish for: `WORKERS=TOKEN`, WORKERS
+    /// `*` or worker ids and ranges such as `1,4-7` (repeatable; `;`-separated in the env
+    /// var). Each token once; a hello for a worker its token does not cover is refused.
+    #[arg(
+        long = "scoped-ingest-token",
+        env = "KVENGINE_SCOPED_INGEST_TOKEN",
+        value_delimiter = ';',
+        hide_env_values = true
+    )]
+    pub scoped_ingest_tokens: Vec<transport::native::ScopedToken>,
+    /// A file of QUIC ingest tokens, one `WORKERS=TOKEN` a line as --scoped-ingest-token
+    /// takes them (blank lines and `#` comments skipped); read at start.
+    #[arg(long, env = "KVENGINE_INGEST_TOKEN_FILE")]
+    pub ingest_token_file: Option<PathBuf>,
+    /// Milliseconds a QUIC connection has, from its first packet, to complete the TLS
+    /// handshake and have its authenticated hello accepted; then it is closed (counted as
+    /// `hello_timeout`).
+    #[arg(long, env = "KVENGINE_QUIC_HELLO_TIMEOUT_MS",
+          default_value_t = transport::native::HELLO_TIMEOUT.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub quic_hello_timeout_ms: u64,
+    /// QUIC connections not authenticated yet (handshake or hello pending), at most; a new
+    /// connection past it is refused at once (counted as `too_many_unauthenticated`).
+    #[arg(long, env = "KVENGINE_QUIC_MAX_UNAUTHENTICATED",
+          default_value_t = transport::native::MAX_UNAUTHENTICATED as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub quic_max_unauthenticated: u32,
     /// The bearer token HTTP control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
     /// `/v1/load`) must carry. Without it, control calls are accepted from this host only.
     #[arg(long, env = "KVENGINE_ADMIN_TOKEN", hide_env_values = true)]
@@ -452,6 +482,29 @@ impl ServeArgs {
         })
     }
 
+    /// The QUIC ingest tokens: --ingest-token (any worker), --scoped-ingest-token and the
+    /// lines of --ingest-token-file. A token given twice, or an empty one, is an error
+    /// (an empty --ingest-token counts as none).
+    fn ingest_credentials(&self) -> Result<IngestCredentials> {
+        let mut creds = IngestCredentials::default();
+        if let Some(token) = self.ingest_token.as_deref().filter(|t| !t.is_empty()) {
+            creds.insert(ScopedToken::any_worker(token))?;
+        }
+        for token in &self.scoped_ingest_tokens {
+            creds
+                .insert(token.clone())
+                .context("--scoped-ingest-token")?;
+        }
+        if let Some(path) = &self.ingest_token_file {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --ingest-token-file {}", path.display()))?;
+            creds
+                .insert_lines(&text)
+                .with_context(|| format!("--ingest-token-file {}", path.display()))?;
+        }
+        Ok(creds)
+    }
+
     /// Whether the router runs without KV events (`--no-kv-events`, or `--kv-events=false`
     /// / `KVENGINE_KV_EVENTS=false`).
     pub fn approximate(&self) -> bool {
@@ -522,9 +575,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores = args.cores.map_or(available, usize::from);
     let scheduler = args.scheduler()?;
-    if args.quic.is_some() && args.ingest_token.as_deref().is_none_or(str::is_empty) {
+    if args.quic.is_some() && args.ingest_credentials()?.is_empty() {
         bail!(
-            "--quic needs --ingest-token (or KVENGINE_INGEST_TOKEN): publishers must authenticate"
+            "--quic needs --ingest-token, --scoped-ingest-token or --ingest-token-file (or \
+             KVENGINE_INGEST_TOKEN, ..._SCOPED_INGEST_TOKEN, ..._INGEST_TOKEN_FILE): \
+             publishers must authenticate"
         );
     }
     if u32::from(args.sim_prefill_workers) + u32::from(args.sim_decode_workers)
@@ -1291,11 +1346,13 @@ async fn serve(
                     names: vec!["localhost".into(), listen.ip().to_string()],
                 },
             };
-            let token = args.ingest_token.clone().unwrap_or_default();
             let config = QuicServerConfig {
+                credentials: args.ingest_credentials()?,
                 // Each publisher's batches run on its worker's home core.
                 homes: Some(spawner.clone()),
-                ..QuicServerConfig::new(listen, token, tls)
+                hello_timeout: Duration::from_millis(args.quic_hello_timeout_ms),
+                max_unauthenticated: args.quic_max_unauthenticated as usize,
+                ..QuicServerConfig::new(listen, String::new(), tls)
             };
             let server = serve_quic(hub.clone(), config).await.context("--quic")?;
             println!(

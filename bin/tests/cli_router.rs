@@ -63,15 +63,13 @@ fn http_edge_registers_ingests_and_routes() {
     assert!(r.out.contains("routing mode kv"));
 }
 
-#[test]
-fn publish_sends_events_over_quic() {
-    let r = Router::start(&["--quic", "127.0.0.1:0", "--ingest-token", "s3cret"]);
+/// The QUIC address and certificate fingerprint the router printed.
+fn quic_of(r: &Router) -> (String, String) {
     let line = r
         .out
         .lines()
         .find(|l| l.contains("QUIC ingest on"))
-        .unwrap()
-        .to_owned();
+        .unwrap();
     let addr = line
         .split("QUIC ingest on ")
         .nth(1)
@@ -80,6 +78,14 @@ fn publish_sends_events_over_quic() {
         .next()
         .unwrap();
     let fingerprint = line.rsplit(' ').next().unwrap();
+    (addr.to_owned(), fingerprint.to_owned())
+}
+
+#[test]
+fn publish_sends_events_over_quic() {
+    let r = Router::start(&["--quic", "127.0.0.1:0", "--ingest-token", "s3cret"]);
+    let (addr, fingerprint) = quic_of(&r);
+    let (addr, fingerprint) = (addr.as_str(), fingerprint.as_str());
     let dir = std::env::temp_dir().join(format!("kvengine-publish-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("events.jsonl");
@@ -142,6 +148,74 @@ fn publish_sends_events_over_quic() {
         assert!(start.elapsed().as_secs() < 10, "never applied: {body}");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn scoped_ingest_tokens_publish_only_for_their_workers() {
+    let dir = std::env::temp_dir().join(format!("kvengine-scoped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = dir.join("tokens");
+    std::fs::write(&tokens, "# pool a\n9 = nine-secret\n").unwrap();
+    let r = Router::start(&[
+        "--quic",
+        "127.0.0.1:0",
+        "--ingest-token-file",
+        tokens.to_str().unwrap(),
+        "--scoped-ingest-token",
+        "10-11=ten-secret",
+    ]);
+    let (addr, fingerprint) = quic_of(&r);
+    let events = |worker: u32| {
+        let file = dir.join(format!("events-{worker}.jsonl"));
+        let t: Vec<String> = (0..16).map(|t| t.to_string()).collect();
+        std::fs::write(
+            &file,
+            format!(
+                r#"{{"worker_id": {worker}, "events": [{{"type": "stored", "parent_hash": null, "blocks": [{{"block_hash": 1, "token_ids": [{}]}}]}}]}}"#,
+                t.join(",")
+            ),
+        )
+        .unwrap();
+        file
+    };
+    let publish = |worker: u32, token: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args(["publish", "--quic", &addr, "--events"])
+            .arg(events(worker))
+            .args(["--fingerprint", &fingerprint])
+            .env("KVENGINE_INGEST_TOKEN", token)
+            .output()
+            .unwrap()
+    };
+    // Worker 9's token cannot publish for worker 10, and says why.
+    let bad = publish(10, "nine-secret");
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("does not cover"), "{stderr}");
+    for (worker, token) in [(9, "nine-secret"), (10, "ten-secret")] {
+        let ok = publish(worker, token);
+        assert!(
+            ok.status.success(),
+            "{}",
+            String::from_utf8_lossy(&ok.stderr)
+        );
+    }
+    let (_, metrics) = r.call("GET", "/metrics", "");
+    assert!(
+        metrics.contains(r#"kvengine_events_rejected_total{reason="unauthorized"} 1"#),
+        "{metrics}"
+    );
+    let (_, workers) = r.call("GET", "/v1/workers", "");
+    let v: serde_json::Value = serde_json::from_str(&workers).unwrap();
+    let mut ids: Vec<u64> = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["worker_id"].as_u64().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [9, 10]);
     let _ = std::fs::remove_dir_all(dir);
 }
 

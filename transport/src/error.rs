@@ -193,6 +193,10 @@ pub enum DropReason {
     /// A store refused because the index was over its memory budget (`--max-index-bytes`;
     /// the engine counts its own `index_full` under the same label).
     IndexFull,
+    /// A QUIC connection that did not complete its authenticated hello in time (closed).
+    HelloTimeout,
+    /// A QUIC connection refused at once: too many connections had not authenticated yet.
+    TooManyUnauthenticated,
     /// The engine refused an event (see [`RejectReason`]).
     Engine(RejectReason),
     /// Anything else.
@@ -215,6 +219,8 @@ impl DropReason {
             DropReason::UnsupportedVersion => "unsupported_version",
             DropReason::DuplicateSeq => "duplicate_seq",
             DropReason::IndexFull => "index_full",
+            DropReason::HelloTimeout => "hello_timeout",
+            DropReason::TooManyUnauthenticated => "too_many_unauthenticated",
             DropReason::Engine(r) => r.as_str(),
             DropReason::Other => "other",
         }

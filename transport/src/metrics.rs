@@ -23,7 +23,7 @@ pub const OVERLAP_BUCKETS: [f64; 12] = [
 ];
 
 /// Transport-level drop reasons, in counter order (engine refusals are read from the engine).
-pub const TRANSPORT_DROPS: [DropReason; 13] = [
+pub const TRANSPORT_DROPS: [DropReason; 15] = [
     DropReason::MalformedMsgpack,
     DropReason::MalformedFrame,
     DropReason::MalformedJson,
@@ -36,6 +36,8 @@ pub const TRANSPORT_DROPS: [DropReason; 13] = [
     DropReason::UnsupportedVersion,
     DropReason::DuplicateSeq,
     DropReason::IndexFull,
+    DropReason::HelloTimeout,
+    DropReason::TooManyUnauthenticated,
     DropReason::Other,
 ];
 

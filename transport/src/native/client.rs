@@ -44,7 +44,7 @@ pub struct PublisherConfig {
     pub server_name: String,
     /// How the server's certificate is trusted.
     pub trust: Trust,
-    /// The server's ingest token.
+    /// An ingest token the server accepts for [`PublisherConfig::worker_id`].
     pub token: String,
     /// The worker this publisher speaks for.
     pub worker_id: u64,
@@ -116,7 +116,9 @@ async fn read_frame(recv: &mut RecvStream, buf: &mut FrameBuf) -> Result<ServerF
 
 /// The error a `Refused` reason stands for (stable prefixes, see `docs/protocol.md`).
 fn refused(reason: String) -> TransportError {
-    if reason.starts_with("unauthorized") {
+    if reason.starts_with(super::server::UNAUTHORIZED_WORKER) {
+        TransportError::Unauthorized("the ingest token does not cover this worker")
+    } else if reason.starts_with("unauthorized") {
         TransportError::Unauthorized("the server refused the ingest token")
     } else if reason.starts_with("unsupported version") {
         let server = reason

@@ -8,17 +8,20 @@
 //! * [`server`] runs the ingest server, [`serve_quic`].
 //! * [`client`] is the publisher, [`Publisher`].
 //! * [`tls`] handles certificates, fingerprints and trust.
+//! * [`auth`] holds the ingest tokens and the workers each may publish for.
 
+pub mod auth;
 pub mod client;
 pub mod frame;
 pub mod schema;
 pub mod server;
 pub mod tls;
 
+pub use auth::{IngestCredentials, ScopedToken, WorkerScope};
 pub use client::{Done, Publisher, PublisherConfig};
 pub use frame::MAX_FRAME_BYTES;
 pub use schema::{
     ClientFrame, EventBatch, NativeBlock, NativeEvent, PROTOCOL_VERSION, ServerFrame,
 };
-pub use server::{QuicServer, QuicServerConfig, serve_quic};
+pub use server::{HELLO_TIMEOUT, MAX_UNAUTHENTICATED, QuicServer, QuicServerConfig, serve_quic};
 pub use tls::{TlsSource, Trust};

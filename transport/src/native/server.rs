@@ -3,7 +3,10 @@
 //!
 //! # Invariants
 //! 1. Nothing from a connection reaches the hub before its hello is accepted (version,
-//!    token, block size).
+//!    token, the token's scope covering the hello's worker, block size). The connection
+//!    then publishes for that worker only: a batch naming another worker is refused and
+//!    counted (`unauthorized` when the token does not cover that worker either,
+//!    `unknown_worker` otherwise), never applied.
 //! 2. Per publisher instance and dp rank, batches pass an [`EventStream`] (the fencing ZMQ
 //!    and HTTP share): a gap clears the rank and marks it resyncing (QUIC has no replay), a
 //!    lower number that is not a retry of the last batch (a publisher restart) clears it;
@@ -17,7 +20,24 @@
 //!    longer be trusted to be delimited sensibly) or a broken hello closes the connection.
 //! 4. `Done` is sent only after every received batch was handed to the hub.
 //! 5. One connection's failure never affects another's (each runs in its own task).
+//! 6. An unauthenticated connection is bounded in time, number and memory: it is counted
+//!    from its first packet (`Incoming`) until its hello is accepted or it ends; one that has
+//!    not had its hello accepted [`QuicServerConfig::hello_timeout`] after its first packet
+//!    (TLS handshake, stream, hello frame) is closed with [`CLOSE_HELLO_TIMEOUT`] and counted
+//!    (`hello_timeout`); a new connection that arrives while
+//!    [`QuicServerConfig::max_unauthenticated`] are counted is refused at once (QUIC
+//!    `CONNECTION_REFUSED`, no handshake) and counted (`too_many_unauthenticated`). Until
+//!    the hello is accepted, the connection's receive window is `tls::PRE_HELLO_WINDOW`
+//!    and frames are bounded by [`MAX_HELLO_BYTES`]; after it, the window is widened and
+//!    frames are bounded by `max_frame_bytes`.
+//!
+//! # Concurrency
+//! The accept loop runs on the runtime that called [`serve_quic`]; each connection runs in
+//! a task of its own there until its hello is accepted, then on its worker's home core
+//! ([`QuicServerConfig::homes`]). The unauthenticated count is the one atomic every task
+//! touches (`Shared::unauthenticated`).
 
+use super::auth::{IngestCredentials, WorkerScope};
 use super::frame::{
     self, FrameBuf, LEN_BYTES, MAX_FRAME_BYTES, MAX_HELLO_BYTES, access_client_frame,
 };
@@ -32,6 +52,8 @@ use quinn::{Connection, ReadExactError, RecvStream, SendStream, VarInt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 /// Application error code: normal close (the publisher after `Done`).
@@ -44,6 +66,23 @@ pub const CLOSE_FRAME_TOO_LARGE: u32 = 2;
 pub const CLOSE_PROTOCOL: u32 = 3;
 /// Application error code: the server is shutting down.
 pub const CLOSE_SHUTDOWN: u32 = 4;
+/// Application error code: no hello was accepted within the deadline ("hello timeout").
+pub const CLOSE_HELLO_TIMEOUT: u32 = 5;
+
+/// How long a connection has, from its first packet, to have its hello accepted
+/// ([`QuicServerConfig::hello_timeout`] by default).
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest hello timeout a server accepts.
+const MAX_HELLO_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Connections that have not been authenticated yet, at most, by default
+/// ([`QuicServerConfig::max_unauthenticated`]).
+pub const MAX_UNAUTHENTICATED: usize = 128;
+
+/// The start of the `Refused` reason when the token is valid but does not cover the hello's
+/// worker (followed by the worker id).
+pub const UNAUTHORIZED_WORKER: &str = "unauthorized: the token does not cover worker";
 
 /// How long the server waits for a publisher to close after `Done` or `Refused`.
 const LINGER: Duration = Duration::from_secs(3);
@@ -53,8 +92,8 @@ const LINGER: Duration = Duration::from_secs(3);
 pub struct QuicServerConfig {
     /// UDP address to listen on (port 0: any).
     pub listen: SocketAddr,
-    /// The ingest token every hello must present.
-    pub token: String,
+    /// The ingest tokens a hello may present, each with the workers it covers.
+    pub credentials: IngestCredentials,
     /// The server certificate.
     pub tls: TlsSource,
     /// Largest frame body accepted ([`MAX_FRAME_BYTES`] by default).
@@ -63,17 +102,27 @@ pub struct QuicServerConfig {
     /// read, decoded and applied on the worker's home core. `None`: on the runtime that
     /// accepted it.
     pub homes: Option<Homes>,
+    /// How long a connection has, from its first packet, to have its hello accepted
+    /// ([`HELLO_TIMEOUT`] by default, at most an hour; invariant 6).
+    pub hello_timeout: Duration,
+    /// Connections not authenticated yet, at most; more are refused at once
+    /// ([`MAX_UNAUTHENTICATED`] by default; invariant 6).
+    pub max_unauthenticated: usize,
 }
 
 impl QuicServerConfig {
-    /// A configuration with the default frame limit.
+    /// A configuration with one ingest token that covers **every** worker (the legacy
+    /// single token; set [`QuicServerConfig::credentials`] to bind tokens to workers) and
+    /// the default limits. An empty token leaves no credentials: [`serve_quic`] refuses it.
     pub fn new(listen: SocketAddr, token: impl Into<String>, tls: TlsSource) -> Self {
         Self {
             listen,
-            token: token.into(),
+            credentials: IngestCredentials::any_worker(&token.into()).unwrap_or_default(),
             tls,
             max_frame_bytes: MAX_FRAME_BYTES,
             homes: None,
+            hello_timeout: HELLO_TIMEOUT,
+            max_unauthenticated: MAX_UNAUTHENTICATED,
         }
     }
 }
@@ -84,6 +133,8 @@ pub struct QuicServer {
     endpoint: quinn::Endpoint,
     local_addr: SocketAddr,
     fingerprint: String,
+    /// [`Shared::unauthenticated`] (not the whole of it: that holds the hub).
+    unauthenticated: Arc<AtomicUsize>,
 }
 
 impl QuicServer {
@@ -107,15 +158,27 @@ impl QuicServer {
     pub async fn wait_idle(&self) {
         self.endpoint.wait_idle().await;
     }
+
+    /// Connections counted as not authenticated yet (invariant 6).
+    pub fn unauthenticated(&self) -> usize {
+        self.unauthenticated.load(Relaxed)
+    }
 }
 
 /// What every connection task shares.
 #[derive(Debug)]
 struct Shared {
     hub: Arc<Hub>,
-    token: String,
+    credentials: IngestCredentials,
     max_frame: usize,
     homes: Option<Homes>,
+    hello_timeout: Duration,
+    max_unauthenticated: usize,
+    /// Connections counted as unauthenticated (invariant 6): incremented only by the accept
+    /// loop ([`Unauthenticated::acquire`]), decremented by whichever task drops the
+    /// [`Unauthenticated`] slot. `Relaxed`: a count that publishes no other data; the cap is
+    /// exact because only one thread adds.
+    unauthenticated: Arc<AtomicUsize>,
     /// Per worker: the instance publishing for it and its ranks' fences (invariant 2).
     fences: std::sync::Mutex<HashMap<WorkerId, Arc<std::sync::Mutex<Fences>>>>,
 }
@@ -129,6 +192,28 @@ struct Fences {
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A connection's place in the unauthenticated count; dropping it frees the place.
+#[derive(Debug)]
+struct Unauthenticated(Arc<AtomicUsize>);
+
+impl Unauthenticated {
+    /// A place for one more unauthenticated connection, or `None` at the cap. Called by
+    /// the accept loop only (see [`Shared::unauthenticated`]).
+    fn acquire(shared: &Arc<Shared>) -> Option<Unauthenticated> {
+        if shared.unauthenticated.load(Relaxed) >= shared.max_unauthenticated {
+            return None;
+        }
+        shared.unauthenticated.fetch_add(1, Relaxed);
+        Some(Unauthenticated(shared.unauthenticated.clone()))
+    }
+}
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 impl Shared {
@@ -193,6 +278,27 @@ pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServ
             reason: format!("{} is not in 1..=u32::MAX", cfg.max_frame_bytes),
         });
     }
+    if cfg.credentials.is_empty() {
+        return Err(TransportError::Invalid {
+            name: "ingest token",
+            reason: "no ingest token: publishers must authenticate".into(),
+        });
+    }
+    if cfg.hello_timeout.is_zero() || cfg.hello_timeout > MAX_HELLO_TIMEOUT {
+        return Err(TransportError::Invalid {
+            name: "hello_timeout",
+            reason: format!(
+                "{:?} is not in (0, {MAX_HELLO_TIMEOUT:?}]",
+                cfg.hello_timeout
+            ),
+        });
+    }
+    if cfg.max_unauthenticated == 0 {
+        return Err(TransportError::Invalid {
+            name: "max_unauthenticated",
+            reason: "must be at least 1 (no publisher could connect)".into(),
+        });
+    }
     let (chain, key) = tls::load(&cfg.tls)?;
     let fingerprint = chain
         .first()
@@ -210,35 +316,78 @@ pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServ
     })?;
     let shared = Arc::new(Shared {
         hub,
-        token: cfg.token,
+        credentials: cfg.credentials,
         max_frame: cfg.max_frame_bytes,
         homes: cfg.homes,
+        hello_timeout: cfg.hello_timeout,
+        max_unauthenticated: cfg.max_unauthenticated,
+        unauthenticated: Arc::default(),
         fences: std::sync::Mutex::new(HashMap::new()),
     });
-    tokio::spawn(accept_loop(endpoint.clone(), shared));
-    tracing::info!(%local_addr, %fingerprint, "native QUIC ingest listening");
+    tokio::spawn(accept_loop(endpoint.clone(), shared.clone()));
+    tracing::info!(
+        %local_addr,
+        %fingerprint,
+        tokens = shared.credentials.len(),
+        "native QUIC ingest listening"
+    );
     Ok(QuicServer {
         endpoint,
         local_addr,
         fingerprint,
+        unauthenticated: shared.unauthenticated.clone(),
     })
 }
 
 async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     while let Some(incoming) = endpoint.accept().await {
+        let remote = incoming.remote_address();
+        let Some(slot) = Unauthenticated::acquire(&shared) else {
+            incoming.refuse();
+            refused_at_cap(&shared, remote);
+            continue;
+        };
+        let deadline = tokio::time::Instant::now() + shared.hello_timeout;
         let shared = shared.clone();
         tokio::spawn(async move {
-            let remote = incoming.remote_address();
-            match incoming.await {
-                Ok(conn) => {
-                    if let Err(e) = serve_connection(&conn, &shared).await {
-                        tracing::debug!(%remote, "native connection ended: {e}");
-                    }
+            let conn = match tokio::time::timeout_at(deadline, incoming).await {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => {
+                    tracing::debug!(%remote, "QUIC handshake failed: {e}");
+                    return;
                 }
-                Err(e) => tracing::debug!(%remote, "QUIC handshake failed: {e}"),
+                // Dropping the handshake closes the connection.
+                Err(_) => return hello_timed_out(&shared, remote),
+            };
+            if let Err(e) = serve_connection(&conn, &shared, deadline, slot).await {
+                tracing::debug!(%remote, "native connection ended: {e}");
             }
         });
     }
+}
+
+#[cold]
+fn refused_at_cap(shared: &Shared, remote: SocketAddr) {
+    shared.hub.metrics().drop_input(
+        DropReason::TooManyUnauthenticated,
+        1,
+        &format_args!(
+            "QUIC connection from {remote} refused: {} connections have not authenticated yet",
+            shared.max_unauthenticated
+        ),
+    );
+}
+
+#[cold]
+fn hello_timed_out(shared: &Shared, remote: SocketAddr) {
+    shared.hub.metrics().drop_input(
+        DropReason::HelloTimeout,
+        1,
+        &format_args!(
+            "QUIC connection from {remote} closed: no hello accepted within {:?}",
+            shared.hello_timeout
+        ),
+    );
 }
 
 /// Why a frame could not be read.
@@ -332,21 +481,48 @@ fn close_too_large(conn: &Connection, hub: &Hub, n: usize, limit: usize) {
 /// The accepted hello.
 struct Hello {
     worker: WorkerId,
+    /// The workers its token covers (it covers `worker`).
+    scope: WorkerScope,
     instance: u64,
 }
 
-async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()> {
-    let hub = &*shared.hub;
-    let (mut send, mut recv) = conn
+/// Reads the hello frame: the stream, then one frame of at most `limit` bytes.
+async fn read_hello(
+    conn: &Connection,
+    limit: usize,
+) -> Result<(
+    SendStream,
+    RecvStream,
+    FrameBuf,
+    std::result::Result<bool, ReadFail>,
+)> {
+    let (send, mut recv) = conn
         .accept_bi()
         .await
         .map_err(|e| io("accepting a stream", e))?;
-    let mut buf = FrameBuf::with_capacity(64 << 10);
+    let mut buf = FrameBuf::new();
+    let read = read_frame(&mut recv, &mut buf, limit).await;
+    Ok((send, recv, buf, read))
+}
+
+async fn serve_connection(
+    conn: &Connection,
+    shared: &Arc<Shared>,
+    deadline: tokio::time::Instant,
+    slot: Unauthenticated,
+) -> Result<()> {
+    let hub = &*shared.hub;
     let mut out = FrameBuf::new();
 
     // ----- hello -----
     let hello_limit = MAX_HELLO_BYTES.min(shared.max_frame);
-    match read_frame(&mut recv, &mut buf, hello_limit).await {
+    let Ok(hello) = tokio::time::timeout_at(deadline, read_hello(conn, hello_limit)).await else {
+        hello_timed_out(shared, conn.remote_address());
+        conn.close(VarInt::from_u32(CLOSE_HELLO_TIMEOUT), b"hello timeout");
+        return Ok(());
+    };
+    let (mut send, recv, buf, read) = hello?;
+    match read {
         Ok(true) => {}
         Ok(false) => return Ok(()),
         Err(ReadFail::TooLarge(n)) => {
@@ -373,6 +549,9 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
             return refuse(conn, &mut send, &mut out, message).await;
         }
     };
+    // Authenticated: no longer counted, and the window opens for batches (invariant 6).
+    drop(slot);
+    conn.set_receive_window(VarInt::from_u32(tls::RECEIVE_WINDOW));
     // A restarted publisher's old blocks are cleared before it is acknowledged.
     let fences = shared.fences_for(hello.worker, hello.instance);
     write_frame(
@@ -394,7 +573,7 @@ async fn serve_connection(conn: &Connection, shared: &Arc<Shared>) -> Result<()>
         recv,
         buf,
         out,
-        (hello.worker, fences),
+        (hello.worker, hello.scope, fences),
         shared.clone(),
     );
     match shared.homes.as_ref().and_then(|h| h.home(hello.worker)) {
@@ -413,7 +592,7 @@ async fn serve_batches(
     mut recv: RecvStream,
     mut buf: FrameBuf,
     mut out: FrameBuf,
-    (worker, fences): (WorkerId, Arc<std::sync::Mutex<Fences>>),
+    (worker, scope, fences): (WorkerId, WorkerScope, Arc<std::sync::Mutex<Fences>>),
     shared: Arc<Shared>,
 ) -> Result<()> {
     let conn = &conn;
@@ -421,6 +600,7 @@ async fn serve_batches(
     // ----- batches -----
     let mut state = Stream {
         worker,
+        scope,
         fences,
         batches: 0,
         events: 0,
@@ -500,10 +680,16 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
             format!("unsupported version {version}: this server speaks {PROTOCOL_VERSION}"),
         ));
     }
-    if !tls::token_eq(token.as_str(), &shared.token) {
+    let Some(scope) = shared.credentials.scope_of(token.as_str()) else {
         return Err((DropReason::Unauthorized, "unauthorized".into()));
-    }
+    };
     let worker = WorkerId(worker_id.to_native());
+    if !scope.covers(worker) {
+        return Err((
+            DropReason::Unauthorized,
+            format!("{UNAUTHORIZED_WORKER} {worker}"),
+        ));
+    }
     let registration = Registration {
         dp_ranks: dp_ranks.iter().map(|r| DpRank(r.to_native())).collect(),
         ..Registration::new(worker)
@@ -531,6 +717,7 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
         .map_err(|e| (DropReason::Other, format!("registration failed: {e}")))?;
     Ok(Hello {
         worker,
+        scope: scope.clone(),
         instance: instance.to_native(),
     })
 }
@@ -538,6 +725,8 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
 /// One accepted stream's position.
 struct Stream {
     worker: WorkerId,
+    /// The workers the connection's token covers.
+    scope: WorkerScope,
     fences: Arc<std::sync::Mutex<Fences>>,
     batches: u64,
     events: u64,
@@ -546,10 +735,17 @@ struct Stream {
 impl Stream {
     fn apply(&mut self, hub: &Hub, batch: &ArchivedEventBatch, bytes: &[u8]) {
         let metrics = hub.metrics();
-        let worker = batch.worker_id.to_native();
-        if worker != self.worker.0 {
+        let worker = WorkerId(batch.worker_id.to_native());
+        if worker != self.worker {
+            // One connection, one worker (invariant 1); a batch for a worker the token does
+            // not cover either is an attempt to write it.
+            let reason = if self.scope.covers(worker) {
+                DropReason::UnknownWorker
+            } else {
+                DropReason::Unauthorized
+            };
             metrics.drop_input(
-                DropReason::UnknownWorker,
+                reason,
                 1,
                 &format_args!(
                     "batch for worker {worker} on worker {}'s connection",

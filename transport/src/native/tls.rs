@@ -2,6 +2,7 @@
 //! SHA-256 fingerprint, and the publisher's trust (a pinned fingerprint or a CA bundle).
 //! rustls with the *ring* provider only, TLS 1.3 only, ALPN [`ALPN`].
 
+use super::frame::{LEN_BYTES, MAX_HELLO_BYTES};
 use super::schema::ALPN;
 use crate::error::{Result, TransportError};
 use quinn::rustls;
@@ -137,11 +138,21 @@ pub(crate) fn load(
     }
 }
 
+/// Bytes a connection may have in flight to its receiver once authenticated (the
+/// connection-level flow-control window).
+pub(crate) const RECEIVE_WINDOW: u32 = 64 << 20;
+
+/// The server's connection-level receive window until the hello is accepted: the largest
+/// hello and its length prefix. Data a peer sends but the server has not read (out of
+/// order, or past the hello) is bounded by it, so an unauthenticated connection pins at
+/// most this much, not [`RECEIVE_WINDOW`]; the server widens it after the hello.
+pub(crate) const PRE_HELLO_WINDOW: u32 = (MAX_HELLO_BYTES + LEN_BYTES) as u32;
+
 /// Flow-control windows sized for bulk ingest over one stream.
 pub(crate) fn transport_config() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     t.stream_receive_window(quinn::VarInt::from_u32(32 << 20))
-        .receive_window(quinn::VarInt::from_u32(64 << 20))
+        .receive_window(quinn::VarInt::from_u32(RECEIVE_WINDOW))
         .send_window(64 << 20)
         .max_concurrent_bidi_streams(quinn::VarInt::from_u32(1))
         .max_concurrent_uni_streams(quinn::VarInt::from_u32(0))
@@ -164,7 +175,9 @@ pub(crate) fn server_config(
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| tls_err("QUIC TLS", e))?;
     let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    cfg.transport_config(Arc::new(transport_config()));
+    let mut transport = transport_config();
+    transport.receive_window(quinn::VarInt::from_u32(PRE_HELLO_WINDOW));
+    cfg.transport_config(Arc::new(transport));
     Ok(cfg)
 }
 
@@ -277,13 +290,6 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// Token comparison that leaks neither content nor length: both sides are hashed first.
-pub(crate) fn token_eq(presented: &str, expected: &str) -> bool {
-    let a = ring::digest::digest(&ring::digest::SHA256, presented.as_bytes());
-    let b = ring::digest::digest(&ring::digest::SHA256, expected.as_bytes());
-    constant_time_eq(a.as_ref(), b.as_ref())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,9 +307,9 @@ mod tests {
     }
 
     #[test]
-    fn tokens_compare_exactly() {
-        assert!(token_eq("s3cret", "s3cret"));
-        assert!(!token_eq("s3cret", "s3cres"));
-        assert!(!token_eq("", "x"));
+    fn bytes_compare_exactly() {
+        assert!(constant_time_eq(b"s3cret", b"s3cret"));
+        assert!(!constant_time_eq(b"s3cret", b"s3cres"));
+        assert!(!constant_time_eq(b"", b"x"));
     }
 }

@@ -182,8 +182,20 @@ pub struct QuicEnv {
 
 /// Starts a QUIC server over `cores` shards that expects `token`.
 pub async fn quic_env(cores: usize, token: &str, tls: transport::native::TlsSource) -> QuicEnv {
+    quic_env_with(cores, token, tls, |_| {}).await
+}
+
+/// Like [`quic_env`], the server's configuration changed by `change` first.
+pub async fn quic_env_with(
+    cores: usize,
+    token: &str,
+    tls: transport::native::TlsSource,
+    change: impl FnOnce(&mut transport::native::QuicServerConfig),
+) -> QuicEnv {
     let (hub, runtime) = hub(cores);
-    let cfg = transport::native::QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), token, tls);
+    let mut cfg =
+        transport::native::QuicServerConfig::new("127.0.0.1:0".parse().unwrap(), token, tls);
+    change(&mut cfg);
     let server = transport::native::serve_quic(hub.clone(), cfg)
         .await
         .unwrap();
