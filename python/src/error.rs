@@ -27,7 +27,9 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
         | TransportError::UnknownModel(_)
         | TransportError::UnknownRank { .. } => PyKeyError::new_err(msg),
         TransportError::Engine(e) => from_engine(e),
-        TransportError::Overloaded { .. } => KvEngineError::new_err(msg),
+        TransportError::Overloaded { .. } | TransportError::TooManyReservations { .. } => {
+            KvEngineError::new_err(msg)
+        }
         TransportError::Io { .. } => PyOSError::new_err(msg),
         TransportError::MalformedMsgpack(_)
         | TransportError::MalformedFrame(_)
@@ -39,6 +41,7 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
         | TransportError::UnsupportedVersion { .. }
         | TransportError::DuplicateRequest(_)
         | TransportError::TooManyRanks { .. }
+        | TransportError::PromptTooLong { .. }
         | TransportError::Invalid { .. } => PyValueError::new_err(msg),
     }
 }
