@@ -174,26 +174,28 @@ fn reservations_expire_at_their_own_lifetime() {
         "--max-reservations-per-client",
         "3",
         "--reservation-timeout-secs",
-        "4",
+        "8",
     ]);
     let mut c = Client::from("127.0.0.4", &r.http);
     let body = route_body(32);
+    let t0 = Instant::now();
     for _ in 0..3 {
         assert_eq!(c.call("POST", "/v1/route", &body).0, 200);
     }
-    assert_eq!(c.call("POST", "/v1/route", &body).0, 429);
-    // Never freed, they lapse after 4 s (not the 300 s of --request-timeout-secs).
-    let began = Instant::now();
+    let (status, text) = c.call("POST", "/v1/route", &body);
+    assert!(t0.elapsed() < Duration::from_secs(8), "too slow to tell");
+    assert_eq!(status, 429, "{text}");
+    // Never freed, they lapse after 8 s (not the 300 s of --request-timeout-secs).
     loop {
         let (status, text) = c.call("POST", "/v1/route", &body);
         if status == 200 {
             break;
         }
         assert_eq!(status, 429, "{text}");
-        assert!(began.elapsed() < Duration::from_secs(20), "never expired");
+        assert!(t0.elapsed() < Duration::from_secs(30), "never expired");
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(began.elapsed() >= Duration::from_secs(1));
+    assert!(t0.elapsed() >= Duration::from_secs(8), "{:?}", t0.elapsed());
 }
 
 /// Opens `n` connections that each send half a request header and nothing more.
