@@ -207,7 +207,7 @@ pub(crate) fn host_allowed(allowed: &[String], host: &str) -> bool {
 
 /// Refuses an address whose host is not in `--worker-hosts` (403): the router must not be
 /// pointed at hosts the operator did not name, even by an authenticated caller's mistake.
-fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
+pub(super) fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
     match host_of(addr) {
         Some(h) if host_allowed(allowed, h) => Ok(()),
         _ if allowed.is_empty() => Ok(()),
