@@ -27,6 +27,8 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     dir: PathBuf,
+    /// More arguments for the server (authentication, ...).
+    extra: Vec<String>,
 }
 
 /// The `nats-server` binary to run, if there is one.
@@ -63,6 +65,12 @@ impl NatsServer {
     /// probed free here and handed over could be taken by a parallel test's socket in
     /// between, and then "accepts connections" would be true of the wrong process.
     pub fn start() -> Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`Self::start`], with more arguments for the server (e.g. `--user u --pass p`
+    /// for a server that wants credentials).
+    pub fn start_with(extra: &[&str]) -> Result<Self> {
         let Some(binary) = find_binary() else {
             bail!("no nats-server found: {INSTALL_HINT}");
         };
@@ -80,6 +88,7 @@ impl NatsServer {
             binary,
             port: 0,
             dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
         };
         server.spawn("-1")?;
         let deadline = Instant::now() + READY_WITHIN;
@@ -116,6 +125,7 @@ impl NatsServer {
             .arg(&self.dir)
             .arg("-l")
             .arg(self.log_path())
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

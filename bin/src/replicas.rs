@@ -3,12 +3,14 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use transport::hub::Hub;
-use transport::replicas::{ReplicaConfig, ReplicaLink};
+use transport::replicas::{NatsAccess, ReplicaConfig, ReplicaLink, ReplicaSecret};
 use transport::state::Loaded;
+use transport::{DropReason, TransportError};
 
 /// Replica settings.
 #[derive(Debug, Args, Clone)]
@@ -17,9 +19,35 @@ pub struct ReplicaArgs {
     /// `nats://nats:4222`; several, comma-separated). Each replica subscribes to every
     /// worker's events itself; the requests each routes are published, so every replica's
     /// cost counts the whole cluster's load. NATS down: routing goes on with this replica's
-    /// own load.
-    #[arg(long, env = "KVENGINE_REPLICA_NATS")]
+    /// own load. `nats://user:password@host:4222` or `nats://token@host:4222` authenticate
+    /// to the server; `tls://host:4222` requires TLS (system CAs, or `--replica-nats-ca`).
+    #[arg(long, env = "KVENGINE_REPLICA_NATS", hide_env_values = true)]
     pub replica_nats: Option<String>,
+    /// A PEM file of CA certificates to verify the NATS server with (instead of the
+    /// system's); implies TLS.
+    #[arg(long, env = "KVENGINE_REPLICA_NATS_CA")]
+    pub replica_nats_ca: Option<PathBuf>,
+    /// A PEM client certificate (chain) for NATS servers that verify clients; implies TLS.
+    #[arg(
+        long,
+        env = "KVENGINE_REPLICA_NATS_CERT",
+        requires = "replica_nats_key"
+    )]
+    pub replica_nats_cert: Option<PathBuf>,
+    /// The key of `--replica-nats-cert` (PEM).
+    #[arg(
+        long,
+        env = "KVENGINE_REPLICA_NATS_KEY",
+        requires = "replica_nats_cert"
+    )]
+    pub replica_nats_key: Option<PathBuf>,
+    /// The secret every replica of the deployment shares (at least 16 bytes; prefer the
+    /// environment variable to the flag, which `ps` shows): every load frame, resync request
+    /// and snapshot then carries an HMAC-SHA256 made with it, and one without a valid MAC is
+    /// refused, counted and logged. Without it replica state is unauthenticated: whoever can
+    /// publish on the subjects steers routing.
+    #[arg(long, env = "KVENGINE_REPLICA_SECRET", hide_env_values = true)]
+    pub replica_secret: Option<String>,
     /// Subject prefix shared by one deployment's replicas.
     #[arg(long, env = "KVENGINE_REPLICA_SUBJECT", default_value = "kvengine")]
     pub replica_subject: String,
@@ -66,6 +94,8 @@ impl ReplicaArgs {
             self.replica_heartbeat_ms
         );
         let mut config = ReplicaConfig::new(url);
+        config.nats = self.nats_access();
+        config.secret = self.secret()?;
         config.subject = self.replica_subject.clone();
         if let Some(name) = &self.replica_name {
             config.name = name.clone();
@@ -73,6 +103,28 @@ impl ReplicaArgs {
         config.heartbeat = Duration::from_millis(self.replica_heartbeat_ms);
         config.peer_timeout = Duration::from_millis(self.replica_timeout_ms);
         Ok(Some(config))
+    }
+
+    /// How to reach NATS.
+    fn nats_access(&self) -> NatsAccess {
+        NatsAccess {
+            url: self.replica_nats.clone().unwrap_or_default(),
+            ca: self.replica_nats_ca.clone(),
+            client_cert: self
+                .replica_nats_cert
+                .clone()
+                .zip(self.replica_nats_key.clone()),
+        }
+    }
+
+    /// The shared secret, if one is set (an empty one is none).
+    fn secret(&self) -> Result<Option<ReplicaSecret>> {
+        self.replica_secret
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(ReplicaSecret::new)
+            .transpose()
+            .map_err(anyhow::Error::from)
     }
 }
 
@@ -82,10 +134,11 @@ pub async fn start(hub: &Arc<Hub>, args: &ReplicaArgs) -> Result<Option<ReplicaL
         return Ok(None);
     };
     let (url, subject, name) = (
-        config.url.clone(),
+        config.nats.redacted(),
         config.subject.clone(),
         config.name.clone(),
     );
+    let authenticated = config.secret.is_some();
     let link = transport::replicas::start(hub.clone(), config)
         .await
         .context("--replica-nats")?;
@@ -93,6 +146,19 @@ pub async fn start(hub: &Arc<Hub>, args: &ReplicaArgs) -> Result<Option<ReplicaL
         "kvengine: replica {name} ({}) shares its load on NATS {url}, subject {subject}.*",
         link.id()
     );
+    if authenticated {
+        println!("kvengine: replica messages are authenticated (HMAC-SHA256, --replica-secret)");
+    } else {
+        println!(
+            "kvengine: warning: replica state is unauthenticated: anyone who can publish on \
+             {subject}.* or write the snapshot bucket steers this router's routing and \
+             workers; set --replica-secret (KVENGINE_REPLICA_SECRET) on every replica"
+        );
+        tracing::warn!(
+            "replica state is unauthenticated (no --replica-secret): anyone who can publish on \
+             the replica subjects steers routing"
+        );
+    }
     Ok(Some(link))
 }
 
@@ -104,12 +170,39 @@ impl ReplicaArgs {
     }
 }
 
+/// What fetching the peers' snapshot gave.
+#[derive(Debug, Default)]
+pub struct PeerSnapshot {
+    /// The snapshot and the seconds its fetch took.
+    pub snapshot: Option<(Loaded, f64)>,
+    /// Why one was refused for its MAC (counted once the hub exists: [`Self::record`]).
+    refused: Option<TransportError>,
+}
+
+impl PeerSnapshot {
+    /// Counts a snapshot refused for its MAC (`kvengine_events_rejected_total{reason=
+    /// "unauthorized"}`).
+    pub fn record(&self, hub: &Hub) {
+        if let Some(e) = &self.refused {
+            hub.metrics().drop_input(DropReason::Unauthorized, 1, e);
+        }
+    }
+}
+
 /// The peers' latest snapshot and the seconds it took to fetch, if this router is a
 /// replica and they have one (before the engine starts, so on a runtime of its own).
-/// Anything that goes wrong is said and means a cold start.
-pub fn fetch_snapshot(args: &ReplicaArgs) -> Option<(Loaded, f64)> {
-    let bucket = args.bucket()?;
-    let url = args.replica_nats.as_deref()?;
+/// Anything that goes wrong is said and means a cold start; a snapshot without a valid MAC
+/// (with `--replica-secret`) is refused.
+pub fn fetch_snapshot(args: &ReplicaArgs) -> PeerSnapshot {
+    let mut out = PeerSnapshot::default();
+    let Some(bucket) = args.bucket() else {
+        return out;
+    };
+    let secret = match args.secret() {
+        Ok(s) => s,
+        // Said again, as an error, when the link starts.
+        Err(_) => return out,
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -117,26 +210,36 @@ pub fn fetch_snapshot(args: &ReplicaArgs) -> Option<(Loaded, f64)> {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvengine: warning: cannot fetch the peers' snapshot: {e}");
-            return None;
+            return out;
         }
     };
-    match runtime.block_on(transport::replicas::warm::fetch(url, bucket, FETCH_TIMEOUT)) {
+    let nats = args.nats_access();
+    let fetched = runtime.block_on(transport::replicas::warm::fetch(
+        &nats,
+        bucket,
+        secret.as_ref(),
+        FETCH_TIMEOUT,
+    ));
+    match fetched {
         Ok(Some((loaded, seconds))) => {
             println!(
                 "kvengine: fetched the replicas' snapshot from bucket {bucket} ({} MB in {seconds:.3} s)",
                 loaded.len() >> 20
             );
-            Some((loaded, seconds))
+            out.snapshot = Some((loaded, seconds));
         }
         Ok(None) => {
             println!("kvengine: no snapshot in bucket {bucket} yet; no warm start from peers");
-            None
+        }
+        Err(e @ TransportError::ReplicaMac { .. }) => {
+            eprintln!("kvengine: warning: the peers' snapshot is refused: {e}; starting cold");
+            out.refused = Some(e);
         }
         Err(e) => {
             eprintln!("kvengine: warning: no warm start from peers: {e}");
-            None
         }
     }
+    out
 }
 
 /// Starts putting this replica's snapshots in the bucket, if configured.

@@ -298,7 +298,8 @@ pub struct ServeArgs {
     pub http_write_timeout_secs: f64,
     /// The only hosts `POST /v1/workers` may point the router at (in `url`, `zmq`,
     /// `replay`): names or addresses, or `*.suffix` (comma-separated). Default: any host an
-    /// authenticated admin names. Workers from flags and the config file are not checked.
+    /// authenticated admin names. Workers from flags and the config file are not checked;
+    /// registrations restored from a snapshot (this router's or a peer replica's) are.
     #[arg(long, env = "KVENGINE_WORKER_HOSTS", value_delimiter = ',')]
     pub worker_hosts: Vec<String>,
     /// PEM file of the CA certificates `https://` workers must present a chain to (it
@@ -701,8 +702,9 @@ fn run_on_cores(
 ) -> Result<Vec<CoreSummary>> {
     let policy = sharding.describe();
     let shards = engine::sharding::ShardPolicy::shards(&sharding);
+    let mut peer = crate::replicas::fetch_snapshot(&args.replicas);
     let (hosted, warm) = crate::warm::start_engine(
-        crate::replicas::fetch_snapshot(&args.replicas),
+        peer.snapshot.take(),
         args.state_dir.as_deref(),
         args.snapshot_interval_s,
         shards,
@@ -711,6 +713,7 @@ fn run_on_cores(
     )?;
     let cores = hosted.cores.len();
     let hub = hub_for(args, Hub::hosted(config, hosted.ingest, hosted.query)?)?;
+    peer.record(&hub);
     if let Some(w) = &warm {
         w.record(&hub);
     }
@@ -926,8 +929,9 @@ fn run_threaded(
         ..engine
     };
     let policy = sharding.describe();
+    let mut peer = crate::replicas::fetch_snapshot(&args.replicas);
     let ((hub, runtime), warm) = crate::warm::start_engine(
-        crate::replicas::fetch_snapshot(&args.replicas),
+        peer.snapshot.take(),
         args.state_dir.as_deref(),
         args.snapshot_interval_s,
         cores,
@@ -935,6 +939,7 @@ fn run_threaded(
         |image| start_engine_from(config, sharding.clone(), engine, image),
     )?;
     let hub = hub_for(args, hub)?;
+    peer.record(&hub);
     if let Some(w) = &warm {
         w.record(&hub);
     }
@@ -1392,11 +1397,12 @@ async fn serve(
     if let (Some(done), Some(w)) = (restoring, &warm)
         && let Some(plan) = &w.plan
     {
-        let r = transport::state::finish_restore(&hub, plan, done, &*on_register)?;
+        let r =
+            transport::state::finish_restore(&hub, plan, done, &args.worker_hosts, &*on_register)?;
         println!(
             "kvengine: restore: {} worker(s) resume from the snapshot, {} cleared, {} \
-             re-registered",
-            r.kept, r.cleared, r.registered
+             re-registered, {} refused",
+            r.kept, r.cleared, r.registered, r.refused
         );
     }
     let snapshots = warm.as_ref().and_then(|w| {

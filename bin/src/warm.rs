@@ -90,7 +90,11 @@ where
             Ok((t, checked.plan(), checked.entries()))
         });
     match restored {
-        Ok((t, plan, entries)) => {
+        Ok((t, mut plan, entries)) => {
+            // Keys come from this router's own files only (a peer's snapshot carries none).
+            if let Some(dir) = &warm.dir {
+                plan.add_keys(dir.worker_keys());
+            }
             warm.restore_seconds = began.elapsed().as_secs_f64() + fetch_seconds;
             println!(
                 "kvengine: restored {entries} index entries from {source} ({} MB, read with {}) in {:.3} s",

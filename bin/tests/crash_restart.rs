@@ -376,3 +376,79 @@ fn killed_routers_restart_from_the_snapshot_with_nothing_lost_or_stale() {
     drop(router);
     let _ = std::fs::remove_dir_all(&state);
 }
+
+/// A snapshot file whose counts lie (a worker's directory claiming 4 billion entries, in a
+/// file of a few hundred bytes) is refused and moved aside at start, in the time a start
+/// takes: no allocation sized by the count (it aborted the process), no loop over it.
+#[test]
+fn a_snapshot_file_with_a_crafted_count_is_set_aside_at_start() {
+    use engine::snapshot::{self, CoreImage, EngineImage, EntryRec, KeyRec};
+    let state = std::env::temp_dir().join(format!("kvengine-crafted-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&state);
+    std::fs::create_dir_all(&state).unwrap();
+    let dir = state.to_string_lossy().into_owned();
+    let args = ["--tokenizer", "stand-in", "--state-dir", dir.as_str()];
+    // A genuine snapshot (written at shutdown) gives this run's layout: its meta (JSON after
+    // the archive) names the sharding policy, and the shard count is the cores'.
+    drop(Router::start(&args));
+    let genuine = std::fs::read(state.join("snapshot.kvs")).unwrap();
+    let archive_len = u64::from_le_bytes(genuine[16..24].try_into().unwrap()) as usize;
+    let meta = genuine[snapshot::HEADER_LEN + archive_len..].to_vec();
+    let policy = serde_json::from_slice::<serde_json::Value>(&meta).unwrap()["policy"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let cores: usize = std::env::var("KVENGINE_TEST_CORES").map_or(2, |c| c.parse().unwrap());
+    let mut image = EngineImage {
+        shards: cores as u32,
+        policy,
+        cores: vec![CoreImage::default(); cores],
+        ..EngineImage::default()
+    };
+    image.cores[0].keys.push(KeyRec {
+        worker: 1,
+        rank: 0,
+        len: u32::MAX,
+    });
+    image.cores[0].entries.push(EntryRec {
+        engine: 7,
+        seq: 7,
+        route: 0,
+        count: 1,
+    });
+    let crafted = snapshot::encode(&image, &meta).unwrap();
+    assert!(crafted.len() < 4096, "{} bytes", crafted.len());
+    std::fs::write(state.join("snapshot.kvs"), &crafted).unwrap();
+
+    let r = Router::start(&args);
+    assert!(
+        r.started_in < Duration::from_secs(30),
+        "start took {:?}",
+        r.started_in
+    );
+    assert!(
+        !r.out.contains("restored"),
+        "the crafted snapshot was used: {}",
+        r.out
+    );
+    // Peak memory (Linux): the count must not have been reserved (before the fix, a
+    // directory table for 4 billion entries: gigabytes touched, and half a minute).
+    if let Ok(status) = std::fs::read_to_string(format!("/proc/{}/status", r.child.id())) {
+        let peak_kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        eprintln!("peak RSS {} MiB", peak_kb >> 10);
+        assert!(peak_kb < 1 << 20, "peak RSS {} MiB", peak_kb >> 10);
+    }
+    assert_eq!(
+        std::fs::read(state.join("snapshot.kvs.bad")).unwrap(),
+        &crafted[..],
+        "moved aside for inspection"
+    );
+    // It serves (no worker yet: nothing to be ready for, but it answers).
+    assert_eq!(r.call("GET", "/v1/workers", "").0, 200);
+    drop(r);
+    let _ = std::fs::remove_dir_all(&state);
+}

@@ -214,3 +214,83 @@ fn a_snapshot_taken_under_concurrent_ingest_is_a_consistent_cut() {
         empty_and_consistent(&mut original);
     }
 }
+
+/// A snapshot whose counts lie (a directory claiming 4 billion entries, a holder claiming
+/// 4 billion copies, fewer core images than cores) restores quickly or is refused with
+/// [`engine::EngineError::BadSnapshot`]: no allocation sized by a count the file cannot
+/// back, no loop over one.
+#[test]
+fn crafted_counts_in_a_snapshot_are_refused_or_cheap() {
+    use engine::snapshot::{CoreImage, EntryRec, HolderRec, KeyRec, NodeRec};
+    let started = std::time::Instant::now();
+    let one_core = |core: CoreImage| snapshot::EngineImage {
+        shards: 1,
+        policy: "p".into(),
+        cores: vec![core],
+        ..Default::default()
+    };
+    let refused = |image: &snapshot::EngineImage, cores: usize| {
+        let bytes = snapshot::encode(image, b"").unwrap();
+        let mut buf = AlignedVec::<16>::new();
+        buf.extend_from_slice(&bytes);
+        let (archived, _) = snapshot::decode(&buf).unwrap();
+        match start_from(policy(cores), config(), Some(archived)) {
+            Err(engine::EngineError::BadSnapshot(why)) => why,
+            Err(e) => panic!("expected BadSnapshot, got {e}"),
+            Ok(_) => panic!("a crafted snapshot was restored"),
+        }
+    };
+    // A directory length past the entries left: refused before anything is reserved.
+    let why = refused(
+        &one_core(CoreImage {
+            keys: vec![KeyRec {
+                worker: 1,
+                rank: 0,
+                len: u32::MAX,
+            }],
+            entries: vec![EntryRec {
+                engine: 7,
+                seq: 7,
+                route: 0,
+                count: 1,
+            }],
+            ..CoreImage::default()
+        }),
+        1,
+    );
+    assert!(why.contains("4294967295 directory entries"), "{why}");
+    // Fewer core images than cores.
+    let two_shards = snapshot::EngineImage {
+        shards: 2,
+        ..one_core(CoreImage::default())
+    };
+    let why = refused(&two_shards, 2);
+    assert!(why.contains("(1 core images), this runtime has 2"), "{why}");
+    // A holder with u32::MAX copies: restored in one step (it was u32::MAX stores).
+    let seq = 0xabcd;
+    let mut b = restored(
+        1,
+        &one_core(CoreImage {
+            nodes: vec![NodeRec {
+                parent: 0,
+                root: true,
+                len: 1,
+                holders: 1,
+            }],
+            seqs: vec![seq],
+            holders: vec![HolderRec {
+                worker: 1,
+                rank: 0,
+                count: u32::MAX,
+            }],
+            ..CoreImage::default()
+        }),
+    );
+    let m = b.query[0].find_matches(&[engine::SeqHash(seq)]).unwrap();
+    assert_eq!(m.overlaps, vec![(key(1, 0), 1)]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+}

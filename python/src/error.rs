@@ -38,6 +38,7 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
         | TransportError::BlockSizeMismatch { .. }
         | TransportError::TokenCountMismatch { .. }
         | TransportError::Unauthorized(_)
+        | TransportError::ReplicaMac { .. }
         | TransportError::UnsupportedVersion { .. }
         | TransportError::DuplicateRequest(_)
         | TransportError::TooManyRanks { .. }

@@ -70,6 +70,15 @@ pub enum TransportError {
     /// A connection presented no or the wrong ingest token.
     #[error("unauthorized: {0}")]
     Unauthorized(&'static str),
+    /// A replica message (load frame, resync request, snapshot) without a valid MAC
+    /// (`--replica-secret`).
+    #[error("replica {what} {why} (is --replica-secret the same on every replica?)")]
+    ReplicaMac {
+        /// `frame`, `resync` or `snapshot`.
+        what: &'static str,
+        /// What is wrong with its MAC.
+        why: &'static str,
+    },
     /// A peer speaks a protocol version this build does not.
     #[error("unsupported protocol version {got} (this build speaks {supported})")]
     UnsupportedVersion {
@@ -184,7 +193,8 @@ pub enum DropReason {
     NonGpuMedium,
     /// An event for a worker that is not registered.
     UnknownWorker,
-    /// Missing or wrong ingest token.
+    /// Missing or wrong ingest token, or a replica message (frame, resync request,
+    /// snapshot) without a valid MAC (`--replica-secret`).
     Unauthorized,
     /// Unsupported protocol version.
     UnsupportedVersion,
@@ -240,7 +250,9 @@ impl TransportError {
             TransportError::UnknownWorker(_)
             | TransportError::UnknownRank { .. }
             | TransportError::TooManyRanks { .. } => DropReason::UnknownWorker,
-            TransportError::Unauthorized(_) => DropReason::Unauthorized,
+            TransportError::Unauthorized(_) | TransportError::ReplicaMac { .. } => {
+                DropReason::Unauthorized
+            }
             TransportError::UnsupportedVersion { .. } => DropReason::UnsupportedVersion,
             TransportError::Engine(e) => DropReason::Engine(e.reason()),
             TransportError::Invalid { .. }

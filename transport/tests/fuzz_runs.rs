@@ -1,11 +1,11 @@
 //! Fuzzing that runs on the stable toolchain, in the default test suite: every network
 //! decoder (vLLM/SGLang msgpack batches, native QUIC frames, JSON events, `/v1/route`
 //! bodies, OpenAI request bodies, router replicas' NATS frames, TensorRT-LLM event pages,
-//! the ZMTP streams ZMQ peers send) gets a fixed budget of inputs mutated from a corpus of
-//! valid ones (the recorded fixtures under `../shared/data` when present and vLLM 0.32's
-//! under `tests/data/vllm-0.32.0`, the hand-written TensorRT-LLM pages under
-//! `tests/data/trtllm`, and inputs built here with the encoders), on top of the cargo-fuzz
-//! targets in `fuzz/` (which need nightly).
+//! the ZMTP streams ZMQ peers send, snapshot files and their restore) gets a fixed budget
+//! of inputs mutated from a corpus of valid ones (the recorded fixtures under
+//! `../shared/data` when present and vLLM 0.32's under `tests/data/vllm-0.32.0`, the
+//! hand-written TensorRT-LLM pages under `tests/data/trtllm`, and inputs built here with the
+//! encoders), on top of the cargo-fuzz targets in `fuzz/` (which need nightly).
 //!
 //! Each input must be decoded without a panic, and where a decoder has a reference (the
 //! `/v1/route` scanner and serde; the owned and in-place native frame decoders; the ZMTP
@@ -498,6 +498,131 @@ fn replica_frames_survive_mutation() {
         }
         let resync = decode_resync(data);
         frame.is_ok() || resync.is_ok()
+    });
+}
+
+/// Snapshot files (`--state-dir`, peer replicas' snapshots): the input is the archive,
+/// framed as a file with its checksum recomputed (so mutations reach the archive and the
+/// restore, not only the checksum), decoded and rebuilt core by core. A count the bytes do
+/// not back must be refused, never reserved or looped over: each input restores in
+/// milliseconds.
+#[test]
+fn snapshot_files_survive_mutation() {
+    use engine::sharding::ShardId;
+    use engine::sharding::adaptive::Adaptive;
+    use engine::sharding::ingest::Ingest;
+    use engine::sharding::shard::Shard;
+    use engine::snapshot::{
+        self, CoreImage, EngineImage, EntryRec, FORMAT_VERSION, HEADER_LEN, HolderRec, KeyRec,
+        MAGIC, MarkRec, NodeRec, PinRec, TrunkImage,
+    };
+    let file_of = |archive: &[u8]| {
+        let mut out = rkyv::util::AlignedVec::<16>::with_capacity(HEADER_LEN + archive.len());
+        let mut header = [0u8; HEADER_LEN];
+        header[..8].copy_from_slice(&MAGIC);
+        header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        header[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
+        header[32..40].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(archive).to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(archive);
+        out
+    };
+    let core = |w: u64| CoreImage {
+        nodes: vec![
+            NodeRec {
+                parent: 0,
+                root: true,
+                len: 3,
+                holders: 2,
+            },
+            NodeRec {
+                parent: 12,
+                root: false,
+                len: 2,
+                holders: 1,
+            },
+        ],
+        seqs: vec![10, 11, 12, 13, 14],
+        holders: vec![
+            HolderRec {
+                worker: w,
+                rank: 0,
+                count: 2,
+            },
+            HolderRec {
+                worker: w + 1,
+                rank: 1,
+                count: 1,
+            },
+            HolderRec {
+                worker: w,
+                rank: 0,
+                count: 1,
+            },
+        ],
+        keys: vec![KeyRec {
+            worker: w,
+            rank: 0,
+            len: 2,
+        }],
+        entries: vec![
+            EntryRec {
+                engine: 100,
+                seq: 10,
+                route: 0,
+                count: 2,
+            },
+            EntryRec {
+                engine: 101,
+                seq: 11,
+                route: 0,
+                count: 1,
+            },
+        ],
+        marks: vec![MarkRec {
+            worker: w,
+            stream: 0,
+            seq: 41,
+            digest: Some(7),
+        }],
+    };
+    let image = EngineImage {
+        shards: 2,
+        policy: "adaptive".into(),
+        trunk: TrunkImage {
+            version: 1,
+            members: vec![10],
+            pins: vec![PinRec { seq: 11, shard: 1 }],
+        },
+        cores: vec![core(1), core(5)],
+    };
+    let encoded = snapshot::encode(&image, b"").unwrap();
+    let corpus = vec![encoded[HEADER_LEN..].to_vec()];
+    run("snapshot files", corpus, |archive| {
+        let file = file_of(archive);
+        let Ok((image, _)) = snapshot::decode(&file) else {
+            return false;
+        };
+        let shards = image.cores.len();
+        if shards == 0 || shards > 64 || image.shards.to_native() as usize != shards {
+            return false;
+        }
+        let began = std::time::Instant::now();
+        let policy = Adaptive::new(shards, 2).unwrap();
+        let mut restored = true;
+        for (k, core) in image.cores.iter().enumerate() {
+            let mut shard = Shard::new(ShardId(k as u16));
+            restored &= shard.restore_image(core).is_ok();
+            let mut ingest = Ingest::new(policy.clone());
+            restored &= ingest.restore(core).is_ok();
+        }
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(2),
+            "a {}-byte snapshot took {:?} to restore",
+            archive.len(),
+            began.elapsed()
+        );
+        restored
     });
 }
 

@@ -4,6 +4,9 @@
 //! `x-repo-commit` and `Content-Range`, then a ranged download of the body; 404 for files a
 //! repo lacks, 401 for a gated repo without the token, a relative 307 for a renamed repo).
 //! The tokenizer served is the ChatML fixture of `tests/data/tokenizer/chatml`.
+//!
+//! Repos under `evil/` answer as a hostile mirror would: an etag or commit that is a path
+//! (`../../..`, absolute), which must never become one.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -113,6 +116,9 @@ async fn resolve_file(
     UrlPath((org, name, revision, file)): UrlPath<(String, String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
+    if org == "evil" {
+        return evil_answer(&name, &headers);
+    }
     // A renamed repo: the Hub answers with a relative redirect to the new name.
     if (org.as_str(), name.as_str()) == ("acme", "old-name") {
         let to = format!("/acme/chat-model/resolve/{revision}/{file}");
@@ -153,6 +159,53 @@ async fn resolve_file(
             .into_response(),
         None => (StatusCode::OK, common, body.clone()).into_response(),
     }
+}
+
+/// Where a hostile answer would have a client write: a name beside `HF_HOME` (reached
+/// through `../`), and an absolute path.
+fn escape_targets() -> (String, PathBuf) {
+    let marker = format!("kvengine-hf-escaped-{}", std::process::id());
+    let absolute = std::env::temp_dir().join(format!("{marker}-absolute"));
+    (marker, absolute)
+}
+
+/// `evil/{name}`'s answer: the fixture's `tokenizer.json` (any file) with a hostile etag
+/// or commit.
+fn evil_answer(name: &str, headers: &HeaderMap) -> Response {
+    let body = fixture("tokenizer.json");
+    let (marker, absolute) = escape_targets();
+    // From HF_HOME/hub/models--evil--x/blobs/ (or snapshots/), four levels up is HF_HOME's
+    // parent.
+    let up = format!("../../../../{marker}");
+    let good_etag = format!("\"{}\"", hex_sha256(&body));
+    let mut answer = vec![
+        ("etag", good_etag.clone()),
+        ("x-repo-commit", COMMIT.to_owned()),
+    ];
+    match name {
+        "etag" => answer[0].1 = format!("\"{up}\""),
+        "linked-etag" => answer.push(("x-linked-etag", up)),
+        "absolute-etag" => answer[0].1 = format!("\"{}\"", absolute.display()),
+        "commit" => answer[1].1 = up,
+        "absolute-commit" => answer[1].1 = absolute.display().to_string(),
+        _ => return hub_error(StatusCode::NOT_FOUND, "Repository not found"),
+    }
+    let mut response = match range(headers, body.len()) {
+        Some((start, end)) => (
+            StatusCode::PARTIAL_CONTENT,
+            [(
+                header::CONTENT_RANGE,
+                format!("bytes {start}-{end}/{}", body.len()),
+            )],
+            body[start..=end].to_vec(),
+        )
+            .into_response(),
+        None => (StatusCode::OK, body).into_response(),
+    };
+    for (k, v) in answer {
+        response.headers_mut().insert(k, v.parse().unwrap());
+    }
+    response
 }
 
 /// The mock Hub, served on a runtime of its own (the download under test blocks).
@@ -392,5 +445,70 @@ fn refused_before_any_request() {
     };
     let e = reason(PromptTokenizer::fetch("acme/chat-model", &home, &offline).unwrap_err());
     assert!(e.contains("HF_HUB_OFFLINE"), "{e}");
+    let _ = std::fs::remove_dir_all(&home);
+}
+
+/// A mirror that answers an etag or commit naming a path (`../../..` out of the cache, or
+/// an absolute one), as `ETag`, `X-Linked-Etag` or `X-Repo-Commit`: the download is refused
+/// with an error naming the header, and nothing is written outside the cache, nor a
+/// snapshot left that `resolve` would take.
+#[test]
+fn a_mirror_cannot_write_outside_the_cache() {
+    let hub = mock_hub();
+    let home = hf_home("evil");
+    let (marker, absolute) = escape_targets();
+    let beside = home.parent().unwrap().join(&marker);
+    let cleanup = || {
+        for p in [&beside, &absolute] {
+            let _ = std::fs::remove_dir_all(p);
+            let _ = std::fs::remove_file(p);
+            let _ = std::fs::remove_file(p.with_extension("lock"));
+            let _ = std::fs::remove_file(p.with_extension("part"));
+        }
+    };
+    cleanup();
+    for (repo, header) in [
+        ("evil/etag", "ETag"),
+        ("evil/linked-etag", "ETag"),
+        ("evil/absolute-etag", "ETag"),
+        ("evil/commit", "X-Repo-Commit"),
+        ("evil/absolute-commit", "X-Repo-Commit"),
+    ] {
+        let fetched = PromptTokenizer::fetch(repo, &home, &options(&hub.endpoint));
+        let outside: Vec<PathBuf> = [&beside, &absolute]
+            .iter()
+            .flat_map(|p| {
+                [
+                    p.to_path_buf(),
+                    p.with_extension("lock"),
+                    p.with_extension("part"),
+                ]
+            })
+            .filter(|p| std::fs::symlink_metadata(p).is_ok())
+            .collect();
+        cleanup();
+        assert!(
+            outside.is_empty(),
+            "{repo}: written outside the cache: {outside:?}"
+        );
+        let e = reason(fetched.unwrap_err());
+        assert!(
+            e.contains(header) && e.contains("not a plain name"),
+            "{repo}: {e}"
+        );
+        assert!(PromptTokenizer::resolve(repo, &home).is_err(), "{repo}");
+    }
+    // Nothing outside the repos' own directories either.
+    let hub_dir = home.join("hub");
+    if let Ok(entries) = std::fs::read_dir(&hub_dir) {
+        for e in entries {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            assert!(
+                name.starts_with("models--evil--"),
+                "{name} in {}",
+                hub_dir.display()
+            );
+        }
+    }
     let _ = std::fs::remove_dir_all(&home);
 }

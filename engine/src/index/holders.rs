@@ -100,6 +100,26 @@ impl HolderSet {
         false
     }
 
+    /// Adds `copies` (at least 1) copies for `slot` at once; returns true if `slot` did not
+    /// hold the blocks before. Costs the same whatever `copies` is (a snapshot's holder may
+    /// claim billions).
+    pub fn add_copies(&mut self, slot: Slot, copies: u32) -> bool {
+        // `add` counts one of them.
+        let newly = self.add(slot);
+        let more = copies.saturating_sub(1);
+        if more > 0 {
+            match self.extra.binary_search_by_key(&slot, |e| e.0) {
+                Ok(i) => {
+                    if let Some(e) = self.extra.get_mut(i) {
+                        e.1 = e.1.saturating_add(more);
+                    }
+                }
+                Err(i) => self.extra.insert(i, (slot, more)),
+            }
+        }
+        newly
+    }
+
     /// Drops one copy for `slot`; returns `Some(true)` if `slot` no longer holds the blocks,
     /// `Some(false)` if copies remain, `None` if it held none.
     pub fn remove(&mut self, slot: Slot) -> Option<bool> {
@@ -221,6 +241,33 @@ impl SetSlab {
             }
             Holders::Set(i) => {
                 let newly = self.sets.get_mut(i as usize).is_some_and(|s| s.add(slot));
+                (h, newly)
+            }
+        }
+    }
+
+    /// `h` plus `copies` copies for `slot` (0: nothing changes), and whether `slot` is a new
+    /// holder; one step whatever `copies` is.
+    pub fn add_copies(&mut self, h: Holders, slot: Slot, copies: u32) -> (Holders, bool) {
+        match (copies, h) {
+            (0, _) => (h, false),
+            (1, _) => self.add(h, slot),
+            (_, Holders::None) => {
+                let mut set = HolderSet::default();
+                let newly = set.add_copies(slot, copies);
+                (self.insert(set), newly)
+            }
+            (_, Holders::Single(other)) => {
+                let mut set = HolderSet::default();
+                set.add(other);
+                let newly = set.add_copies(slot, copies);
+                (self.insert(set), newly)
+            }
+            (_, Holders::Set(i)) => {
+                let newly = self
+                    .sets
+                    .get_mut(i as usize)
+                    .is_some_and(|s| s.add_copies(slot, copies));
                 (h, newly)
             }
         }

@@ -86,11 +86,16 @@ impl ShardIndex {
         };
         let mut held = false;
         for (key, count) in holders {
-            for _ in 0..count {
-                scratch.clear();
-                self.store(key, at, seqs, scratch)?;
-                held = true;
+            if count == 0 {
+                continue;
             }
+            // One store, then the other copies in one step: `count` comes from the file and
+            // a loop over it would let a crafted snapshot stall the start (billions of
+            // stores).
+            scratch.clear();
+            self.store(key, at, seqs, scratch)?;
+            self.add_copies(key, at, seqs, count - 1)?;
+            held = true;
         }
         if !held {
             if !self

@@ -68,9 +68,57 @@ impl ShardIndex {
                 // consistent tree, but never loop on it.
                 return Err(EngineError::UnknownPosition);
             }
-            self.hold(slot, n, o, o + m);
+            self.hold(slot, n, o, o + m, 1);
             out.extend((first..first + m).filter_map(|off| Pos::new(node.run, off)));
             at = Pos::new(node.run, first + m - 1);
+            i += m;
+        }
+        Ok(())
+    }
+
+    /// `copies` more copies of each of `seqs` for `key`, a chain that is already in the tree
+    /// under `parent` (a [`ShardIndex::store`] of it came first): the same as `copies` more
+    /// stores, in one walk whatever `copies` is (a snapshot's holder may claim billions of
+    /// copies; restoring must not loop over them).
+    ///
+    /// Refused ([`EngineError::UnknownPosition`]) if `parent` or a block of the chain is not
+    /// in the tree, [`EngineError::IndexFull`] if the splits it may need find no room.
+    pub fn add_copies(
+        &mut self,
+        key: WorkerKey,
+        parent: Option<Pos>,
+        seqs: &[SeqHash],
+        copies: u32,
+    ) -> Result<()> {
+        if seqs.is_empty() || copies == 0 {
+            return Ok(());
+        }
+        if let Some(p) = parent
+            && self.locate(p).is_none()
+        {
+            return Err(EngineError::UnknownPosition);
+        }
+        if !self.nodes.has_room(3 * seqs.len() + 2) {
+            return Err(EngineError::IndexFull);
+        }
+        let slot = self.slots.get_or_insert(key)?;
+        let mut at = parent;
+        let mut i = 0;
+        while let Some(&next) = seqs.get(i) {
+            let rest = seqs.get(i..).unwrap_or(&[]);
+            let (n, o) = self
+                .next_block(at, next)
+                .ok_or(EngineError::UnknownPosition)?;
+            let node = self.node(n).ok_or(EngineError::UnknownPosition)?;
+            let first = node.start() + o;
+            let have = self.runs.slice(node.run, first, node.len() - o);
+            let m = have.iter().zip(rest).take_while(|(a, b)| a == b).count();
+            if m == 0 {
+                return Err(EngineError::UnknownPosition);
+            }
+            let run = node.run;
+            self.hold(slot, n, o, o + m, copies);
+            at = Pos::new(run, first + m - 1);
             i += m;
         }
         Ok(())
@@ -153,8 +201,8 @@ impl ShardIndex {
         }
     }
 
-    /// One more copy for `slot` of blocks `a..b` of node `n`.
-    fn hold(&mut self, slot: Slot, n: NodeId, a: usize, b: usize) {
+    /// `copies` more copies for `slot` of blocks `a..b` of node `n`.
+    fn hold(&mut self, slot: Slot, n: NodeId, a: usize, b: usize, copies: u32) {
         let Some(target) = self.isolate(n, a, b) else {
             return;
         };
@@ -162,7 +210,7 @@ impl ShardIndex {
             return;
         };
         let h = Holders::from_raw(node.holders);
-        let (held, newly) = self.sets.add(h, slot);
+        let (held, newly) = self.sets.add_copies(h, slot, copies);
         let len = node.len();
         if h == Holders::None {
             self.blocks += len;

@@ -328,3 +328,70 @@ fn a_new_branch_is_reported_with_its_fanout() {
     }
     assert_eq!(t.take_branch(), None);
 }
+
+/// `add_copies` is `copies` more stores of a chain already stored, in one walk: the trees
+/// export the same records, validate, and lose their copies one removal at a time alike.
+#[test]
+fn copies_added_at_once_equal_repeated_stores() {
+    let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 3));
+    let chain = chain_from(None, 0..7);
+    let tail = chain_from(chain.get(3).copied(), 100..104);
+    let build = |at_once: bool| {
+        let mut t = ShardIndex::new();
+        let mut pa = Vec::new();
+        t.store(a, None, &chain, &mut pa).unwrap();
+        if at_once {
+            t.add_copies(a, None, &chain, 3).unwrap();
+        } else {
+            for _ in 0..3 {
+                t.store(a, None, &chain, &mut Vec::new()).unwrap();
+            }
+        }
+        // A holder of part of the chain splits its nodes.
+        t.store(b, None, &chain[..4], &mut Vec::new()).unwrap();
+        let mid = pa.get(3).copied();
+        let mut pt = Vec::new();
+        t.store(b, mid, &tail, &mut pt).unwrap();
+        if at_once {
+            t.add_copies(b, mid, &tail, 1).unwrap();
+            // Nothing to add: no change.
+            t.add_copies(b, mid, &tail, 0).unwrap();
+        } else {
+            t.store(b, mid, &tail, &mut Vec::new()).unwrap();
+        }
+        t.validate().unwrap();
+        (t, pa, pt)
+    };
+    let (mut once, pa, pt) = build(true);
+    let (mut repeated, pa2, pt2) = build(false);
+    assert_eq!((&pa, &pt), (&pa2, &pt2));
+    let export = |t: &ShardIndex| {
+        let (mut n, mut s, mut h) = (Vec::new(), Vec::new(), Vec::new());
+        t.export(&mut n, &mut s, &mut h);
+        (n, s, h)
+    };
+    assert_eq!(export(&once), export(&repeated));
+    for round in 0..4 {
+        let removed = (once.remove(a, &pa).removed, repeated.remove(a, &pa).removed);
+        assert_eq!(removed.0, removed.1, "round {round}");
+        assert_eq!(
+            once.cached_blocks(a),
+            repeated.cached_blocks(a),
+            "round {round}"
+        );
+        assert_eq!(export(&once), export(&repeated), "round {round}");
+        once.validate().unwrap();
+    }
+    assert_eq!(once.cached_blocks(a), 0);
+    // Copies past u32::MAX saturate; either way it is one walk, not billions of stores.
+    let started = std::time::Instant::now();
+    once.add_copies(b, pa.get(3).copied(), &tail, u32::MAX)
+        .unwrap();
+    once.add_copies(b, pa.get(3).copied(), &tail, u32::MAX)
+        .unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    once.validate().unwrap();
+    // A chain that is not in the tree is refused.
+    let absent = chain_from(None, 500..502);
+    assert!(once.add_copies(a, None, &absent, 2).is_err());
+}

@@ -269,8 +269,9 @@ fn build<P: ShardPolicy + Clone>(
         && (img.shards.to_native() as usize != cores || img.cores.len() != cores)
     {
         return Err(EngineError::BadSnapshot(format!(
-            "taken with {} shards, this runtime has {cores}",
-            img.shards.to_native()
+            "taken with {} shards ({} core images), this runtime has {cores}",
+            img.shards.to_native(),
+            img.cores.len()
         )));
     }
     let clients = config.ingest_handles + config.query_handles;

@@ -446,7 +446,8 @@ impl<P: ShardPolicy> Ingest<P> {
 
     /// Restores the directories and stream marks of a snapshot image (into an empty
     /// ingest). Refused, with what was restored so far kept, if the image's directory
-    /// lengths do not add up.
+    /// lengths do not add up; a length is checked against the entries left before anything
+    /// is reserved for it, so the work and memory are bounded by the image's size.
     pub fn restore(&mut self, image: &ArchivedCoreImage) -> Result<()> {
         let mut entries = image.entries.iter();
         for k in image.keys.iter() {
@@ -455,6 +456,16 @@ impl<P: ShardPolicy> Ingest<P> {
                 dp_rank: DpRank(k.rank.to_native()),
             };
             let len = k.len.to_native() as usize;
+            // Checked against the entries left before reserving: the length comes from the
+            // file, and reserving it unchecked lets a crafted one ask for gigabytes.
+            if len > entries.len() {
+                return Err(EngineError::BadSnapshot(format!(
+                    "worker {} rank {} claims {len} directory entries; {} are left in the image",
+                    key.worker,
+                    key.dp_rank,
+                    entries.len()
+                )));
+            }
             let dir = self.dirs.restoring(key);
             dir.reserve(len);
             for _ in 0..len {

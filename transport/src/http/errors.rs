@@ -185,7 +185,7 @@ impl From<TransportError> for ApiError {
             TransportError::BlockSizeMismatch { .. } | TransportError::Invalid { .. } => {
                 Self::invalid(message)
             }
-            TransportError::Unauthorized(_) => {
+            TransportError::Unauthorized(_) | TransportError::ReplicaMac { .. } => {
                 Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
             }
             TransportError::MalformedMsgpack(_)

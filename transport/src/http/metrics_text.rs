@@ -621,6 +621,11 @@ fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
             &s.malformed,
         ),
         (
+            "kvengine_replica_unauthenticated",
+            "Frames and resync requests refused for a missing or bad MAC (--replica-secret)",
+            &s.unauthenticated,
+        ),
+        (
             "kvengine_replica_gaps",
             "Gaps in peers' frames (each asks for a state)",
             &s.gaps,

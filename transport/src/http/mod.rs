@@ -63,6 +63,25 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// Default [`HttpConfig::body_timeout`]: 30 s to send a body (64 MiB at 17 Mbit/s).
 pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Whether the addresses of `reg` (`url`, `zmq`, `replay`) are all allowed by `allowed`
+/// (`--worker-hosts`), checked as `POST /v1/workers` checks them; the reason if not. For
+/// registrations that come from elsewhere than the API (a snapshot's).
+pub(crate) fn check_registration_hosts(
+    allowed: &[String],
+    reg: &Registration,
+) -> Result<(), String> {
+    for (what, addr) in [
+        ("url", &reg.url),
+        ("zmq", &reg.zmq),
+        ("replay", &reg.replay),
+    ] {
+        if let Some(a) = addr {
+            workers::check_host(allowed, what, a).map_err(|e| e.message)?;
+        }
+    }
+    Ok(())
+}
+
 /// Called after a worker registers (with its merged registration).
 pub type RegisterHook = Arc<dyn Fn(&Registration) + Send + Sync>;
 /// Called after a worker is removed.

@@ -184,6 +184,16 @@ fn check_addr<T>(
     Ok(addr)
 }
 
+/// Checks a registration's address `addr` in field `what` (`url`, `zmq` or `replay`) as
+/// `POST /v1/workers` does: its shape, then its host against `--worker-hosts`. Used for
+/// registrations restored from snapshots (this router's or a peer replica's).
+pub(super) fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
+    match what {
+        "url" => check_addr(allowed, what, addr, WorkerUrl::parse, WorkerUrl::host).map(drop),
+        _ => check_addr(allowed, what, addr, ZmqEndpoint::parse, ZmqEndpoint::host).map(drop),
+    }
+}
+
 pub(super) async fn register(
     State(st): State<AppState>,
     body: RawBody,

@@ -196,8 +196,10 @@ impl PromptTokenizer {
         };
         let repo = hf_home.join("hub").join(format!("models--{org}--{name}"));
         let snapshots = repo.join("snapshots");
+        // `refs/main` names a commit: anything but a plain name (a path) is ignored.
         let by_ref = std::fs::read_to_string(repo.join("refs").join("main"))
             .ok()
+            .filter(|h| download::plain_name(h.trim()))
             .map(|h| snapshots.join(h.trim()));
         let only = || {
             let mut dirs: Vec<PathBuf> = std::fs::read_dir(&snapshots)

@@ -2,17 +2,22 @@
 //! heartbeats, applies peers' frames, answers and asks for states, expires dead peers, and
 //! falls back to local-only load while NATS is unreachable (see [`super`], "Failure").
 //!
+//! With a secret ([`super::auth`]) every frame and resync request published is sealed, and
+//! every one received is opened before it is decoded: one without a valid MAC is dropped,
+//! counted and logged, and nothing in it is used (not even to note a peer).
+//!
 //! # Concurrency
 //! One tokio task owns the client and the loop below; the peers table sits behind a mutex
 //! only so `/v1/replicas` can list it. Peers' events are applied under the hub's routing
 //! lock, one frame per lock.
 
 use super::apply::{apply_events, forget_replica, state_events};
+use super::auth::{self, Kind, ReplicaKey};
 use super::outbox::{Outbox, Shared};
 use super::peers::{Heard, PeerInfo, Peers};
 use super::wire::{self, Body, Frame, LoadEvent, MAX_FRAME_BYTES, Resync, WIRE_VERSION};
 use super::{ReplicaConfig, ReplicaStats, new_replica_id};
-use crate::error::{Result, TransportError};
+use crate::error::{DropReason, Result, TransportError};
 use crate::hub::Hub;
 use async_nats::{Client, Event, Subscriber};
 use engine::ReplicaId;
@@ -33,6 +38,7 @@ pub struct ReplicaLink {
     shared: Arc<Shared>,
     peers: Arc<Mutex<Peers>>,
     client: Client,
+    secret: Option<super::ReplicaSecret>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -59,7 +65,8 @@ impl ReplicaLink {
     }
 
     /// Puts a snapshot of `hub` (sharded under `policy`) in `bucket` every `interval`, for
-    /// replicas that start ([`super::warm`]); abort the task to stop.
+    /// replicas that start ([`super::warm`]), sealed if the replicas share a secret; abort
+    /// the task to stop.
     pub fn put_snapshots_every(
         &self,
         hub: Arc<Hub>,
@@ -67,6 +74,7 @@ impl ReplicaLink {
         policy: String,
         interval: Duration,
     ) -> JoinHandle<()> {
+        let key = super::warm::snapshot_key(self.secret.as_ref(), &bucket);
         tokio::spawn(super::warm::put_every(
             hub,
             self.client.clone(),
@@ -74,6 +82,7 @@ impl ReplicaLink {
             policy,
             interval,
             self.shared.clone(),
+            key,
         ))
     }
 
@@ -108,7 +117,10 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
         ));
     }
     let (events_tx, events_rx) = mpsc::channel(64);
-    let client = async_nats::ConnectOptions::new()
+    let servers = config.nats.servers()?;
+    let client = config
+        .nats
+        .options()?
         .name(format!("kvengine {}", config.name))
         .retry_on_initial_connect()
         .max_reconnects(None)
@@ -121,7 +133,7 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
                 let _ = tx.send(event).await;
             }
         })
-        .connect(config.url.as_str())
+        .connect(servers)
         .await
         .map_err(|e| nats_err("cannot use the NATS address", e))?;
     let load = client
@@ -134,9 +146,18 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
         .map_err(|e| nats_err("cannot subscribe", e))?;
     let peers = Arc::new(Mutex::new(Peers::new(config.peer_timeout)));
     let (stop, stop_rx) = watch::channel(false);
-    tracing::info!(replica = %id, name = %config.name, url = %config.url, "replica sync starting");
+    tracing::info!(replica = %id, name = %config.name, url = %config.nats.redacted(),
+        authenticated = config.secret.is_some(), "replica sync starting");
+    let keys = config.secret.as_ref().map(|s| {
+        (
+            s.key(Kind::Frame, &config.subject),
+            s.key(Kind::Resync, &config.subject),
+        )
+    });
+    let secret = config.secret.clone();
     let link = Link {
         hub,
+        keys,
         load_subject: config.load_subject(),
         resync_subject: config.resync_subject(),
         config,
@@ -154,6 +175,7 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
         shared,
         peers,
         client,
+        secret,
         stop,
         task,
     })
@@ -186,6 +208,8 @@ fn thread_cpu_ns() -> u64 {
 
 struct Link {
     hub: Arc<Hub>,
+    /// The keys of load frames and resync requests (`None`: no `--replica-secret`).
+    keys: Option<(ReplicaKey, ReplicaKey)>,
     config: ReplicaConfig,
     load_subject: String,
     resync_subject: String,
@@ -312,7 +336,7 @@ impl Link {
         }
         let began = thread_cpu_ns();
         let bytes = match wire::encode_frame(frame) {
-            Ok(b) => b,
+            Ok(b) => auth::seal(self.keys.as_ref().map(|k| &k.0), b),
             Err(e) => {
                 tracing::warn!("cannot encode a replica frame: {e}");
                 return false;
@@ -338,6 +362,7 @@ impl Link {
             return;
         }
         if let Ok(bytes) = wire::encode_resync(ask) {
+            let bytes = auth::seal(self.keys.as_ref().map(|k| &k.1), bytes);
             let len = bytes.len() as u64;
             if self
                 .client
@@ -367,13 +392,32 @@ impl Link {
         self.stats().busy_ns.fetch_add(ns, Relaxed);
     }
 
-    async fn on_frame(&mut self, payload: &[u8]) {
+    /// Counts and logs a message refused for its MAC.
+    #[cold]
+    fn unauthenticated(&self, e: &TransportError) {
+        self.stats().unauthenticated.fetch_add(1, Relaxed);
+        self.hub
+            .metrics()
+            .drop_input(DropReason::Unauthorized, 1, e);
+    }
+
+    async fn on_frame(&mut self, message: &[u8]) {
         let began = thread_cpu_ns();
+        let payload = match auth::open(self.keys.as_ref().map(|k| &k.0), message) {
+            Ok(p) => p,
+            Err(e) => {
+                self.unauthenticated(&e);
+                return;
+            }
+        };
         let frame = match wire::decode_frame(payload) {
             Ok(f) => f,
             Err(e) => {
                 self.stats().malformed.fetch_add(1, Relaxed);
-                tracing::warn!("dropped a replica frame that could not be decoded: {e}");
+                tracing::warn!(
+                    "dropped a replica frame that could not be decoded: {e}{}",
+                    self.unsigned_hint()
+                );
                 return;
             }
         };
@@ -386,7 +430,7 @@ impl Link {
         self.stats().frames_received.fetch_add(1, Relaxed);
         self.stats()
             .bytes_received
-            .fetch_add(payload.len() as u64, Relaxed);
+            .fetch_add(message.len() as u64, Relaxed);
         let now = Instant::now();
         let heard = match &frame.body {
             Body::Heartbeat { name, active } => {
@@ -418,7 +462,24 @@ impl Link {
         }
     }
 
-    fn on_resync(&mut self, payload: &[u8]) {
+    /// Why a frame may not decode here: peers that sign with a secret this replica lacks.
+    fn unsigned_hint(&self) -> &'static str {
+        if self.keys.is_none() {
+            " (peers started with --replica-secret send signed frames: give this replica the \
+             same secret)"
+        } else {
+            ""
+        }
+    }
+
+    fn on_resync(&mut self, message: &[u8]) {
+        let payload = match auth::open(self.keys.as_ref().map(|k| &k.1), message) {
+            Ok(p) => p,
+            Err(e) => {
+                self.unauthenticated(&e);
+                return;
+            }
+        };
         match wire::decode_resync(payload) {
             Ok(r) if r.from != self.id.0 && (r.target == 0 || r.target == self.id.0) => {
                 if self.state_due.is_none() {

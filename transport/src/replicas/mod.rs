@@ -14,6 +14,8 @@
 //! * `apply`: a peer's events applied to the hub's routers.
 //! * [`link`]: the task that talks to NATS.
 //! * [`warm`]: snapshots in a JetStream object store, for a replica that starts.
+//! * [`auth`]: the MAC on every message (`--replica-secret`).
+//! * [`nats`]: reaching NATS (servers, credentials, TLS).
 //!
 //! # Failure
 //! * A peer silent for `--replica-timeout-ms` is dead: what it added is freed.
@@ -23,6 +25,16 @@
 //! * NATS unreachable: the replica routes on its own load only (peers' load is dropped, not
 //!   trusted while unheard), counts the outage and shows it in `/ready`'s details; routing
 //!   never waits for NATS. On reconnecting it sends its state and asks for everyone's.
+//!
+//! # Trust
+//! With a shared secret ([`ReplicaConfig::secret`]) every frame, resync request and
+//! snapshot carries an HMAC-SHA256 tag ([`auth`]), checked before anything in it is used;
+//! what fails is dropped, counted (`kvengine_replica_unauthenticated`, and
+//! `kvengine_events_rejected_total{reason="unauthorized"}`) and logged. Without one, replica
+//! state is unauthenticated: anyone who can publish on the subjects can steer routing (a
+//! warning says so at start). Snapshots never carry secrets (worker API keys stay in the
+//! configuration and the state directory's key file, [`crate::state`]), and a registration
+//! learnt from one is checked against `--worker-hosts` like one over the API.
 //!
 //! # Invariants
 //! 1. The hub queues a request's events under its routing lock, so each replica publishes
@@ -38,7 +50,9 @@
 //! table; counters are atomics read by `/metrics` and `/ready`.
 
 pub(crate) mod apply;
+pub mod auth;
 pub mod link;
+pub mod nats;
 pub mod outbox;
 pub mod peers;
 pub mod warm;
@@ -48,14 +62,20 @@ use engine::ReplicaId;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
+pub use auth::ReplicaSecret;
 pub use link::{ReplicaLink, start};
+pub use nats::NatsAccess;
 pub use outbox::Outbox;
 
 /// How a replica joins its peers.
 #[derive(Clone, Debug)]
 pub struct ReplicaConfig {
-    /// The NATS server(s), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster).
-    pub url: String,
+    /// The NATS server(s), e.g. `nats://127.0.0.1:4222` (comma-separated for a cluster),
+    /// and how to authenticate to them.
+    pub nats: NatsAccess,
+    /// The deployment's shared secret: every message is authenticated with it ([`auth`]).
+    /// `None`: replica state is unauthenticated.
+    pub secret: Option<ReplicaSecret>,
     /// Subject prefix shared by the replicas of one router deployment.
     pub subject: String,
     /// This replica's name (logs, `/v1/replicas`).
@@ -70,7 +90,8 @@ impl ReplicaConfig {
     /// Defaults for `url`: prefix `kvengine`, heartbeats every second, peers dead after 5 s.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
-            url: url.into(),
+            nats: NatsAccess::new(url),
+            secret: None,
             subject: "kvengine".into(),
             name: default_name(),
             heartbeat: Duration::from_secs(1),
@@ -181,6 +202,9 @@ pub struct ReplicaStats {
     pub unmatched: AtomicU64,
     /// Peers' requests refused (a bad name); logged.
     pub refused: AtomicU64,
+    /// Frames and resync requests dropped for a missing or bad MAC (`--replica-secret`);
+    /// logged.
+    pub unauthenticated: AtomicU64,
     /// Frames that could not be decoded; logged.
     pub malformed: AtomicU64,
     /// Gaps in peers' frames (each asks for the peer's state).

@@ -6,6 +6,12 @@
 //! that is in it (its *mark*). The transport adds the workers registered over the API (their
 //! registrations, as JSON) and writes the file atomically ([`mod@file`], io_uring on Linux).
 //!
+//! Secrets stay out of snapshots (the same bytes go to peer replicas, [`crate::replicas`]):
+//! the API workers' keys are written beside the snapshot, in [`KEYS_FILE`] (owner-only, like
+//! the snapshot), and only this router's own file gives a restored worker its key. A worker
+//! learnt from a peer's snapshot gets its key from this router's configuration (which wins
+//! for any worker it names) or its own key file, or goes without one.
+//!
 //! Restoring: the cores are rebuilt from the image (rayon, one task per core), then
 //! [`begin_restore`] and [`finish_restore`] decide, worker by worker, what may be kept:
 //! * a worker that is no longer registered (neither configured nor in the snapshot's API
@@ -20,7 +26,10 @@
 //!   or a resync when the publisher's history cannot be replayed from 0), exactly as for a
 //!   reconnection while running (`crate::stream`);
 //! * a worker without a mark (its events came over QUIC or HTTP, whose numbering does not
-//!   survive a restart) is cleared and counted: what it holds now cannot be known.
+//!   survive a restart) is cleared and counted: what it holds now cannot be known;
+//! * a registration the snapshot holds is checked as `POST /v1/workers` checks one: its
+//!   hosts against `--worker-hosts`, its fields as the hub takes them. One that fails is
+//!   refused, logged and counted, and the restore goes on without it.
 //!
 //! So after a restart no stale entry is ever a hit, and nothing acknowledged is lost where
 //! the publisher's replay buffer still holds the marked batch and what came after it.
@@ -33,6 +42,11 @@
 //!    to the mark) or a batch of its applied.
 //! 2. [`Persisted::take_resume`] hands each worker's resume point out once: a
 //!    re-subscription after a config reload starts fresh, like any new subscription.
+//! 3. A snapshot's bytes never hold a worker's API key; nothing in a snapshot received from
+//!    a peer sets one.
+//! 4. Every count or length read from a snapshot is checked against the bytes that back it
+//!    before anything is allocated or looped over for it (`engine::snapshot`, and the JSON
+//!    meta parsed as it comes), so a crafted file is refused in time linear in its size.
 //!
 //! # Concurrency
 //! [`Persisted`] is shared by every thread through the hub (a mutex per table, taken once
@@ -55,6 +69,9 @@ use std::time::Instant;
 
 /// The snapshot's file name inside the state directory.
 pub const SNAPSHOT_FILE: &str = "snapshot.kvs";
+/// The API workers' keys, beside the snapshot (invariant 3): JSON `{"version": 1, "keys":
+/// {"<worker id>": "<key>"}}`, owner-only.
+pub const KEYS_FILE: &str = "worker-keys.json";
 /// Version of the JSON the transport keeps in a snapshot's meta bytes.
 const META_VERSION: u32 = 1;
 
@@ -127,6 +144,9 @@ struct SavedWorker {
     replay: Option<String>,
     role: Option<String>,
     bootstrap_port: Option<u16>,
+    /// Never written (invariant 3); snapshots of older builds hold it, and only this
+    /// router's own file is believed ([`Plan`]).
+    #[serde(default, skip_serializing)]
     api_key: Option<String>,
     model: Option<String>,
     /// A TensorRT-LLM worker's poll interval (absent in older snapshots).
@@ -144,7 +164,7 @@ impl SavedWorker {
             replay: r.replay.clone(),
             role: r.role.map(|x| x.as_str().to_owned()),
             bootstrap_port: r.bootstrap_port,
-            api_key: r.api_key.clone(),
+            api_key: None,
             model: r.model.clone(),
             trtllm_poll_ms: r
                 .trtllm_poll
@@ -152,6 +172,7 @@ impl SavedWorker {
         }
     }
 
+    /// The registration, without a key (the caller gives it the one it trusts).
     fn registration(&self) -> Result<Registration> {
         let role = match &self.role {
             None => None,
@@ -171,7 +192,7 @@ impl SavedWorker {
             replay: self.replay.clone(),
             role,
             bootstrap_port: self.bootstrap_port,
-            api_key: self.api_key.clone(),
+            api_key: None,
             model: self.model.clone(),
             trtllm_poll: self.trtllm_poll_ms.map(std::time::Duration::from_millis),
         })
@@ -187,6 +208,13 @@ struct Meta {
     /// The sharding policy it was taken under (routes mean something only under it).
     policy: String,
     workers: Vec<SavedWorker>,
+}
+
+/// The content of [`KEYS_FILE`].
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct KeysFile {
+    version: u32,
+    keys: BTreeMap<u64, String>,
 }
 
 fn io_err(context: &str, e: std::io::Error) -> TransportError {
@@ -227,6 +255,72 @@ impl StateDir {
         self.dir.join(SNAPSHOT_FILE)
     }
 
+    /// The API workers' keys file ([`KEYS_FILE`]).
+    pub fn keys_path(&self) -> PathBuf {
+        self.dir.join(KEYS_FILE)
+    }
+
+    /// Writes the keys of `hub`'s API workers to [`KEYS_FILE`] (atomically, owner-only);
+    /// with none, removes the file.
+    fn save_keys(&self, hub: &Hub) -> Result<()> {
+        let api = hub.persisted().api_workers();
+        let keys: BTreeMap<u64, String> = hub
+            .workers()
+            .into_iter()
+            .filter(|w| api.contains(&w.registration.worker))
+            .filter_map(|w| Some((w.registration.worker.0, w.registration.api_key?)))
+            .collect();
+        let path = self.keys_path();
+        if keys.is_empty() {
+            return match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(io_err("removing the worker keys file", e))
+                }
+                _ => Ok(()),
+            };
+        }
+        let json = serde_json::to_vec(&KeysFile { version: 1, keys }).map_err(|e| {
+            TransportError::Invalid {
+                name: "worker keys",
+                reason: e.to_string(),
+            }
+        })?;
+        file::write_atomic(&path, json).map_err(|e| io_err("writing the worker keys", e))?;
+        Ok(())
+    }
+
+    /// The API workers' keys this router saved ([`KEYS_FILE`]); none if there is no file,
+    /// and none (with a warning) if it cannot be read.
+    pub fn worker_keys(&self) -> BTreeMap<WorkerId, String> {
+        let path = self.keys_path();
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return BTreeMap::new(),
+            Err(e) => {
+                tracing::warn!(
+                    "cannot read {}: {e}; restored workers get no key",
+                    path.display()
+                );
+                return BTreeMap::new();
+            }
+        };
+        match serde_json::from_slice::<KeysFile>(&bytes) {
+            Ok(f) if f.version == 1 => f.keys.into_iter().map(|(w, k)| (WorkerId(w), k)).collect(),
+            Ok(f) => {
+                tracing::warn!(
+                    "{}: version {}; restored workers get no key",
+                    path.display(),
+                    f.version
+                );
+                BTreeMap::new()
+            }
+            Err(e) => {
+                tracing::warn!("{}: {e}; restored workers get no key", path.display());
+                BTreeMap::new()
+            }
+        }
+    }
+
     /// Takes a snapshot of `hub`'s engine (taken under the sharding `policy`) and writes
     /// it. Blocking: run it on a thread that is not a core's (see
     /// [`Hub::snapshot_engine`]).
@@ -249,6 +343,8 @@ impl StateDir {
     }
 
     fn save_inner(&self, hub: &Hub, policy: &str, started: Instant) -> Result<Written> {
+        // The keys first: a snapshot on disk never names a worker whose key was lost.
+        self.save_keys(hub)?;
         let bytes = encode_snapshot(hub, policy)?;
         let len = bytes.len();
         let backend = file::write_atomic(&self.snapshot_path(), bytes)
@@ -319,6 +415,8 @@ pub struct Checked<'a> {
     /// The engine image, to start the cores from.
     pub image: &'a ArchivedEngineImage,
     meta: Meta,
+    /// Received from a peer replica (nothing in it sets a key, invariant 3).
+    from_peer: bool,
 }
 
 impl std::fmt::Debug for Checked<'_> {
@@ -331,11 +429,17 @@ impl std::fmt::Debug for Checked<'_> {
 }
 
 impl Loaded {
-    /// A snapshot received whole from elsewhere (a peer replica's, from NATS).
+    /// A snapshot received whole from elsewhere (a peer replica's, from NATS, its MAC
+    /// checked and removed), copied into an aligned buffer.
     pub fn received(bytes: &[u8]) -> Self {
         let mut aligned = AlignedVec::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
-        Self::upgraded(aligned, file::Backend::Network)
+        Self::received_aligned(aligned)
+    }
+
+    /// [`Loaded::received`], already in an aligned buffer (no copy).
+    pub fn received_aligned(bytes: AlignedVec) -> Self {
+        Self::upgraded(bytes, file::Backend::Network)
     }
 
     /// A file as read, rewritten in the current format if it is an older one (its marks
@@ -389,7 +493,11 @@ impl Loaded {
                 meta.policy
             )));
         }
-        Ok(Checked { image, meta })
+        Ok(Checked {
+            image,
+            meta,
+            from_peer: self.backend == file::Backend::Network,
+        })
     }
 }
 
@@ -401,6 +509,16 @@ pub struct Plan {
     marks: BTreeMap<WorkerId, (u64, Option<u64>)>,
     ranks: BTreeMap<WorkerId, BTreeSet<DpRank>>,
     workers: Vec<SavedWorker>,
+    /// The keys the registrations get (this router's own, invariant 3).
+    keys: BTreeMap<WorkerId, String>,
+}
+
+impl Plan {
+    /// Gives the restored registrations this router's own keys ([`StateDir::worker_keys`]),
+    /// over any a snapshot of an older build of its own held.
+    pub fn add_keys(&mut self, keys: BTreeMap<WorkerId, String>) {
+        self.keys.extend(keys);
+    }
 }
 
 impl Checked<'_> {
@@ -411,7 +529,7 @@ impl Checked<'_> {
             .iter()
             .flat_map(|c| c.nodes.iter())
             .map(|n| u64::from(n.len.to_native()) * u64::from(n.holders.to_native()))
-            .sum()
+            .fold(0u64, u64::saturating_add)
     }
 
     /// What [`begin_restore`] and [`finish_restore`] need.
@@ -420,6 +538,14 @@ impl Checked<'_> {
             workers: self.meta.workers.clone(),
             ..Plan::default()
         };
+        if !self.from_peer {
+            // This router's own file, written by an older build: its keys are its own.
+            for w in &plan.workers {
+                if let Some(k) = &w.api_key {
+                    plan.keys.insert(WorkerId(w.worker_id), k.clone());
+                }
+            }
+        }
         for core in self.image.cores.iter() {
             for m in core.marks.iter() {
                 if m.stream.to_native() == 0 {
@@ -448,6 +574,9 @@ pub struct Restored {
     pub kept: usize,
     /// Workers cleared (no resumable stream, or not registered).
     pub cleared: usize,
+    /// Registrations the snapshot held that were refused (a host outside `--worker-hosts`,
+    /// or a registration the hub does not take); logged.
+    pub refused: usize,
 }
 
 /// First half of a restore, right after the cores were started from the snapshot and
@@ -489,33 +618,45 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
 
 /// Second half, once the configured workers are registered and subscribed: the snapshot's
 /// API workers that the configuration does not name are registered again (`on_register`
-/// subscribes them; they take their resume points), and marked workers that nobody
-/// registers any more are forgotten.
+/// subscribes them; they take their resume points), each checked first as
+/// `POST /v1/workers` checks one (`worker_hosts`: `--worker-hosts`); a refused one is
+/// logged, counted and left out. Marked workers that nobody registers any more are
+/// forgotten.
 pub fn finish_restore(
     hub: &Hub,
     plan: &Plan,
     mut done: Restored,
+    worker_hosts: &[String],
     on_register: &dyn Fn(&Registration),
 ) -> Result<Restored> {
     for w in &plan.workers {
-        let reg = w.registration()?;
-        if hub.registered(reg.worker) {
-            // The configuration names it now: its settings win.
+        let worker = WorkerId(w.worker_id);
+        if hub.registered(worker) {
+            // The configuration names it now: its settings (and key) win.
             continue;
         }
-        match hub.register(reg.clone()) {
-            Ok(_) => {}
-            // An address this build refuses (crate::outbound::addr): the worker is left
-            // out, its blocks dropped below, rather than the router refusing to start.
-            Err(e @ TransportError::Invalid { .. }) => {
-                tracing::warn!(worker = %reg.worker, "not restored from the snapshot: {e}");
-                continue;
+        let checked = w.registration().and_then(|mut reg| {
+            crate::http::check_registration_hosts(worker_hosts, &reg).map_err(|reason| {
+                TransportError::Invalid {
+                    name: "snapshot worker",
+                    reason,
+                }
+            })?;
+            reg.api_key = plan.keys.get(&worker).cloned();
+            hub.register(reg.clone())?;
+            Ok(reg)
+        });
+        match checked {
+            Ok(reg) => {
+                hub.persisted().note_api_worker(reg.worker);
+                on_register(&reg);
+                done.registered += 1;
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                done.refused += 1;
+                tracing::warn!(worker = %worker, "a registration in the snapshot is refused: {e}");
+            }
         }
-        hub.persisted().note_api_worker(reg.worker);
-        on_register(&reg);
-        done.registered += 1;
     }
     for &worker in plan.marks.keys() {
         if hub.registered(worker) {
@@ -590,7 +731,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn saved_workers_round_trip() {
+    fn saved_workers_round_trip_without_their_keys() {
         let reg = Registration {
             dp_ranks: vec![DpRank(0), DpRank(3)],
             url: Some("http://w:8000".into()),
@@ -598,14 +739,26 @@ mod tests {
             replay: Some("tcp://w:5558".into()),
             role: Some(WorkerRole::Prefill),
             bootstrap_port: Some(8998),
-            api_key: Some("k".into()),
+            api_key: Some("the-worker-key".into()),
             model: Some("m".into()),
             ..Registration::new(WorkerId(7))
         };
         let saved = SavedWorker::of(&reg);
         let json = serde_json::to_string(&saved).unwrap();
+        assert!(!json.contains("the-worker-key"), "{json}");
+        assert!(!json.contains("api_key"), "{json}");
         let back: SavedWorker = serde_json::from_str(&json).unwrap();
-        assert_eq!(back.registration().unwrap(), reg);
+        let want = Registration {
+            api_key: None,
+            ..reg
+        };
+        assert_eq!(back.registration().unwrap(), want);
+        // An older build's snapshot holds keys: they are read (for the router's own file
+        // only, see `Checked::plan`), never given by `registration`.
+        let old = json.replacen('{', r#"{"api_key":"old-key","#, 1);
+        let back: SavedWorker = serde_json::from_str(&old).unwrap();
+        assert_eq!(back.api_key.as_deref(), Some("old-key"));
+        assert_eq!(back.registration().unwrap().api_key, None);
     }
 
     #[test]
