@@ -60,6 +60,9 @@ pub fn body_limit_for(max_prompt_tokens: usize) -> usize {
 /// (12 MiB of ids; so 16 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
+/// How long a body refused from its declared length is still read (and dropped).
+const BODY_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Default [`HttpConfig::body_timeout`]: 30 s to send a body (64 MiB at 17 Mbit/s).
 pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -256,6 +259,25 @@ pub async fn read_body(
     if let Some(n) = declared
         && n > limit as u64
     {
+        // Refused from its declared length, without buffering any of it. What the client
+        // already sent is read and dropped for a moment (at most 1 MiB past the limit, 1 s):
+        // closing with it unread would reset the connection and could destroy the 413 on
+        // its way (a lingering close, as nginx does).
+        let linger = u64::try_from(limit)
+            .unwrap_or(u64::MAX)
+            .saturating_add(1 << 20);
+        let mut body = req.into_body().into_data_stream();
+        let drain = async {
+            use futures_util::StreamExt;
+            let mut seen = 0u64;
+            while seen < n.min(linger) {
+                match body.next().await {
+                    Some(Ok(chunk)) => seen += chunk.len() as u64,
+                    _ => break,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(BODY_LINGER, drain).await;
         return Err(too_large(n));
     }
     let body = http_body_util::Limited::new(req.into_body(), limit);

@@ -154,6 +154,9 @@ struct Stream {
     replaying: bool,
 }
 
+/// Requests for a restarted publisher's history before its ranks are resynced instead.
+const HISTORY_ATTEMPTS: usize = 3;
+
 fn replay_io(context: &str, e: String) -> TransportError {
     TransportError::Io {
         context: context.to_owned(),
@@ -434,11 +437,15 @@ impl Stream {
     async fn replay_history(&mut self, endpoint: &str) {
         let worker = self.source.worker;
         let mut result = self.history_attempt(endpoint).await;
-        if let Err(e) = &result {
+        for _ in 1..HISTORY_ATTEMPTS {
+            let Err(e) = &result else { break };
             // A publisher that just started may be slow to answer (vLLM's publisher thread
-            // shares the GIL with the engine warming up). Asking again is safe: the fence
-            // skips what the first attempt applied.
-            tracing::info!(worker = %worker, "history replay failed ({e}); asking once more");
+            // shares the GIL with the engine warming up; a simulated worker's first history
+            // request after its restart went unanswered for the whole replay timeout in
+            // about one soak run in two on a loaded machine, the next one was answered at
+            // once). Asking again is safe: the fence skips what an attempt applied, and the
+            // ranks stay distrusted meanwhile.
+            tracing::info!(worker = %worker, "history replay failed ({e}); asking again");
             result = self.history_attempt(endpoint).await;
         }
         match result {
