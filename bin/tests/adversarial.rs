@@ -198,6 +198,24 @@ fn reservations_expire_at_their_own_lifetime() {
     assert!(t0.elapsed() >= Duration::from_secs(8), "{:?}", t0.elapsed());
 }
 
+/// Raises this test process's soft limit on open files to its hard limit (a machine with a
+/// soft limit of 1,024 would otherwise refuse the test's own 1,000 sockets; the router
+/// raises its own at start).
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read or write one `rlimit` through a valid pointer to
+    // a local.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 /// Opens `n` connections that each send half a request header and nothing more.
 fn slowloris(addr: &str, n: usize) -> Vec<TcpStream> {
     (0..n)
@@ -220,6 +238,7 @@ fn a_thousand_slowloris_connections_neither_stop_the_router_nor_stay() {
         "--http-header-timeout-secs",
         "3",
     ]);
+    raise_fd_limit();
     let began = Instant::now();
     let mut held = slowloris(&r.http, 1_000);
     // While they hang: ready, routing, and the front door all answer.
