@@ -154,7 +154,8 @@ struct Stream {
     replaying: bool,
 }
 
-/// Requests for a restarted publisher's history before its ranks are resynced instead.
+/// Requests for a reconnected publisher's replay (the continuity check, then a restarted
+/// one's history) before its ranks are resynced instead.
 const HISTORY_ATTEMPTS: usize = 3;
 
 fn replay_io(context: &str, e: String) -> TransportError {
@@ -378,7 +379,16 @@ impl Stream {
         let Some(endpoint) = self.source.replay.clone() else {
             return;
         };
-        let (mut dealer, first) = match self.replay_first(&endpoint, last.seq).await {
+        let mut opened = self.replay_first(&endpoint, last.seq).await;
+        for _ in 1..HISTORY_ATTEMPTS {
+            let Err(e) = &opened else { break };
+            // The same slow start as for the history (see `replay_history`): ask again
+            // before giving up on the continuity (a resync drops everything the worker
+            // holds from routing).
+            tracing::info!(worker = %worker, from = last.seq, "replay failed ({e}); asking again");
+            opened = self.replay_first(&endpoint, last.seq).await;
+        }
+        let (mut dealer, first) = match opened {
             Ok(opened) => opened,
             Err(e) => {
                 tracing::warn!(worker = %worker, from = last.seq, "replay failed: {e}");
