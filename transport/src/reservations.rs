@@ -18,7 +18,7 @@
 //! 1. `by_id` and `by_client` hold the same pairs: `(id, c)` is in one iff it is in the
 //!    other.
 //! 2. Every pair whose request is still active is present; a pair whose request ended
-//!    without passing here (it expired) is dropped by the next [`Reservations::prune`] that
+//!    without passing here (it expired) is dropped by the next `Reservations::prune` that
 //!    sees it, and never counts against the cap once pruned.
 //!
 //! # Concurrency

@@ -233,7 +233,7 @@ pub enum BodyError {
 /// Reads `req`'s whole body: at most `limit` bytes (a larger `Content-Length` is refused
 /// before anything is read), all of it within `deadline` of the headers. Refusals are
 /// counted on `hub`'s metrics (oversized drops, body timeouts). Every edge endpoint that
-/// takes a body reads it here: the routing and control APIs ([`RawBody`]) and the OpenAI
+/// takes a body reads it here: the routing and control APIs (`RawBody`) and the OpenAI
 /// front door.
 pub async fn read_body(
     req: Request,
