@@ -359,8 +359,17 @@ pub struct ZmqEndpoint {
 }
 
 impl ZmqEndpoint {
-    /// Parses `tcp://host:port`.
+    /// Parses `tcp://host:port`; every refusal names that form.
     pub fn parse(text: &str) -> Result<Self, AddrError> {
+        Self::parse_bare(text).map_err(|mut e| {
+            if !e.why.contains("tcp://HOST:PORT") {
+                e.why.push_str(" (expected tcp://HOST:PORT)");
+            }
+            e
+        })
+    }
+
+    fn parse_bare(text: &str) -> Result<Self, AddrError> {
         check_chars(text, "endpoint")?;
         let Some(authority) = text.strip_prefix("tcp://") else {
             return refuse(text, "only tcp://HOST:PORT endpoints are accepted");
