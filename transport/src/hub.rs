@@ -1396,11 +1396,7 @@ impl Hub {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         let now = Instant::now();
         let mut routing = lock(&self.routing);
-        if let Some(client) = client
-            && !routing.reservations.held_by(request_id, client)
-        {
-            return Err(TransportError::UnknownRequest(request_id.to_owned()));
-        }
+        routing.check_holder(request_id, client)?;
         routing
             .with_request(request_id, |r| r.prefilled(now, request_id))
             .map_err(refused)?;
@@ -1424,11 +1420,7 @@ impl Hub {
     fn finish_as(&self, request_id: &str, client: Option<ClientId>) -> Result<()> {
         check_request_id(request_id).map_err(|e| refused(RouteError::Name(e)))?;
         let mut routing = lock(&self.routing);
-        if let Some(client) = client
-            && !routing.reservations.held_by(request_id, client)
-        {
-            return Err(TransportError::UnknownRequest(request_id.to_owned()));
-        }
+        routing.check_holder(request_id, client)?;
         let key = routing
             .with_request(request_id, |r| {
                 // The worker is looked up only where a TensorRT-LLM poller may want a poke.

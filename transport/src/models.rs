@@ -290,6 +290,18 @@ impl Namespaces {
         })
     }
 
+    /// For a caller of the routing API (`Some(client)`): `id` must be its own reservation,
+    /// else it is [`TransportError::UnknownRequest`] (whether it exists is not told). The
+    /// router's own calls (`None`) pass.
+    pub fn check_holder(&self, id: &str, client: Option<ClientId>) -> Result<()> {
+        match client {
+            Some(c) if !self.reservations.held_by(id, c) => {
+                Err(TransportError::UnknownRequest(id.to_owned()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Records request `id`, just routed, as `client`'s reservation.
     pub fn add_reservation(&mut self, id: String, client: ClientId) {
         let by_model = &self.by_model;

@@ -20,31 +20,13 @@ use transport::hub::{Hub, Registration};
 use transport::kv_events::{WireBatch, WireEvent};
 use transport::zmq::{SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
-const BS: usize = 16;
+const BS: usize = common::WIRE_BS;
 const GIANT: u64 = 1 << 62;
 
-fn store(p: u32, blocks: usize) -> WireEvent {
-    WireEvent::Stored {
-        block_hashes: (0..blocks as u64)
-            .map(|i| u64::from(p) * 1000 + i)
-            .collect(),
-        parent: None,
-        token_ids: (0..(blocks * BS) as u32).map(|t| p * 100_000 + t).collect(),
-        block_size: Some(BS as u32),
-        lora_id: None,
-        lora_name: None,
-        medium: Some("GPU".into()),
-        extra_keys: None,
-    }
-}
+use common::wire_store as store;
 
 fn batch(events: Vec<WireEvent>) -> WireBatch {
-    WireBatch {
-        ts: Some(0.0),
-        dp_rank: Some(0),
-        events,
-        unknown_events: 0,
-    }
+    common::wire_batch(0, events)
 }
 
 fn prompt(p: u32, blocks: usize) -> Vec<u32> {

@@ -14,39 +14,18 @@ use std::time::{Duration, Instant};
 use transport::DropReason;
 use transport::hub::StreamState;
 use transport::hub::{Hub, Registration};
-use transport::kv_events::{ConvertConfig, WireBatch, WireEvent, convert, decode_batch};
+use transport::kv_events::{ConvertConfig, WireEvent, convert, decode_batch};
 use transport::zmq::{ReplayShape, SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
-const BS: usize = 16;
+const BS: usize = common::WIRE_BS;
 
-/// A store of `blocks` blocks for prompt `p`, engine hashes `p * 1000 + i`.
-fn store(p: u32, blocks: usize) -> WireEvent {
-    WireEvent::Stored {
-        block_hashes: (0..blocks as u64)
-            .map(|i| u64::from(p) * 1000 + i)
-            .collect(),
-        parent: None,
-        token_ids: (0..(blocks * BS) as u32).map(|t| p * 100_000 + t).collect(),
-        block_size: Some(BS as u32),
-        lora_id: None,
-        lora_name: None,
-        medium: Some("GPU".into()),
-        extra_keys: None,
-    }
-}
+use common::wire_store as store;
 
 fn prompt(p: u32, blocks: usize) -> Vec<u32> {
     (0..(blocks * BS) as u32).map(|t| p * 100_000 + t).collect()
 }
 
-fn batch(dp_rank: u32, events: Vec<WireEvent>) -> WireBatch {
-    WireBatch {
-        ts: Some(0.0),
-        dp_rank: Some(dp_rank),
-        events,
-        unknown_events: 0,
-    }
-}
+use common::wire_batch as batch;
 
 fn overlap(hub: &Hub, p: u32, blocks: usize) -> Vec<(WorkerKey, u32)> {
     hub.sync().unwrap();

@@ -22,30 +22,12 @@ use transport::kv_events::{WireBatch, WireEvent};
 use transport::zmq::publisher::encode_batch;
 use transport::zmq::{SubscriberConfig, VllmPublisher, ZmqSource, spawn_subscriber};
 
-const BS: usize = 16;
+const BS: usize = common::WIRE_BS;
 
-fn store(p: u32, blocks: usize) -> WireEvent {
-    WireEvent::Stored {
-        block_hashes: (0..blocks as u64)
-            .map(|i| u64::from(p) * 1000 + i)
-            .collect(),
-        parent: None,
-        token_ids: (0..(blocks * BS) as u32).map(|t| p * 100_000 + t).collect(),
-        block_size: Some(BS as u32),
-        lora_id: None,
-        lora_name: None,
-        medium: Some("GPU".into()),
-        extra_keys: None,
-    }
-}
+use common::wire_store as store;
 
 fn batch(events: Vec<WireEvent>) -> WireBatch {
-    WireBatch {
-        ts: Some(0.0),
-        dp_rank: Some(0),
-        events,
-        unknown_events: 0,
-    }
+    common::wire_batch(0, events)
 }
 
 fn overlap(hub: &Hub, p: u32, blocks: usize) -> Vec<(WorkerKey, u32)> {
@@ -56,6 +38,22 @@ fn overlap(hub: &Hub, p: u32, blocks: usize) -> Vec<(WorkerKey, u32)> {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A Python that imports `zmq`; `None` (the test skips, saying why) when there is none,
+/// which fails under `KVENGINE_PYZMQ_REQUIRED` (CI).
+fn pyzmq_or_skip() -> Option<String> {
+    match pyzmq() {
+        Ok(python) => Some(python),
+        Err(why) => {
+            assert!(
+                std::env::var_os("KVENGINE_PYZMQ_REQUIRED").is_none(),
+                "KVENGINE_PYZMQ_REQUIRED is set (CI) and {why}"
+            );
+            eprintln!("skipped: {why}");
+            None
+        }
+    }
 }
 
 /// A Python that imports `zmq`, or why there is none.
@@ -207,16 +205,8 @@ for line in sys.stdin:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_subscriber_reads_a_pyzmq_publisher_and_its_router() {
-    let python = match pyzmq() {
-        Ok(p) => p,
-        Err(why) => {
-            assert!(
-                std::env::var_os("KVENGINE_PYZMQ_REQUIRED").is_none(),
-                "KVENGINE_PYZMQ_REQUIRED is set (CI) and {why}"
-            );
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(python) = pyzmq_or_skip() else {
+        return;
     };
     let mut script = Script::start(&python, VLLM_LIKE, &[]);
     let ports = script.line();
@@ -323,16 +313,8 @@ for line in sys.stdin:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pyzmq_reads_the_publisher_and_its_replay_socket() {
-    let python = match pyzmq() {
-        Ok(p) => p,
-        Err(why) => {
-            assert!(
-                std::env::var_os("KVENGINE_PYZMQ_REQUIRED").is_none(),
-                "KVENGINE_PYZMQ_REQUIRED is set (CI) and {why}"
-            );
-            eprintln!("skipped: {why}");
-            return;
-        }
+    let Some(python) = pyzmq_or_skip() else {
+        return;
     };
     let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
         .await

@@ -230,3 +230,38 @@ impl QuicEnv {
         }
     }
 }
+
+/// Block size of the wire events below.
+pub const WIRE_BS: usize = 16;
+
+/// A vLLM `BlockStored` of `blocks` blocks for prompt `p`: engine hashes `p * 1000 + i`,
+/// tokens `p * 100_000 + t`, block size [`WIRE_BS`], on the GPU.
+pub fn wire_store(p: u32, blocks: usize) -> transport::kv_events::WireEvent {
+    transport::kv_events::WireEvent::Stored {
+        block_hashes: (0..blocks as u64)
+            .map(|i| u64::from(p) * 1000 + i)
+            .collect(),
+        parent: None,
+        token_ids: (0..(blocks * WIRE_BS) as u32)
+            .map(|t| p * 100_000 + t)
+            .collect(),
+        block_size: Some(WIRE_BS as u32),
+        lora_id: None,
+        lora_name: None,
+        medium: Some("GPU".into()),
+        extra_keys: None,
+    }
+}
+
+/// A batch of `events` from data-parallel rank `dp_rank`.
+pub fn wire_batch(
+    dp_rank: u32,
+    events: Vec<transport::kv_events::WireEvent>,
+) -> transport::kv_events::WireBatch {
+    transport::kv_events::WireBatch {
+        ts: Some(0.0),
+        dp_rank: Some(dp_rank),
+        events,
+        unknown_events: 0,
+    }
+}
