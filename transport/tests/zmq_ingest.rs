@@ -956,6 +956,56 @@ async fn a_publisher_restarted_while_disconnected_is_cleared_before_its_new_bloc
     rig.stop(restarted).await;
 }
 
+/// The same restart, but the new process has published nothing when the router comes back:
+/// its replay socket answers the history request with the end marker alone. That is an
+/// empty history, replayed in full (no resync, no wait for a second end marker: that wait
+/// timed out three times and resynced the worker in the soak).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_publisher_with_nothing_published_yet_replays_an_empty_history() {
+    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    let (rig, live, replay) = setup_relayed(33, &mut publisher).await;
+    let hub = rig.hub.clone();
+    publisher
+        .publish(&batch(0, vec![store(1, 2)]))
+        .await
+        .unwrap();
+    wait_for("prompt 1", || !overlap(&hub, 1, 2).is_empty()).await;
+
+    live.cut_off();
+    replay.cut_off();
+    drop(publisher); // SIGKILL
+    wait_for("connecting", || {
+        stream_of(&hub) == Some(StreamState::Connecting)
+    })
+    .await;
+    let mut restarted = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap();
+    replay.reopen(restarted.replay_endpoint().unwrap());
+    live.reopen(restarted.endpoint());
+    let m = hub.metrics();
+    wait_for("the restart", || m.restarts.load(Relaxed) == 1).await;
+    assert_eq!(
+        overlap(&hub, 1, 2),
+        vec![],
+        "the old process's blocks are gone"
+    );
+    // Nothing is published until the (empty) history has been replayed and the worker
+    // trusted again.
+    wait_for("the empty history replayed", || {
+        hub.workers()[0].resyncing.is_empty()
+    })
+    .await;
+    publish_until_seen(&hub, &mut restarted, 2, 1).await;
+    assert_eq!(m.resyncs.load(Relaxed), 0, "an empty history is exact");
+    assert_eq!(m.restarts.load(Relaxed), 1);
+    assert!(hub.workers()[0].resyncing.is_empty());
+    drop(hub);
+    rig.stop(restarted).await;
+}
+
 /// A worker without a replay socket: a reconnection cannot be verified, so its blocks are
 /// cleared and counted as a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -450,11 +450,8 @@ impl Stream {
         for _ in 1..HISTORY_ATTEMPTS {
             let Err(e) = &result else { break };
             // A publisher that just started may be slow to answer (vLLM's publisher thread
-            // shares the GIL with the engine warming up; a simulated worker's first history
-            // request after its restart went unanswered for the whole replay timeout in
-            // about one soak run in two on a loaded machine, the next one was answered at
-            // once). Asking again is safe: the fence skips what an attempt applied, and the
-            // ranks stay distrusted meanwhile.
+            // shares the GIL with the engine warming up). Asking again is safe: the fence
+            // skips what an attempt applied, and the ranks stay distrusted meanwhile.
             tracing::info!(worker = %worker, "history replay failed ({e}); asking again");
             result = self.history_attempt(endpoint).await;
         }
@@ -487,10 +484,15 @@ impl Stream {
                         ),
                     );
                 }
-                if let Some((seq, payload)) = first {
-                    self.apply_replayed(seq, &payload);
+                match first {
+                    Some((seq, payload)) => {
+                        self.apply_replayed(seq, &payload);
+                        self.replay_rest(&mut dealer).await
+                    }
+                    // The end marker came first: the publisher has published nothing yet,
+                    // and the replay is over (waiting for a second marker timed out).
+                    None => Ok(()),
                 }
-                self.replay_rest(&mut dealer).await
             }
             Err(e) => Err(e),
         }
