@@ -412,7 +412,7 @@ fn small_replay_end_to_end() {
             }
             // Every routed request was freed.
             assert_eq!(cluster.wait_idle(Duration::from_secs(2)).await, 0);
-            assert_eq!(cluster.hub().active_requests(), 0);
+            assert_eq!(cluster.hub().routing().active_requests(), 0);
             let info = RunInfo {
                 mode,
                 workload: workload.name.clone(),
@@ -549,7 +549,7 @@ fn a_replay_with_a_dead_worker_completes_and_leaks_no_active_request() {
             .map_or(0, |(_, n)| n);
         assert!(retries >= 5, "{retries} retries");
         assert_eq!(cluster.wait_idle(Duration::from_secs(2)).await, 0);
-        assert_eq!(cluster.hub().active_requests(), 0);
+        assert_eq!(cluster.hub().routing().active_requests(), 0);
         for w in cluster.hub().workers() {
             for (rank, active, _) in w.loads {
                 let active = active.unwrap_or_default();

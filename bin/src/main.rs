@@ -148,7 +148,7 @@ mod tests {
         assert_eq!(limits, transport::http::conn::ConnLimits::default());
         assert_eq!(
             open.limits().max_reservations_per_client,
-            Some(transport::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT)
+            Some(engine::router::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT)
         );
     }
 }

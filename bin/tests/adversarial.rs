@@ -130,7 +130,7 @@ fn a_route_flood_from_one_client_leaves_every_other_client_routed() {
     }
     assert_eq!(
         granted.len(),
-        transport::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT
+        engine::router::reservations::DEFAULT_MAX_RESERVATIONS_PER_CLIENT
     );
     assert_eq!(refused, 1_500 - granted.len());
     assert_eq!(

@@ -16,12 +16,12 @@ use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
 use engine::{WorkerId, WorkerKey};
 use pyo3::PyResult;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
-use tokio::task::JoinHandle;
 use transport::hub::{Hub, HubConfig, Registration, start_engine};
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber_on};
+use transport::sources::{Sources, SourcesConfig};
+use transport::zmq::ZmqSource;
 
 /// Engine settings a caller may choose.
 #[derive(Clone, Copy, Debug)]
@@ -38,7 +38,8 @@ pub(crate) struct Shared {
     hub: Option<Arc<Hub>>,
     runtime: Option<Runtime>,
     io: OnceLock<tokio::runtime::Runtime>,
-    subscriptions: Mutex<BTreeMap<WorkerId, JoinHandle<()>>>,
+    /// The workers' event sources ([`transport::sources`]), on `io`.
+    sources: OnceLock<Arc<Sources>>,
     /// Workers seen with a data-parallel rank other than 0 (their matches are keyed by
     /// `(worker_id, dp_rank)`, as Dynamo keys them).
     ranked: Mutex<BTreeSet<WorkerId>>,
@@ -71,7 +72,7 @@ impl Shared {
             hub: Some(Arc::new(hub)),
             runtime: Some(runtime),
             io: OnceLock::new(),
-            subscriptions: Mutex::new(BTreeMap::new()),
+            sources: OnceLock::new(),
             ranked: Mutex::new(BTreeSet::new()),
             cores,
         }))
@@ -125,8 +126,8 @@ impl Shared {
     /// Forgets a removed worker's rank note and subscription.
     pub(crate) fn forget(&self, worker: WorkerId) {
         lock(&self.ranked).remove(&worker);
-        if let Some(task) = lock(&self.subscriptions).remove(&worker) {
-            task.abort();
+        if let Some(sources) = self.sources.get() {
+            sources.stop(worker);
         }
     }
 
@@ -159,30 +160,29 @@ impl Shared {
                 })?
             }
         };
-        let worker = source.worker;
-        let task = spawn_subscriber_on(
-            io.handle(),
-            Arc::clone(hub),
-            source,
-            SubscriberConfig::default(),
-        );
-        if let Some(old) = lock(&self.subscriptions).insert(worker, task) {
-            old.abort();
-        }
+        let sources = self.sources.get_or_init(|| {
+            Sources::new(
+                Arc::clone(hub),
+                SourcesConfig::default(),
+                io.handle().clone(),
+            )
+        });
+        // A worker subscribes to one publisher: a new one replaces the old.
+        sources.stop_except(source.worker, &source.publisher);
+        sources.subscribe(source);
         Ok(())
     }
 
     /// Workers with a running subscription.
     pub(crate) fn subscribed(&self) -> Vec<WorkerId> {
-        lock(&self.subscriptions).keys().copied().collect()
+        self.sources.get().map(|s| s.workers()).unwrap_or_default()
     }
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        for (_, task) in std::mem::take(&mut *lock(&self.subscriptions)) {
-            task.abort();
-        }
+        // Aborts every subscription (and drops its hub handle).
+        drop(self.sources.take());
         if let Some(io) = self.io.take() {
             // Drops the aborted tasks (and their hub handles) before returning.
             io.shutdown_timeout(Duration::from_secs(2));

@@ -571,7 +571,7 @@ impl KvRouter {
     fn active_requests(&self, py: Python<'_>) -> PyResult<usize> {
         not_in_policy()?;
         let shared = Arc::clone(&self.shared);
-        Ok(py.detach(move || shared.hub().active_requests()))
+        Ok(py.detach(move || shared.hub().routing().active_requests()))
     }
 
     /// The load routed requests put on a worker rank: `{"active_blocks",
@@ -585,7 +585,12 @@ impl KvRouter {
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
         not_in_policy()?;
         let shared = Arc::clone(&self.shared);
-        let load = py.detach(move || shared.hub().active_load(WorkerKey::new(worker_id, dp_rank)));
+        let load = py.detach(move || {
+            shared
+                .hub()
+                .routing()
+                .active_load(WorkerKey::new(worker_id, dp_rank))
+        });
         load.map(|l| {
             let d = PyDict::new(py);
             d.set_item("active_blocks", l.active_blocks)?;

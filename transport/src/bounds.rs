@@ -18,7 +18,7 @@
 //! * **Route reservations** (`--max-reservations-per-client`,
 //!   `--reservation-timeout-secs`): one client of the routing API holds at most so many
 //!   open reservations (429 `too_many_reservations` past it), each active for at most so
-//!   long unless freed ([`crate::reservations`]).
+//!   long unless freed ([`engine::router::reservations`]).
 //! * **Request ids**: at most 256 bytes, no control characters
 //!   ([`engine::router::check_request_id`]), on every call that names one.
 //!
@@ -62,10 +62,10 @@ pub struct Limits {
     /// for reporting ranks at it as degraded; the engine enforces it.
     pub max_blocks_per_key: Option<usize>,
     /// The most route reservations (`POST /v1/route` not yet freed) one client may hold
-    /// (`None`: no cap; [`crate::reservations`]).
+    /// (`None`: no cap; [`engine::router::reservations`]).
     pub max_reservations_per_client: Option<usize>,
     /// How long a route reservation never freed stays active (`None`:
-    /// [`crate::reservations::DEFAULT_RESERVATION_TIMEOUT`]; never longer than the
+    /// [`engine::router::reservations::DEFAULT_RESERVATION_TIMEOUT`]; never longer than the
     /// scheduler's request timeout).
     pub reservation_timeout: Option<std::time::Duration>,
 }

@@ -291,7 +291,7 @@ async fn the_routers_own_requests_cannot_be_freed_through_the_routing_api() {
         assert_eq!(s, StatusCode::NOT_FOUND, "{path}: {v}");
         assert_eq!(v["error"]["code"], "unknown_request");
     }
-    assert_eq!(hub.active_requests(), 1);
+    assert_eq!(hub.routing().active_requests(), 1);
     hub.finish(&id).unwrap();
-    assert_eq!(hub.active_requests(), 0);
+    assert_eq!(hub.routing().active_requests(), 0);
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use bytes::Bytes;
+use engine::WorkerId;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
@@ -11,10 +12,11 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use transport::http::{HttpConfig, health::health_loop};
 use transport::hub::Hub;
+use transport::sources::{Sources, SourcesConfig};
 
 struct Server {
     base: String,
@@ -34,6 +36,22 @@ impl Drop for Server {
 async fn start(cfg: HttpConfig) -> Server {
     let (hub, runtime) = common::hub(2);
     std::mem::forget(runtime);
+    serve(hub, cfg).await
+}
+
+/// A server whose registrations start event sources ([`Sources`]).
+async fn start_with_sources() -> (Server, Arc<Sources>) {
+    let (hub, runtime) = common::hub(2);
+    std::mem::forget(runtime);
+    let sources = Sources::on_current(hub.clone(), SourcesConfig::default());
+    let cfg = HttpConfig {
+        sources: Some(sources.clone()),
+        ..HttpConfig::default()
+    };
+    (serve(hub, cfg).await, sources)
+}
+
+async fn serve(hub: Arc<Hub>, cfg: HttpConfig) -> Server {
     let (base, stop) = common::http_server(hub.clone(), cfg).await;
     Server {
         base,
@@ -189,7 +207,7 @@ async fn overlap_is_sorted_and_omits_zero_overlaps() {
         .await;
     assert_eq!(v["scores"], json!([]));
     // No state changed.
-    assert_eq!(s.hub.active_requests(), 0);
+    assert_eq!(s.hub.routing().active_requests(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +255,7 @@ async fn route_explains_candidates_and_the_request_stays_active_until_deleted() 
     assert_eq!(c2["prefill_blocks"], 0.0);
     let c1 = cands.iter().find(|c| c["worker_id"] == 1).unwrap();
     assert_eq!(c1["prefill_blocks"], 4.0);
-    assert_eq!(s.hub.active_requests(), 1);
+    assert_eq!(s.hub.routing().active_requests(), 1);
 
     // The request shows in the worker's load until it is deleted.
     let (_, w) = s.get("/v1/workers").await;
@@ -262,7 +280,7 @@ async fn route_explains_candidates_and_the_request_stays_active_until_deleted() 
     assert_eq!((st, v), (StatusCode::OK, json!({})));
     let (st, _) = s.delete("/v1/requests/r1").await;
     assert_eq!(st, StatusCode::OK);
-    assert_eq!(s.hub.active_requests(), 0);
+    assert_eq!(s.hub.routing().active_requests(), 0);
     let (st, v) = s.delete("/v1/requests/r1").await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(error_code(&v), "unknown_request");
@@ -318,7 +336,11 @@ async fn route_explains_candidates_and_the_request_stays_active_until_deleted() 
         st.is_client_error() || st == StatusCode::SERVICE_UNAVAILABLE,
         "{st} {v}"
     );
-    assert_eq!(s.hub.active_requests(), 3, "direct, round-robin and random");
+    assert_eq!(
+        s.hub.routing().active_requests(),
+        3,
+        "direct, round-robin and random"
+    );
     // Ids with reserved characters travel percent-encoded.
     let (st, _) = s
         .post("/v1/route", json!({"token_ids": p, "request_id": "a b/c"}))
@@ -522,21 +544,7 @@ async fn seq_fencing_skips_duplicates_resyncs_gaps_and_clears_on_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_register_list_and_delete() {
-    let registered = Arc::new(AtomicUsize::new(0));
-    let removed = Arc::new(AtomicUsize::new(0));
-    let (r1, r2) = (registered.clone(), removed.clone());
-    let cfg = HttpConfig {
-        on_register: Some(Arc::new(move |reg| {
-            assert_eq!(reg.worker.0, 5);
-            r1.fetch_add(1, Ordering::SeqCst);
-        })),
-        on_remove: Some(Arc::new(move |w| {
-            assert_eq!(w.0, 5);
-            r2.fetch_add(1, Ordering::SeqCst);
-        })),
-        ..HttpConfig::default()
-    };
-    let s = start(cfg).await;
+    let (s, sources) = start_with_sources().await;
     let (st, v) = s
         .post(
             "/v1/workers",
@@ -560,7 +568,8 @@ async fn workers_register_list_and_delete() {
     assert_eq!(v["dp_ranks"], json!([0, 1, 2]));
     assert_eq!(v["zmq"], "tcp://127.0.0.1:5557");
     assert_eq!(v["replay"], "tcp://127.0.0.1:5558");
-    assert_eq!(registered.load(Ordering::SeqCst), 2);
+    // Its subscription started once and was kept through the re-registration.
+    assert_eq!(sources.workers(), vec![WorkerId(5)]);
 
     let (st, v) = s
         .post("/v1/workers", json!({"worker_id": 6, "url": "ftp://x"}))
@@ -607,10 +616,10 @@ async fn workers_register_list_and_delete() {
 
     let (st, v) = s.delete("/v1/workers/5").await;
     assert_eq!((st, v), (StatusCode::OK, json!({"removed": true})));
-    assert_eq!(removed.load(Ordering::SeqCst), 1);
+    assert_eq!(sources.workers(), vec![], "its subscription stopped");
     s.hub.sync().unwrap();
     assert!(s.overlaps(&p).await.is_empty(), "blocks gone");
-    assert_eq!(s.hub.active_requests(), 0, "requests gone");
+    assert_eq!(s.hub.routing().active_requests(), 0, "requests gone");
     let (st, v) = s.delete("/v1/workers/5").await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(error_code(&v), "unknown_worker");
@@ -622,15 +631,7 @@ async fn workers_register_list_and_delete() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensorrt_llm_workers_register_with_their_poll_interval() {
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let hooked = seen.clone();
-    let cfg = HttpConfig {
-        on_register: Some(Arc::new(move |reg| {
-            hooked.lock().unwrap().push(reg.trtllm_poll);
-        })),
-        ..HttpConfig::default()
-    };
-    let s = start(cfg).await;
+    let (s, sources) = start_with_sources().await;
     let (st, v) = s
         .post(
             "/v1/workers",
@@ -656,7 +657,11 @@ async fn tensorrt_llm_workers_register_with_their_poll_interval() {
     assert_eq!(st, StatusCode::CREATED, "{v}");
     assert_eq!(v["poll_ms"], 100);
     let ms = |n| Some(std::time::Duration::from_millis(n));
-    assert_eq!(*seen.lock().unwrap(), vec![ms(40), ms(40), ms(100)]);
+    for (w, poll) in [(8, ms(40)), (9, ms(100))] {
+        let reg = s.hub.registry().registration(WorkerId(w)).unwrap();
+        assert_eq!(reg.trtllm_poll, poll, "worker {w}");
+    }
+    assert_eq!(sources.workers(), vec![WorkerId(8), WorkerId(9)], "polled");
     // A ZMQ worker shows no event source.
     let (st, v) = s
         .post(
@@ -666,7 +671,13 @@ async fn tensorrt_llm_workers_register_with_their_poll_interval() {
         .await;
     assert_eq!(st, StatusCode::CREATED, "{v}");
     assert!(v.get("event_source").is_none(), "{v}");
-    assert_eq!(seen.lock().unwrap().last(), Some(&None));
+    let reg = s.hub.registry().registration(WorkerId(10)).unwrap();
+    assert_eq!(reg.trtllm_poll, None);
+    assert_eq!(
+        sources.workers(),
+        vec![WorkerId(8), WorkerId(9), WorkerId(10)],
+        "subscribed"
+    );
     for bad in [
         json!({"worker_id": 11, "events": "trtllm"}),
         json!({"worker_id": 11, "url": "http://127.0.0.1:1", "events": "trtllm",
@@ -681,9 +692,9 @@ async fn tensorrt_llm_workers_register_with_their_poll_interval() {
         assert_eq!(error_code(&v), "invalid_argument", "{bad}");
     }
     assert_eq!(
-        seen.lock().unwrap().len(),
-        4,
-        "refused registrations reach no hook"
+        sources.workers(),
+        vec![WorkerId(8), WorkerId(9), WorkerId(10)],
+        "refused registrations start no source"
     );
 }
 
@@ -959,7 +970,7 @@ async fn roles_split_route_calls_into_pools() {
         assert_eq!(v["role"], role);
     }
     assert!(
-        s.hub.disaggregating(""),
+        s.hub.routing().disaggregating(""),
         "prefill and decode workers: the front door splits"
     );
     // Prefill worker 2 holds the prompt: a prefill call goes there, among prefill workers only.
@@ -1008,7 +1019,10 @@ async fn roles_split_route_calls_into_pools() {
         s.post("/v1/workers", json!({"worker_id": w, "role": "decode"}))
             .await;
     }
-    assert!(!s.hub.disaggregating(""), "no prefill worker left");
+    assert!(
+        !s.hub.routing().disaggregating(""),
+        "no prefill worker left"
+    );
     let (st, v) = s
         .post("/v1/route", json!({"token_ids": p, "pool": "prefill"}))
         .await;

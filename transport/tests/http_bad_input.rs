@@ -422,9 +422,13 @@ async fn request_ids_have_a_length_cap() {
         "invalid_argument",
     )
     .await;
-    assert_eq!(s.hub.active_requests(), 0, "a refused id records nothing");
+    assert_eq!(
+        s.hub.routing().active_requests(),
+        0,
+        "a refused id records nothing"
+    );
     let longest = json!({"token_ids": [1, 2, 3], "request_id": "x".repeat(cap)});
     s.expect("/v1/route", longest.to_string(), StatusCode::OK, "")
         .await;
-    assert_eq!(s.hub.active_requests(), 1);
+    assert_eq!(s.hub.routing().active_requests(), 1);
 }

@@ -144,13 +144,13 @@ async fn a_rank_at_its_block_cap_has_stores_refused_and_is_degraded() {
     assert_eq!(v["error"]["rejected_reasons"][0]["reason"], "worker_full");
     assert_eq!(e.degraded(1).await, [(0, "worker_full".to_owned())]);
     assert_eq!(
-        e.hub.cached_blocks(WorkerKey::new(1, 0)),
+        e.hub.routing().cached_blocks(WorkerKey::new(1, 0)),
         0,
         "not refreshed yet"
     );
     e.hub.refresh_cached_blocks().unwrap();
     assert_eq!(
-        e.hub.cached_blocks(WorkerKey::new(1, 0)),
+        e.hub.routing().cached_blocks(WorkerKey::new(1, 0)),
         6,
         "nothing was added"
     );
@@ -287,7 +287,7 @@ async fn past_max_active_requests_routes_are_refused_with_503() {
     assert_eq!(v["error"]["code"], "overloaded");
     assert_eq!(v["error"]["type"], "service_unavailable");
     assert!(head.contains("retry-after: 1"), "{head}");
-    assert_eq!(e.hub.active_requests(), 2, "nothing recorded");
+    assert_eq!(e.hub.routing().active_requests(), 2, "nothing recorded");
     assert_eq!(e.metric("kvengine_routes_overloaded_total").await, 1.0);
     // Freeing one makes room.
     let (s, _, _) = e.call("DELETE", "/v1/requests/a", "").await;
@@ -315,7 +315,7 @@ async fn request_ids_with_control_characters_or_over_256_bytes_are_refused() {
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["code"], "invalid_argument");
     }
-    assert_eq!(e.hub.active_requests(), 0);
+    assert_eq!(e.hub.routing().active_requests(), 0);
     for path in [
         "/v1/requests/a%0Ab".to_owned(),
         "/v1/requests/%1B%5B31m".to_owned(),
@@ -362,5 +362,5 @@ async fn expired_requests_make_room_before_a_route_is_refused() {
     // Past the request timeout (300 s by default), "a" has expired: "b" takes its place.
     let later = t0 + std::time::Duration::from_secs(301);
     e.hub.route(None, &call("b"), later).unwrap();
-    assert_eq!(e.hub.active_requests(), 1);
+    assert_eq!(e.hub.routing().active_requests(), 1);
 }

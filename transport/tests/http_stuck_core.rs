@@ -102,7 +102,7 @@ async fn a_stuck_core_gets_route_calls_a_503_in_time_and_then_routes_again() {
     let page = resp.into_body().collect().await.unwrap().to_bytes();
     assert!(String::from_utf8_lossy(&page).contains("kvengine_engine_responsive 1"));
     assert_eq!(
-        hub.active_requests(),
+        hub.routing().active_requests(),
         1,
         "the failed call left nothing active"
     );

@@ -72,14 +72,14 @@ fn events_route_and_requests_flow_through_the_hub() {
         hub.route(None, &call, Instant::now()),
         Err(TransportError::DuplicateRequest(_))
     ));
-    assert_eq!(hub.active_requests(), 1);
+    assert_eq!(hub.routing().active_requests(), 1);
     hub.prefilled("a").unwrap();
     hub.finish("a").unwrap();
     assert!(matches!(
         hub.finish("a"),
         Err(TransportError::UnknownRequest(_))
     ));
-    assert_eq!(hub.active_requests(), 0);
+    assert_eq!(hub.routing().active_requests(), 0);
 
     // Generated ids are unique.
     let call = RouteCall {
@@ -96,7 +96,11 @@ fn events_route_and_requests_flow_through_the_hub() {
     assert_eq!(hub.remove_worker(WorkerId(7)).unwrap(), None);
     let (_, _, m) = hub.overlap(None, &prompt, None).unwrap();
     assert_eq!(m.overlaps, vec![(key(8, 3), 4)]);
-    assert_eq!(hub.active_requests(), 0, "both requests were on worker 7");
+    assert_eq!(
+        hub.routing().active_requests(),
+        0,
+        "both requests were on worker 7"
+    );
 
     // Resync clears the rank and marks it until its next batch.
     hub.resync(key(8, 3)).unwrap();

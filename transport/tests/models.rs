@@ -5,11 +5,11 @@
 mod common;
 
 use common::stored;
+use engine::router::ModelSpec;
 use engine::{DpRank, WorkerId, WorkerKey};
 use std::time::Instant;
 use transport::TransportError;
 use transport::hub::{Hub, Registration, RouteCall};
-use transport::models::ModelSpec;
 
 fn key(w: u64) -> WorkerKey {
     WorkerKey {
@@ -49,7 +49,7 @@ fn each_model_routes_among_its_own_workers_at_its_block_size() {
     register(&hub, 3, "small");
     assert_eq!(hub.block_size_of(WorkerId(1)), 16);
     assert_eq!(hub.block_size_of(WorkerId(2)), 32);
-    assert_eq!(hub.block_size_in("large"), 32);
+    assert_eq!(hub.routing().block_size_in("large"), 32);
 
     // Workers 1 and 2 cache the same 128-token prompt, each at its model's block size.
     let prompt: Vec<u32> = (0..128).collect();
@@ -84,7 +84,7 @@ fn each_model_routes_among_its_own_workers_at_its_block_size() {
         hub.route(None, &call(&prompt, "c"), now),
         Err(TransportError::Invalid { name: "model", .. })
     ));
-    let models: Vec<_> = hub.models().into_iter().map(|(m, _)| m).collect();
+    let models: Vec<_> = hub.routing().models().into_iter().map(|(m, _)| m).collect();
     assert_eq!(models, ["large", "small"]);
 
     // Ids are unique across models, and found wherever they are active.
@@ -92,7 +92,7 @@ fn each_model_routes_among_its_own_workers_at_its_block_size() {
         hub.route(Some("large"), &call(&prompt, "a"), now),
         Err(TransportError::DuplicateRequest(_))
     ));
-    assert_eq!(hub.active_requests(), 2);
+    assert_eq!(hub.routing().active_requests(), 2);
     hub.prefilled("a").unwrap();
     hub.finish("a").unwrap();
     hub.finish("b").unwrap();
@@ -100,7 +100,7 @@ fn each_model_routes_among_its_own_workers_at_its_block_size() {
         hub.finish("b"),
         Err(TransportError::UnknownRequest(_))
     ));
-    assert_eq!(hub.active_requests(), 0);
+    assert_eq!(hub.routing().active_requests(), 0);
     let anon = RouteCall {
         request_id: None,
         tokens: &prompt,
@@ -131,7 +131,7 @@ fn a_worker_that_changes_model_leaves_its_blocks_and_pool() {
     // Restarted serving another model: its cache is another model's.
     register(&hub, 1, "b");
     hub.sync().unwrap();
-    assert_eq!(hub.model_of(WorkerId(1)), "b");
+    assert_eq!(hub.routing().model_of(WorkerId(1)), "b");
     assert_eq!(hub.overlap(Some("b"), &prompt, None).unwrap().2.best(), 0);
     let now = Instant::now();
     assert!(
@@ -147,14 +147,14 @@ fn a_worker_that_changes_model_leaves_its_blocks_and_pool() {
     );
     // "a" is declared: listed (not ready) after its last worker left; "b" is learned.
     assert_eq!(
-        hub.models(),
+        hub.routing().models(),
         vec![("a".to_owned(), false), ("b".to_owned(), true)]
     );
     // A re-registration without a model keeps the worker's.
     hub.register(Registration::new(WorkerId(1))).unwrap();
-    assert_eq!(hub.model_of(WorkerId(1)), "b");
+    assert_eq!(hub.routing().model_of(WorkerId(1)), "b");
     hub.remove_worker(WorkerId(1)).unwrap();
-    assert_eq!(hub.models(), vec![("a".to_owned(), false)]);
+    assert_eq!(hub.routing().models(), vec![("a".to_owned(), false)]);
 
     drop(hub);
     runtime.join().unwrap();
@@ -172,7 +172,7 @@ fn without_named_models_every_request_routes_in_the_one_pool() {
             .unwrap();
         assert_eq!(r.decision.worker, key(5));
     }
-    assert!(hub.models().is_empty());
+    assert!(hub.routing().models().is_empty());
     drop(hub);
     runtime.join().unwrap();
 }

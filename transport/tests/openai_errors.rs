@@ -144,7 +144,11 @@ async fn full_workers_answer_429_with_retry_after() {
     .await;
     assert_eq!(s, 429, "{v}");
     assert_openai_shape(&v, "rate_limit_error");
-    assert_eq!(hub.active_requests(), 1, "refusals record nothing");
+    assert_eq!(
+        hub.routing().active_requests(),
+        1,
+        "refusals record nothing"
+    );
     let (s, _) = request(&addr, "DELETE", "/v1/requests/a", "").await;
     assert_eq!(s, 200);
     let (s, v) = request(&addr, "POST", "/v1/route", r#"{"token_ids": [1]}"#).await;

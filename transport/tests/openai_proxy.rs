@@ -197,7 +197,7 @@ fn cache(hub: &Hub, worker: u64, tokens: &[u32]) {
 
 async fn idle(hub: &Hub) {
     let start = Instant::now();
-    while hub.active_requests() != 0 {
+    while hub.routing().active_requests() != 0 {
         assert!(start.elapsed() < Duration::from_secs(10), "requests leaked");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -308,7 +308,7 @@ async fn a_client_leaving_mid_stream_frees_its_request() {
     let mut buf = [0u8; 256];
     let n = s.read(&mut buf).await.unwrap();
     assert!(n > 0);
-    assert_eq!(r.hub.active_requests(), 1);
+    assert_eq!(r.hub.routing().active_requests(), 1);
     drop(s);
     idle(&r.hub).await;
 }
@@ -350,7 +350,7 @@ async fn malformed_requests_get_openai_errors_and_are_not_forwarded() {
         assert!(v["error"]["message"].is_string());
     }
     assert_eq!(w.hits.load(SeqCst), 0);
-    assert_eq!(r.hub.active_requests(), 0);
+    assert_eq!(r.hub.routing().active_requests(), 0);
 
     // No worker at all: 503.
     let r = router_with(&[]).await;

@@ -35,7 +35,10 @@ async fn a_worker_with_a_config_error_is_named_and_not_usable() {
 
     let why = "worker publishes blocks of 32 tokens; this router uses 16 \
                (set --kv-cache-block-size to match)";
-    assert!(hub.note_config_error(WorkerId(2), why.to_owned()));
+    assert!(
+        hub.registry()
+            .note_config_error(WorkerId(2), why.to_owned())
+    );
     let (status, v) = ready(&base).await;
     assert_eq!(status, 200, "worker 1 still routes: {v}");
     assert_eq!(
@@ -47,7 +50,10 @@ async fn a_worker_with_a_config_error_is_named_and_not_usable() {
     assert!(workers.contains("blocks of 32 tokens"), "{workers}");
 
     // With the only usable worker gone, the router cannot route by cache: not ready.
-    assert!(hub.note_config_error(WorkerId(1), why.to_owned()));
+    assert!(
+        hub.registry()
+            .note_config_error(WorkerId(1), why.to_owned())
+    );
     let (status, v) = ready(&base).await;
     assert_eq!(status, 503, "{v}");
     let reasons = strings(&v["reasons"]);

@@ -222,7 +222,7 @@ async fn a_poke_polls_before_the_interval() {
     until("the first poll", || script.calls() == 1).await;
     let a = tokens(5, 1);
     script.push(json!([stored(0, None, &a, 500)]));
-    hub.trtllm_pokes().poke(WorkerId(1));
+    hub.routing().finish_wakeups().wake(WorkerId(1));
     until("the poked poll", || {
         hub.sync().unwrap();
         overlap(&hub, &a) == 1

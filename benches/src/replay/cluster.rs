@@ -261,7 +261,10 @@ impl Cluster {
         loop {
             // Idle first: once no hub has a request of its own, no new load event can be
             // handed to a link, so a settled sync stays settled.
-            let n = self.routers().map(|r| r.hub().active_requests()).sum();
+            let n = self
+                .routers()
+                .map(|r| r.hub().routing().active_requests())
+                .sum();
             let settled = n == 0 && self.sync.as_ref().is_none_or(ReplicaSync::settled);
             if settled {
                 return 0;

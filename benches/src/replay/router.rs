@@ -5,8 +5,8 @@
 //!
 //! Each worker is registered under id `i + 1` (its index in the cluster) with its HTTP
 //! URL, ZMQ publisher and replay endpoints ([`SimWorkerHandle::registration`]), and
-//! subscribed to ([`spawn_subscriber`]); a simulated TensorRT-LLM worker is polled instead
-//! ([`spawn_poller`] on its `/kv_cache_events`). In [`super::RunMode::KvNoEvents`] the hub predicts the
+//! subscribed to ([`Sources`]); a simulated TensorRT-LLM worker is polled instead
+//! (on its `/kv_cache_events`). In [`super::RunMode::KvNoEvents`] the hub predicts the
 //! caches from its own decisions ([`Hub::without_kv_events`]) and nothing is subscribed.
 //! Several routers may front the same workers (replicas, [`super::replicas`]): ZMQ PUB fans
 //! each worker's events out to every subscriber, so each router keeps the whole index.
@@ -35,8 +35,9 @@ use tokio::task::JoinHandle;
 use transport::http::{HttpConfig, router as http_router, serve_http};
 use transport::hub::{Hub, HubConfig, start_engine};
 use transport::openai::proxy::{ProxyConfig, openai_router};
-use transport::trtllm::{TrtllmSource, spawn_poller};
-use transport::zmq::{SubscriberConfig, ZmqSource, spawn_subscriber};
+use transport::sources::{Sources, SourcesConfig};
+use transport::trtllm::TrtllmSource;
+use transport::zmq::ZmqSource;
 
 /// How often a TensorRT-LLM worker's events are polled (in real time; each request that
 /// finishes on it also polls it at once).
@@ -53,7 +54,7 @@ pub struct Router {
     hub: Arc<Hub>,
     engine: Runtime,
     addr: SocketAddr,
-    subscribers: Vec<JoinHandle<()>>,
+    sources: Arc<Sources>,
     refresher: JoinHandle<()>,
     stop_http: oneshot::Sender<()>,
     http: HttpTask,
@@ -103,22 +104,23 @@ impl Router {
                 return Err(e).context("cannot set up the hub without KV events");
             }
         };
-        let mut subscribers = Vec::new();
-        match Self::start_rest(cfg, &hub, workers, &mut subscribers).await {
+        let sources = Sources::on_current(hub.clone(), SourcesConfig::default());
+        match Self::start_rest(cfg, &hub, workers, &sources).await {
             Ok((addr, stop_http, http)) => {
                 let refresher = tokio::spawn(refresh_loop(hub.clone()));
                 Ok(Self {
                     hub,
                     engine,
                     addr,
-                    subscribers,
+                    sources,
                     refresher,
                     stop_http,
                     http,
                 })
             }
             Err(e) => {
-                stop_subscribers(subscribers).await;
+                sources.shutdown().await;
+                drop(sources);
                 drop(hub);
                 join_engine(engine).await;
                 Err(e)
@@ -126,13 +128,13 @@ impl Router {
         }
     }
 
-    /// Registers and subscribes to `workers`, then serves HTTP. What it subscribes is
-    /// pushed on `subscribers` as it goes, for the caller to stop on failure.
+    /// Registers and subscribes to `workers` (their sources kept by `sources`, for the
+    /// caller to stop on failure), then serves HTTP.
     async fn start_rest(
         cfg: &ClusterConfig,
         hub: &Arc<Hub>,
         workers: &[SimWorkerHandle],
-        subscribers: &mut Vec<JoinHandle<()>>,
+        sources: &Sources,
     ) -> Result<(SocketAddr, oneshot::Sender<()>, HttpTask)> {
         for (w, id) in workers.iter().zip(worker_ids(workers)) {
             hub.register(w.registration(id))
@@ -140,15 +142,11 @@ impl Router {
             if cfg.mode.kv_events() && w.is_trtllm() {
                 let source = TrtllmSource::new(id, &w.url(), TRTLLM_POLL)
                     .context("a TensorRT-LLM worker's URL")?;
-                subscribers.push(spawn_poller(hub.clone(), source, &Default::default()));
+                sources.poll(source);
             } else if cfg.mode.kv_events() {
                 let source = ZmqSource::new(id, w.zmq_endpoint(), Some(w.replay_endpoint()))
                     .context("a worker's ZMQ endpoints")?;
-                subscribers.push(spawn_subscriber(
-                    hub.clone(),
-                    source,
-                    SubscriberConfig::default(),
-                ));
+                sources.subscribe(source);
             }
         }
         let proxy = ProxyConfig {
@@ -188,7 +186,7 @@ impl Router {
         let Self {
             hub,
             engine,
-            subscribers,
+            sources,
             refresher,
             stop_http,
             http,
@@ -200,7 +198,8 @@ impl Router {
             Ok(Err(e)) => Err(anyhow!("the router's HTTP edge panicked: {e}")),
             Err(_) => Err(anyhow!("the router's HTTP edge did not stop within 10 s")),
         };
-        stop_subscribers(subscribers).await;
+        sources.shutdown().await;
+        drop(sources);
         refresher.abort();
         let _ = refresher.await;
         // Connections the edge is still closing may hold the hub for a moment.
@@ -224,16 +223,6 @@ impl Router {
         }
         join_engine(engine).await;
         served
-    }
-}
-
-/// Aborts the subscriptions and waits for them.
-async fn stop_subscribers(subscribers: Vec<JoinHandle<()>>) {
-    for s in &subscribers {
-        s.abort();
-    }
-    for s in subscribers {
-        let _ = s.await;
     }
 }
 

@@ -5,7 +5,7 @@
 //!   that has no workers would not give it any).
 //! * `/ready`: 200 when the router can route: its engine answers, at least one worker is
 //!   usable (healthy, and its ZMQ event stream subscribed if it has one), and so is one of
-//!   every served model's ([`crate::models`]); 503 otherwise, with the reasons. Readiness gates traffic, so a router whose
+//!   every served model's ([`engine::router::namespaces`]); 503 otherwise, with the reasons. Readiness gates traffic, so a router whose
 //!   workers are all down is taken out of its Service instead of answering 503s.
 //! * `/health`: the same assessment with its details, always 200 (for people and dashboards).
 //!
@@ -194,6 +194,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         ));
     }
     let models: Vec<ModelHealth> = hub
+        .routing()
         .models()
         .into_iter()
         .map(|(name, _)| {
@@ -219,7 +220,7 @@ pub(crate) fn assess(hub: &Hub) -> Assessment {
         engine,
         workers,
         models,
-        replicas: hub.replicas().map(|r| r.status()),
+        replicas: hub.routing().replicas().map(|r| r.status()),
     }
 }
 
@@ -365,7 +366,8 @@ pub async fn health_loop(
                 None => {}
             }
             let was_healthy = healthy.get(&id).copied().unwrap_or(true);
-            hub.note_health(id, result.as_ref().err().cloned());
+            hub.registry()
+                .note_health(id, result.as_ref().err().cloned());
             match result {
                 Ok(()) => {
                     failures.remove(&id);

@@ -306,7 +306,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         counter(m.resyncs.load(Relaxed)),
     );
     register_state(&mut reg, hub.persisted());
-    if let Some(r) = hub.replicas() {
+    if let Some(r) = hub.routing().replicas() {
         register_replicas(&mut reg, r.stats());
     }
     reg.register(
@@ -357,7 +357,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
     reg.register(
         "kvengine_active_requests",
         "Routed requests not finished yet",
-        gauge(hub.active_requests() as u64),
+        gauge(hub.routing().active_requests() as u64),
     );
 
     let active_blocks = Family::<Labels2, Gauge>::default();

@@ -85,21 +85,15 @@ pub(crate) fn check_registration_hosts(
     Ok(())
 }
 
-/// Called after a worker registers (with its merged registration).
-pub type RegisterHook = Arc<dyn Fn(&Registration) + Send + Sync>;
-/// Called after a worker is removed.
-pub type RemoveHook = Arc<dyn Fn(WorkerId) + Send + Sync>;
-
 /// How the HTTP edge is set up.
 #[derive(Clone)]
 pub struct HttpConfig {
     /// Bodies over this many bytes are refused with 413.
     pub max_body_bytes: usize,
-    /// Called after every successful `POST /v1/workers` (e.g. to subscribe to its ZMQ
-    /// publisher). Runs on the async runtime: it must not block.
-    pub on_register: Option<RegisterHook>,
-    /// Called after every successful `DELETE /v1/workers/{id}`. Must not block.
-    pub on_remove: Option<RemoveHook>,
+    /// The workers' event sources ([`crate::sources`]): a worker registered over
+    /// `POST /v1/workers` gets its sources started, one removed has them stopped first.
+    /// `None`: registrations start no source (the caller feeds events itself).
+    pub sources: Option<Arc<crate::sources::Sources>>,
     /// The bearer token control calls (`POST`/`DELETE /v1/workers`, `/v1/events`,
     /// `/v1/load`) must carry; `None`: control calls only from this host (see `admin`).
     pub admin_token: Option<String>,
@@ -123,8 +117,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         Self {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-            on_register: None,
-            on_remove: None,
+            sources: None,
             admin_token: None,
             routing_token: None,
             max_prompt_tokens: DEFAULT_MAX_PROMPT_TOKENS,
@@ -139,8 +132,7 @@ impl fmt::Debug for HttpConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HttpConfig")
             .field("max_body_bytes", &self.max_body_bytes)
-            .field("on_register", &self.on_register.is_some())
-            .field("on_remove", &self.on_remove.is_some())
+            .field("sources", &self.sources.is_some())
             .field("admin_token", &self.admin_token.as_ref().map(|_| "<set>"))
             .field(
                 "routing_token",

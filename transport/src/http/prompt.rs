@@ -37,7 +37,7 @@ pub struct PromptFields {
     pub temperature: Option<f64>,
     /// `whole`, `prefill` or `decode`: the workers to choose among (route only).
     pub pool: Option<String>,
-    /// The served model whose workers to choose among (see [`crate::models`]).
+    /// The served model whose workers to choose among (see [`engine::router::namespaces`]).
     pub model: Option<String>,
 }
 

@@ -1,7 +1,7 @@
 //! `POST /v1/overlap`, `POST /v1/route`, `POST /v1/requests/{id}/prefilled`,
 //! `DELETE /v1/requests/{id}`.
 //!
-//! A route made here is its caller's reservation ([`crate::reservations`]): capped per
+//! A route made here is its caller's reservation ([`engine::router::reservations`]): capped per
 //! client, freed at `--reservation-timeout-secs` if the caller never frees it, and only the
 //! caller (its peer address) may mark it prefilled or free it.
 
@@ -9,12 +9,12 @@ use super::errors::{ApiError, json};
 use super::prompt::{PromptFields, parse_prompt_capped};
 use super::{AppState, Peer, RawBody, malformed};
 use crate::hub::{Hub, RouteCall};
-use crate::reservations::ClientId;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::Response;
 use engine::WorkerId;
+use engine::router::reservations::ClientId;
 use engine::sched::{Pool, RouteMode, RouteOverrides};
 use serde::Serialize;
 use std::cell::RefCell;
@@ -149,7 +149,7 @@ fn overrides(f: &PromptFields) -> Result<RouteOverrides, ApiError> {
     })
 }
 
-/// The client a routing call comes from ([`crate::reservations`]).
+/// The client a routing call comes from ([`engine::router::reservations`]).
 fn client_of(peer: Peer) -> ClientId {
     ClientId::of(peer.0.map(|a| a.ip()))
 }

@@ -284,8 +284,8 @@ pub(super) async fn register(
         ));
     };
     hub.persisted().note_api_worker(worker);
-    if let Some(hook) = &st.cfg.on_register {
-        hook(&info.registration);
+    if let Some(sources) = &st.cfg.sources {
+        sources.start(&info.registration);
     }
     tracing::info!(worker = worker.0, new, "worker registered over HTTP");
     let status = if new {
@@ -310,13 +310,13 @@ pub(super) async fn remove(
         .parse::<u64>()
         .map(WorkerId)
         .map_err(|_| ApiError::invalid(format!("worker id {id:?} is not a u64")))?;
-    // On the worker's home core: its streams stop first (the hook ends its
-    // subscriptions), then it leaves the registry and the index, all between two of its
-    // batches and behind them on the engine's ring, so none lands after the removal.
-    let (hub, hook) = (st.hub.clone(), st.cfg.on_remove.clone());
+    // On the worker's home core: its sources stop first, then it leaves the registry and
+    // the index, all between two of its batches and behind them on the engine's ring, so
+    // none lands after the removal.
+    let (hub, sources) = (st.hub.clone(), st.cfg.sources.clone());
     let removed = crate::cores::on_home(st.cfg.homes.as_ref(), worker, move || {
-        if let Some(hook) = &hook {
-            hook(worker);
+        if let Some(sources) = &sources {
+            sources.stop(worker);
         }
         hub.remove_worker(worker)
     })

@@ -708,7 +708,7 @@ fn check_hello(buf: &[u8], shared: &Shared) -> std::result::Result<Hello, (DropR
             }
             Ok(())
         });
-        if registered.is_ok() && hub.note_config_error(worker, message.clone()) {
+        if registered.is_ok() && hub.registry().note_config_error(worker, message.clone()) {
             tracing::warn!(worker = worker.0, "{message}");
         }
         return Err((DropReason::BlockSizeMismatch, message));

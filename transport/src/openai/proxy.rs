@@ -256,10 +256,10 @@ async fn completions(
 /// The longest a worker's model list may take, whole.
 const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The served models ([`crate::models`]); without named ones, those of the first healthy
+/// The served models ([`engine::router::namespaces`]); without named ones, those of the first healthy
 /// worker that answers (its workers all serve the one model).
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    let named = p.hub.models();
+    let named = p.hub.routing().models();
     if !named.is_empty() {
         let data: Vec<serde_json::Value> = named
             .into_iter()
@@ -312,9 +312,12 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         .into_response()
 }
 
+/// Routes in `model`'s namespace, resolved already (with its `block_size`): the model is
+/// resolved once per request.
 pub(crate) async fn route(
     hub: &Hub,
     model: &str,
+    block_size: u32,
     tokens: &[u32],
     cache_salt: Option<&str>,
     overrides: RouteOverrides,
@@ -326,7 +329,7 @@ pub(crate) async fn route(
         cache_salt,
         overrides,
     };
-    hub.route_async(Some(model), &call, Instant::now())
+    hub.route_resolved_async(model, block_size, &call, Instant::now())
         .await
         .map_err(OpenAiError::from_routing)
 }
@@ -353,7 +356,8 @@ pub(crate) async fn send(
 ) -> Result<hyper::Response<Incoming>, String> {
     let url = p
         .hub
-        .worker_url(key.worker)
+        .registry()
+        .url(key.worker)
         .ok_or_else(|| format!("worker {} has no url", key.worker))?;
     let uri = WorkerUrl::parse(&url)
         .and_then(|u| u.join(path))
@@ -361,7 +365,7 @@ pub(crate) async fn send(
     let mut req = hyper::Request::post(uri)
         .body(Full::new(body.clone()))
         .map_err(|e| e.to_string())?;
-    *req.headers_mut() = fwd.for_worker(p.hub.worker_api_key(key.worker).as_deref());
+    *req.headers_mut() = fwd.for_worker(p.hub.registry().api_key(key.worker).as_deref());
     let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
@@ -413,8 +417,8 @@ async fn forward_with(
         Err(e) => return bad(e),
     };
     // The model picks the namespace: its pool, block size and tokenizer.
-    let model = match p.hub.resolve_model(prompt.model.as_deref()) {
-        Ok((m, _)) => m,
+    let (model, block_size) = match p.hub.resolve_model(prompt.model.as_deref()) {
+        Ok(resolved) => resolved,
         Err(e) => return OpenAiError::from_routing(e).into_response(),
     };
     *namespace = Some(model.clone());
@@ -425,19 +429,29 @@ async fn forward_with(
     };
     if disagg::applies(&p.hub, &model) {
         let salt = salt_owned.as_deref();
-        return disagg::forward(&p, path, &body, &tokens, salt, fwd, &model).await;
+        return disagg::forward(&p, path, &body, &tokens, salt, fwd, (&model, block_size)).await;
     }
     let salt = salt_owned.as_deref();
-    let routed = match route(&p.hub, &model, &tokens, salt, RouteOverrides::default()).await {
+    let routed = match route(
+        &p.hub,
+        &model,
+        block_size,
+        &tokens,
+        salt,
+        RouteOverrides::default(),
+    )
+    .await
+    {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let active = Active::new(p.hub.clone(), routed.request_id.clone());
+    let active = Active::new(p.hub.clone(), routed.ticket());
     let out = Outgoing {
         path,
         body: &body,
         fwd,
         model: &model,
+        block_size,
         cache_salt: salt,
     };
     send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
@@ -471,8 +485,10 @@ pub(crate) struct Outgoing<'a> {
     pub path: &'a str,
     pub body: &'a Bytes,
     pub fwd: &'a Forwarded,
-    /// The namespace the request routes in ([`crate::models`]).
+    /// The namespace the request routes in ([`engine::router::namespaces`]) ...
     pub model: &'a str,
+    /// ... and its block size.
+    pub block_size: u32,
     /// The request's non-empty `cache_salt` (part of its block hashes).
     pub cache_salt: Option<&'a str>,
 }
@@ -499,11 +515,20 @@ pub(crate) async fn retry_elsewhere(
         worker: Some(next.worker),
         ..RouteOverrides::default()
     };
-    let retry = match route(&p.hub, out.model, tokens, out.cache_salt, overrides).await {
+    let retry = match route(
+        &p.hub,
+        out.model,
+        out.block_size,
+        tokens,
+        out.cache_salt,
+        overrides,
+    )
+    .await
+    {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let active = Active::new(p.hub.clone(), retry.request_id.clone());
+    let active = Active::new(p.hub.clone(), retry.ticket());
     p.hub.metrics().retries.fetch_add(1, Relaxed);
     match send(p, next, out.path, out.body, out.fwd).await {
         Ok(resp) => respond(resp, active, next, None, None, out.fwd),

@@ -17,6 +17,7 @@ use crate::hub::Hub;
 use crate::outbound::body::{BodyKind, Overrun};
 use axum::http::StatusCode;
 use bytes::Bytes;
+use engine::router::Ticket;
 use hyper::body::{Frame, Incoming};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -24,43 +25,45 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-/// Frees a routed request when dropped, unless already freed.
+/// Frees a routed request when dropped, unless already freed. It holds the request's
+/// [`Ticket`] (its namespace and id) from route to prefilled to finish, so neither looks
+/// for the request.
 #[derive(Debug)]
 pub(crate) struct Active {
     hub: Arc<Hub>,
-    id: Option<String>,
+    ticket: Option<Ticket>,
     prefilled: bool,
 }
 
 impl Active {
-    /// Tracks the routed request `id`.
-    pub(crate) fn new(hub: Arc<Hub>, id: String) -> Self {
+    /// Tracks the routed request of `ticket`.
+    pub(crate) fn new(hub: Arc<Hub>, ticket: Ticket) -> Self {
         Self {
             hub,
-            id: Some(id),
+            ticket: Some(ticket),
             prefilled: false,
         }
     }
 
     /// The request id, until freed.
     pub(crate) fn id(&self) -> Option<&str> {
-        self.id.as_deref()
+        self.ticket.as_ref().map(|t| t.request_id.as_str())
     }
 
     /// Marks the request prefilled (once).
     pub(crate) fn prefilled(&mut self) {
         if !self.prefilled {
             self.prefilled = true;
-            if let Some(id) = &self.id {
-                let _ = self.hub.prefilled(id);
+            if let Some(t) = &self.ticket {
+                let _ = self.hub.prefilled_ticket(t);
             }
         }
     }
 
     /// Frees the request (once).
     pub(crate) fn finish(&mut self) {
-        if let Some(id) = self.id.take() {
-            let _ = self.hub.finish(&id);
+        if let Some(t) = self.ticket.take() {
+            let _ = self.hub.finish_ticket(&t);
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use super::ReplicaStats;
 use super::wire::LoadEvent;
-use crate::models::Namespaces;
+use engine::router::Namespaces;
 use engine::router::{NameError, RemoteRequest, RouteError};
 use engine::{DpRank, EngineError, ReplicaId, SeqHash, WorkerId, WorkerKey};
 use std::sync::atomic::Ordering::Relaxed;
@@ -291,7 +291,8 @@ mod tests {
                                 .map(|t| if t < 16 { u32::from(prompt % 3) } else { t + 100 * u32::from(prompt) })
                                 .collect();
                             let seqs = engine::hash::seq_hashes(&tokens, 16, 0);
-                            let call = engine::router::RouteCall { tokens: &tokens, ..Default::default() };
+                            let id = ours.generate_id();
+                            let call = engine::router::RouteCall { request_id: Some(id), tokens: &tokens, ..Default::default() };
                             let r = ours.router_of(WorkerId(1)).unwrap();
                             let routed = r.route(now, &call, &seqs, &engine::Matches::default()).unwrap();
                             outbox.added(&routed.request_id, routed.decision.worker, &seqs, tokens.len() as u64, routed.decision.overlap_blocks);

@@ -110,7 +110,7 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
     let id = new_replica_id();
     let shared = Arc::new(Shared::default());
     let (outbox, rx) = Outbox::new(shared.clone());
-    if !hub.set_replicas(Arc::new(outbox)) {
+    if !hub.routing().set_replicas(Arc::new(outbox)) {
         return Err(nats_err(
             "replica sync",
             "this router already has a replica link",
@@ -277,7 +277,8 @@ impl Link {
                 let gone = lock(&self.peers).clear();
                 let freed: usize = self
                     .hub
-                    .with_routing(|routing| gone.iter().map(|&r| forget_replica(routing, r)).sum());
+                    .routing()
+                    .with_lock(|routing| gone.iter().map(|&r| forget_replica(routing, r)).sum());
                 self.stats().peers.store(0, Relaxed);
                 tracing::warn!(
                     replica = %self.id,
@@ -442,7 +443,8 @@ impl Link {
                 if heard != Heard::Old {
                     let stats = &self.shared.stats;
                     self.hub
-                        .with_routing(|routing| apply_events(routing, peer, events, now, stats));
+                        .routing()
+                        .with_lock(|routing| apply_events(routing, peer, events, now, stats));
                 }
                 heard
             }
@@ -506,7 +508,10 @@ impl Link {
         }
         self.shared.need_state.store(false, Relaxed);
         let began = thread_cpu_ns();
-        let events = self.hub.with_routing(|routing| state_events(routing));
+        let events = self
+            .hub
+            .routing()
+            .with_lock(|routing| state_events(routing));
         self.busy(began);
         let mut batch = Vec::new();
         let mut weight = 0;
@@ -530,7 +535,8 @@ impl Link {
         if !dead.is_empty() {
             let freed: usize = self
                 .hub
-                .with_routing(|routing| dead.iter().map(|&r| forget_replica(routing, r)).sum());
+                .routing()
+                .with_lock(|routing| dead.iter().map(|&r| forget_replica(routing, r)).sum());
             self.stats()
                 .peers_expired
                 .fetch_add(dead.len() as u64, Relaxed);
@@ -544,7 +550,7 @@ impl Link {
         if self.shared.need_state.load(Relaxed) && self.state_due.is_none() {
             self.send_state(rx).await;
         }
-        let active = self.hub.with_routing(|r| r.routed_requests()) as u64;
+        let active = self.hub.routing().with_lock(|r| r.routed_requests()) as u64;
         let beat = Frame {
             version: WIRE_VERSION,
             replica: self.id.0,

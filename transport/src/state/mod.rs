@@ -56,6 +56,7 @@ pub mod file;
 
 use crate::error::{Result, TransportError};
 use crate::hub::{Hub, Registration};
+pub use crate::hub::{Persisted, Resume};
 use engine::sched::WorkerRole;
 use engine::snapshot::{self, ArchivedEngineImage};
 use engine::{DpRank, WorkerId};
@@ -63,8 +64,7 @@ use rkyv::util::AlignedVec;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 /// The snapshot's file name inside the state directory.
@@ -74,65 +74,6 @@ pub const SNAPSHOT_FILE: &str = "snapshot.kvs";
 pub const KEYS_FILE: &str = "worker-keys.json";
 /// Version of the JSON the transport keeps in a snapshot's meta bytes.
 const META_VERSION: u32 = 1;
-
-/// Where a restored worker's stream resumes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Resume {
-    /// The number of the last batch in the snapshot.
-    pub last_seq: u64,
-    /// The digest of that batch's bytes (`None`: unverifiable, e.g. a format-1 snapshot).
-    pub last_digest: Option<u64>,
-    /// The ranks the snapshot holds blocks of (what a clear must reach).
-    pub ranks: Vec<DpRank>,
-}
-
-/// Warm-restart state shared through the hub, and its figures.
-#[derive(Debug, Default)]
-pub struct Persisted {
-    resume: Mutex<BTreeMap<WorkerId, Resume>>,
-    api: Mutex<BTreeSet<WorkerId>>,
-    /// Snapshots written.
-    pub snapshots: AtomicU64,
-    /// Snapshots that failed (engine or disk).
-    pub snapshot_failures: AtomicU64,
-    /// Microseconds the last snapshot took, cut to file.
-    pub last_snapshot_us: AtomicU64,
-    /// Bytes of the last snapshot.
-    pub last_snapshot_bytes: AtomicU64,
-    /// Microseconds the restore at start took (reading, checking, rebuilding the cores).
-    pub restore_us: AtomicU64,
-    /// Workers whose blocks a restore kept (their streams resume from their marks and verify
-    /// them before the blocks count).
-    pub restored_workers: AtomicU64,
-    /// Workers a restore cleared: no resumable stream, or no longer registered.
-    pub restore_cleared: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-impl Persisted {
-    /// `worker` was registered over the API (a snapshot keeps its registration).
-    pub fn note_api_worker(&self, worker: WorkerId) {
-        lock(&self.api).insert(worker);
-    }
-
-    /// `worker` was removed.
-    pub fn forget_worker(&self, worker: WorkerId) {
-        lock(&self.api).remove(&worker);
-        lock(&self.resume).remove(&worker);
-    }
-
-    /// Where `worker`'s restored stream resumes, once (invariant 2).
-    pub fn take_resume(&self, worker: WorkerId) -> Option<Resume> {
-        lock(&self.resume).remove(&worker)
-    }
-
-    fn api_workers(&self) -> Vec<WorkerId> {
-        lock(&self.api).iter().copied().collect()
-    }
-}
 
 /// A registration as the snapshot keeps it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -595,7 +536,6 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
         tracing::info!(worker = %worker,
             "restored blocks dropped: its events do not come over a stream that can resume (ZMQ)");
     }
-    let mut resume = lock(&hub.persisted().resume);
     for (&worker, &(last_seq, last_digest)) in &plan.marks {
         let ranks: Vec<DpRank> = plan
             .ranks
@@ -604,7 +544,7 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
         for &dp_rank in &ranks {
             hub.distrust(engine::WorkerKey { worker, dp_rank });
         }
-        resume.insert(
+        hub.persisted().set_resume(
             worker,
             Resume {
                 last_seq,
@@ -617,8 +557,8 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
 }
 
 /// Second half, once the configured workers are registered and subscribed: the snapshot's
-/// API workers that the configuration does not name are registered again (`on_register`
-/// subscribes them; they take their resume points), each checked first as
+/// API workers that the configuration does not name are registered again (`sources` start
+/// their event sources; they take their resume points), each checked first as
 /// `POST /v1/workers` checks one (`worker_hosts`: `--worker-hosts`); a refused one is
 /// logged, counted and left out. Marked workers that nobody registers any more are
 /// forgotten.
@@ -627,11 +567,11 @@ pub fn finish_restore(
     plan: &Plan,
     mut done: Restored,
     worker_hosts: &[String],
-    on_register: &dyn Fn(&Registration),
+    sources: &crate::sources::Sources,
 ) -> Result<Restored> {
     for w in &plan.workers {
         let worker = WorkerId(w.worker_id);
-        if hub.registered(worker) {
+        if hub.is_registered(worker) {
             // The configuration names it now: its settings (and key) win.
             continue;
         }
@@ -649,7 +589,7 @@ pub fn finish_restore(
         match checked {
             Ok(reg) => {
                 hub.persisted().note_api_worker(reg.worker);
-                on_register(&reg);
+                sources.start(&reg);
                 done.registered += 1;
             }
             Err(e) => {
@@ -659,13 +599,13 @@ pub fn finish_restore(
         }
     }
     for &worker in plan.marks.keys() {
-        if hub.registered(worker) {
+        if hub.is_registered(worker) {
             if plan.ranks.contains_key(&worker) {
                 done.kept += 1;
             }
             continue;
         }
-        lock(&hub.persisted().resume).remove(&worker);
+        hub.persisted().take_resume(worker);
         if plan.ranks.contains_key(&worker) {
             hub.forget_index(worker)?;
             done.cleared += 1;
@@ -764,7 +704,7 @@ mod tests {
     #[test]
     fn resume_points_are_handed_out_once() {
         let p = Persisted::default();
-        lock(&p.resume).insert(
+        p.set_resume(
             WorkerId(1),
             Resume {
                 last_seq: 9,

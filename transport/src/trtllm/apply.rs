@@ -218,13 +218,13 @@ impl WorkerEvents {
                  (TensorRT-LLM's tokens_per_block defaults to 32: set the model's block_size \
                  or --kv-cache-block-size to match)"
             );
-            if hub.note_config_error(worker, message.clone()) {
+            if hub.registry().note_config_error(worker, message.clone()) {
                 tracing::error!(worker = %worker, "{message}");
             }
         }
         if let Some(levels) = outcome.created {
             if let Some(&gpu) = levels.first() {
-                hub.note_kv_capacity(key, gpu);
+                hub.registry().note_kv_capacity(key, gpu);
             }
             tracing::info!(worker = %worker, rank = %dp_rank, ?levels,
                 "TensorRT-LLM KV cache created (blocks per cache level)");

@@ -2,7 +2,7 @@
 //! `POST /kv_cache_events` (a destructive drain: each call hands out the events since the
 //! last one), decoded ([`wire`]), fenced by `event_id` and applied ([`apply`]) with one
 //! converter per attention-DP rank ([`convert`]), by one poller task per worker
-//! ([`poller`]) that a finished request wakes ([`Pokes`]).
+//! ([`poller`]) that a finished request wakes ([`crate::hub::FinishWakeups`]).
 //!
 //! Only one client may drain a worker: a second one (another router, or TensorRT-LLM's own
 //! disaggregated router) takes events this router then never sees, which its fence reports
@@ -14,14 +14,12 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 32;
 
 pub mod apply;
 pub mod convert;
-mod pokes;
 pub mod poller;
 pub mod source;
 pub mod wire;
 
 pub use apply::WorkerEvents;
 pub use convert::{Outcome, RankConverter};
-pub use pokes::Pokes;
 pub use poller::{spawn_poller, spawn_poller_on};
 pub use source::{DEFAULT_POLL_INTERVAL, TrtllmSource};
 pub use wire::{

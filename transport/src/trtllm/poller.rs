@@ -1,5 +1,5 @@
 //! One task per TensorRT-LLM worker: `POST {url}/kv_cache_events` every poll interval, and
-//! at once when a request finishes on the worker ([`super::Pokes`]); each answer is fenced
+//! at once when a request finishes on the worker ([`crate::hub::FinishWakeups`]); each answer is fenced
 //! and applied by [`WorkerEvents`].
 //!
 //! # Invariants
@@ -72,13 +72,13 @@ struct Unregister {
 
 impl Drop for Unregister {
     fn drop(&mut self) {
-        self.hub.trtllm_pokes().unregister(self.worker);
+        self.hub.routing().finish_wakeups().unregister(self.worker);
     }
 }
 
 async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents, client: WorkerClient) {
     let worker = source.worker;
-    let wake = hub.trtllm_pokes().register(worker);
+    let wake = hub.routing().finish_wakeups().register(worker);
     let uri: hyper::Uri = match source.url.join("/kv_cache_events") {
         Ok(u) => u,
         Err(e) => {
@@ -86,7 +86,7 @@ async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents, clie
             return;
         }
     };
-    hub.note_stream(worker, StreamState::Connecting);
+    hub.registry().note_stream(worker, StreamState::Connecting);
     // Whether the last poll succeeded (None: none yet): state changes are logged once.
     let mut reachable: Option<bool> = None;
     tracing::info!(worker = %worker, url = %source.events_url(),
@@ -96,7 +96,7 @@ async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents, clie
             Ok(body) => {
                 if reachable != Some(true) {
                     tracing::info!(worker = %worker, "TensorRT-LLM KV events reachable");
-                    hub.note_stream(worker, StreamState::Subscribed);
+                    hub.registry().note_stream(worker, StreamState::Subscribed);
                 }
                 reachable = Some(true);
                 match decode_page(&body) {
@@ -114,7 +114,7 @@ async fn run(hub: Arc<Hub>, source: TrtllmSource, mut events: WorkerEvents, clie
                 if reachable != Some(false) {
                     tracing::warn!(worker = %worker, url = %source.events_url(),
                         "cannot poll KV events, retrying: {e}");
-                    hub.note_stream(worker, StreamState::Connecting);
+                    hub.registry().note_stream(worker, StreamState::Connecting);
                 }
                 reachable = Some(false);
             }

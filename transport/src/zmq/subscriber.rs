@@ -225,15 +225,18 @@ impl Stream {
         let mut handled = 0u32;
         loop {
             self.hub
+                .registry()
                 .note_stream(self.source.worker, StreamState::Connecting);
             let mut socket = self.connect().await;
             tracing::info!(worker = %self.source.worker, endpoint = %self.source.publisher,
                 "subscribed to KV events");
             self.hub
+                .registry()
                 .note_stream(self.source.worker, StreamState::Subscribed);
             self.on_connected().await;
             self.receive(&mut socket, &mut handled).await;
             self.hub
+                .registry()
                 .note_stream(self.source.worker, StreamState::Connecting);
             tracing::warn!(worker = %self.source.worker, endpoint = %self.source.publisher,
                 "connection to the KV event publisher lost; reconnecting (its blocks are not \
@@ -758,7 +761,11 @@ impl Stream {
                  (set --kv-cache-block-size to match)",
                 self.convert.block_size
             );
-            if self.hub.note_config_error(worker, message.clone()) {
+            if self
+                .hub
+                .registry()
+                .note_config_error(worker, message.clone())
+            {
                 tracing::error!(worker = %worker, "{message}");
             }
         }

@@ -74,7 +74,7 @@ pub(crate) async fn forward(
     tokens: &[u32],
     cache_salt: Option<&str>,
     fwd: &Forwarded,
-    model: &str,
+    (model, block_size): (&str, u32),
 ) -> Response {
     let hub = &p.hub;
     let out = Outgoing {
@@ -82,31 +82,49 @@ pub(crate) async fn forward(
         body,
         fwd,
         model,
+        block_size,
         cache_salt,
     };
     let client: Body = match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => m,
         _ => return OpenAiError::invalid(None, "the body must be a JSON object").into_response(),
     };
-    let decode = match route(hub, model, tokens, cache_salt, pool(Pool::Decode)).await {
+    let decode = match route(
+        hub,
+        model,
+        block_size,
+        tokens,
+        cache_salt,
+        pool(Pool::Decode),
+    )
+    .await
+    {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
     let d_key = decode.decision.worker;
-    let mut d_active = Active::new(hub.clone(), decode.request_id.clone());
-    let mut prefill = route(hub, model, tokens, cache_salt, pool(Pool::Prefill))
-        .await
-        .ok();
+    let mut d_active = Active::new(hub.clone(), decode.ticket());
+    let mut prefill = route(
+        hub,
+        model,
+        block_size,
+        tokens,
+        cache_salt,
+        pool(Pool::Prefill),
+    )
+    .await
+    .ok();
     let mut p_active = prefill
         .as_ref()
-        .map(|r| Active::new(hub.clone(), r.request_id.clone()));
+        .map(|r| Active::new(hub.clone(), r.ticket()));
     let running = hub
+        .routing()
         .active_load(d_key)
         .map_or(0, |l| l.active_requests.saturating_sub(1));
     let split = match decode.decision.chosen() {
         Some(d) => p.cfg.disagg.split.decide(
             tokens.len() as u64,
-            hub.block_size_in(model),
+            block_size,
             d,
             running,
             prefill.as_ref().and_then(|r| r.decision.chosen()),
@@ -169,10 +187,17 @@ pub(crate) async fn forward(
                 metrics.disagg_fallbacks.fetch_add(1, Relaxed);
                 if attempt + 1 < PREFILL_ATTEMPTS
                     && let Some(next) = runner_up(&routed, p_key)
-                    && let Ok(r) =
-                        route(hub, model, tokens, cache_salt, direct(Pool::Prefill, next)).await
+                    && let Ok(r) = route(
+                        hub,
+                        model,
+                        block_size,
+                        tokens,
+                        cache_salt,
+                        direct(Pool::Prefill, next),
+                    )
+                    .await
                 {
-                    p_active = Some(Active::new(hub.clone(), r.request_id.clone()));
+                    p_active = Some(Active::new(hub.clone(), r.ticket()));
                     prefill = Some(r);
                 }
             }
@@ -184,7 +209,7 @@ pub(crate) async fn forward(
 
 /// Where the two halves meet: the prefill worker's host and bootstrap port, and a fresh room.
 fn pair(p: &Proxy, p_key: WorkerKey, request_id: &str, attempt: usize) -> Pair {
-    let reg = p.hub.registration(p_key.worker);
+    let reg = p.hub.registry().registration(p_key.worker);
     let prefill_host = reg
         .as_ref()
         .and_then(|r| r.url.as_deref())

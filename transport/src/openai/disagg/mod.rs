@@ -98,5 +98,5 @@ pub struct DisaggConfig {
 /// Whether `model`'s requests are disaggregated now: it has healthy prefill and decode
 /// workers.
 pub fn applies(hub: &Hub, model: &str) -> bool {
-    hub.disaggregating(model)
+    hub.routing().disaggregating(model)
 }

@@ -22,7 +22,7 @@
 //!    sees it, and never counts against the cap once pruned.
 //!
 //! # Concurrency
-//! None: owned by the hub's namespaces, behind its routing mutex.
+//! None: owned by the namespaces ([`super::namespaces`]), behind their driver's lock.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -90,7 +90,7 @@ pub struct AtCap {
 
 /// Every open reservation (see the module docs).
 #[derive(Debug, Default)]
-pub(crate) struct Reservations {
+pub struct Reservations {
     /// `None`: no cap.
     cap: Option<usize>,
     by_id: HashMap<String, ClientId>,

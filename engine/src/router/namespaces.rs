@@ -21,21 +21,23 @@
 //! 1. A worker is in exactly one namespace: `worker_model[w]` names it, and only that
 //!    namespace's router knows `w`'s keys.
 //! 2. A request id is active in at most one namespace: ids are checked against every
-//!    namespace before routing, and generated ids never repeat.
+//!    namespace before routing, and a generated id ([`super::ids`], the one id policy) is
+//!    drawn again until no namespace has it active.
 //! 3. The default namespace always exists; a named one exists while it is declared or has
 //!    workers.
 //!
 //! # Concurrency
-//! None: owned by the hub behind its routing mutex.
+//! None: owned by its driver (the transport's routing state) behind one mutex.
 
-use crate::error::{Result, TransportError};
-use crate::reservations::{AtCap, ClientId, Reservations};
-use engine::WorkerId;
-use engine::approx::ApproxConfig;
-use engine::router::{NameError, RouteError, Router};
-use engine::sched::SchedulerConfig;
-use std::cell::RefCell;
+use super::ids::RequestIds;
+use super::reservations::{AtCap, ClientId, Reservations};
+use super::{NameError, RouteError, Router, Ticket};
+use crate::approx::ApproxConfig;
+use crate::ids::WorkerId;
+use crate::sched::SchedulerConfig;
 use std::collections::{BTreeMap, HashMap};
+
+type Result<T> = std::result::Result<T, RouteError>;
 
 /// The namespace of workers registered without a model.
 pub const DEFAULT_MODEL: &str = "";
@@ -56,12 +58,40 @@ pub enum ModelError {
     NotFound(String),
     /// Several models are served and the request named none.
     Required(Vec<String>),
+    /// A declared model cannot change its block size while it exists.
+    BlockSize {
+        /// The model.
+        model: String,
+        /// Its block size.
+        has: u32,
+        /// The one asked for.
+        wanted: u32,
+    },
+}
+
+impl std::fmt::Display for ModelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotFound(m) => write!(f, "model {m:?} is not served here"),
+            Self::Required(all) => {
+                write!(f, "this router serves several models ({all:?}); name one")
+            }
+            Self::BlockSize { model, has, wanted } => {
+                write!(
+                    f,
+                    "model {model:?} already has block size {has}, not {wanted}"
+                )
+            }
+        }
+    }
 }
 
 /// One model's routing state.
 #[derive(Debug)]
-pub(crate) struct Namespace {
+pub struct Namespace {
+    /// Its scheduler, active requests, cached totals and predictions.
     pub router: Router,
+    /// Its workers' block size.
     pub block_size: u32,
     /// Named in configuration: kept when its last worker goes.
     declared: bool,
@@ -70,12 +100,14 @@ pub(crate) struct Namespace {
 
 /// Every model's routing state. See the module docs.
 #[derive(Debug)]
-pub(crate) struct Namespaces {
+pub struct Namespaces {
     base: SchedulerConfig,
     approx: Option<ApproxConfig>,
     by_model: BTreeMap<String, Namespace>,
     worker_model: HashMap<WorkerId, String>,
-    /// Requests routed through the routing API, by client ([`crate::reservations`]).
+    /// Where generated request ids come from.
+    ids: RequestIds,
+    /// Requests routed through the routing API, by client ([`super::reservations`]).
     pub reservations: Reservations,
 }
 
@@ -97,8 +129,15 @@ impl Namespaces {
             approx,
             by_model,
             worker_model: HashMap::new(),
+            ids: RequestIds::default(),
             reservations: Reservations::default(),
         })
+    }
+
+    /// Generated request ids come from `ids` from now on (a serving router's draw from
+    /// the system's CSPRNG).
+    pub fn set_ids(&mut self, ids: RequestIds) {
+        self.ids = ids;
     }
 
     fn create(&mut self, name: &str, block_size: u32, declared: bool) -> Result<()> {
@@ -110,7 +149,8 @@ impl Namespaces {
             block_size,
             ..self.base
         };
-        let router = Router::new(config, self.approx)?;
+        let mut router = Router::new(config, self.approx)?;
+        router.set_namespace(name);
         self.by_model.insert(
             name.to_owned(),
             Namespace {
@@ -130,13 +170,11 @@ impl Namespaces {
         if let Some(ns) = self.by_model.get(&spec.name)
             && ns.block_size != bs
         {
-            return Err(TransportError::Invalid {
-                name: "model",
-                reason: format!(
-                    "model {:?} already has block size {}, not {bs}",
-                    spec.name, ns.block_size
-                ),
-            });
+            return Err(RouteError::Model(ModelError::BlockSize {
+                model: spec.name.clone(),
+                has: ns.block_size,
+                wanted: bs,
+            }));
         }
         self.create(&spec.name, bs, true)
     }
@@ -201,10 +239,7 @@ impl Namespaces {
         self.by_model
             .get_mut(model)
             .map(|ns| &mut ns.router)
-            .ok_or_else(|| TransportError::Invalid {
-                name: "model",
-                reason: format!("model {model:?} has no namespace"),
-            })
+            .ok_or_else(|| RouteError::Model(ModelError::NotFound(model.to_owned())))
     }
 
     /// Takes `worker` out of its namespace, which goes away if it was neither declared nor
@@ -270,19 +305,18 @@ impl Namespaces {
         self.by_model.values().any(|ns| ns.router.is_active(name))
     }
 
-    /// The id a request routed without one gets: never active anywhere (invariant 2), and
-    /// unguessable (`kvr-` and 128 random bits in hex), so holding it is what lets a caller
-    /// act on the request.
+    /// The id a request routed without one gets ([`super::ids`]): never active anywhere
+    /// (invariant 2).
     pub fn generate_id(&mut self) -> String {
         loop {
-            let name = random_id();
+            let name = self.ids.draw();
             if !self.is_active(&name) {
                 return name;
             }
         }
     }
 
-    /// Whether `client` may make one more route reservation ([`crate::reservations`]).
+    /// Whether `client` may make one more route reservation ([`super::reservations`]).
     pub fn admit_reservation(&mut self, client: ClientId) -> std::result::Result<(), AtCap> {
         let by_model = &self.by_model;
         self.reservations.admit(client, |id| {
@@ -291,12 +325,12 @@ impl Namespaces {
     }
 
     /// For a caller of the routing API (`Some(client)`): `id` must be its own reservation,
-    /// else it is [`TransportError::UnknownRequest`] (whether it exists is not told). The
+    /// else it is unknown ([`NameError::Unknown`]: whether it exists is not told). The
     /// router's own calls (`None`) pass.
     pub fn check_holder(&self, id: &str, client: Option<ClientId>) -> Result<()> {
         match client {
             Some(c) if !self.reservations.held_by(id, c) => {
-                Err(TransportError::UnknownRequest(id.to_owned()))
+                Err(RouteError::Name(NameError::Unknown(id.to_owned())))
             }
             _ => Ok(()),
         }
@@ -314,8 +348,8 @@ impl Namespaces {
     pub fn with_request<R>(
         &mut self,
         name: &str,
-        f: impl FnOnce(&mut Router) -> std::result::Result<R, RouteError>,
-    ) -> std::result::Result<R, RouteError> {
+        f: impl FnOnce(&mut Router) -> Result<R>,
+    ) -> Result<R> {
         match self
             .by_model
             .values_mut()
@@ -323,6 +357,21 @@ impl Namespaces {
         {
             Some(ns) => f(&mut ns.router),
             None => Err(RouteError::Name(NameError::Unknown(name.to_owned()))),
+        }
+    }
+
+    /// Runs `f` on the router of `ticket`'s namespace, where its request is active (no
+    /// search: the ticket names the namespace).
+    pub fn with_ticket<R>(
+        &mut self,
+        ticket: &Ticket,
+        f: impl FnOnce(&mut Router) -> Result<R>,
+    ) -> Result<R> {
+        match self.by_model.get_mut(&ticket.model) {
+            Some(ns) if ns.router.is_active(&ticket.request_id) => f(&mut ns.router),
+            _ => Err(RouteError::Name(NameError::Unknown(
+                ticket.request_id.clone(),
+            ))),
         }
     }
 
@@ -348,67 +397,6 @@ impl Namespaces {
         for ns in self.by_model.values_mut() {
             ns.router.expire(now);
         }
-    }
-}
-
-/// Random bytes drawn from the system's CSPRNG a page at a time (one `getrandom` per 256
-/// ids rather than one per id).
-struct RandomPool {
-    bytes: [u8; 4096],
-    used: usize,
-}
-
-thread_local! {
-    static RANDOM: RefCell<RandomPool> = const {
-        RefCell::new(RandomPool { bytes: [0; 4096], used: 4096 })
-    };
-}
-
-/// `kvr-` and 32 hex digits of fresh randomness. Should the system's generator ever fail,
-/// the bytes come from a hash of the time and a counter instead: still unique, only
-/// guessable with effort.
-fn random_id() -> String {
-    use ring::rand::{SecureRandom, SystemRandom};
-    use std::fmt::Write;
-    let mut id = [0u8; 16];
-    RANDOM.with(|cell| {
-        let mut pool = cell.borrow_mut();
-        if pool.used + id.len() > pool.bytes.len() {
-            if SystemRandom::new().fill(&mut pool.bytes).is_err() {
-                fallback_random(&mut pool.bytes);
-            }
-            pool.used = 0;
-        }
-        let at = pool.used;
-        if let Some(src) = pool.bytes.get(at..at + id.len()) {
-            id.copy_from_slice(src);
-        }
-        pool.used += id.len();
-    });
-    let mut name = String::with_capacity(4 + 32);
-    name.push_str("kvr-");
-    for b in id {
-        let _ = write!(name, "{b:02x}");
-    }
-    name
-}
-
-/// Fills `out` from SHA-256 of the time, the thread and a process-wide counter.
-fn fallback_random(out: &mut [u8]) {
-    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    for chunk in out.chunks_mut(32) {
-        let seed = format!(
-            "{nanos}/{:?}/{}",
-            std::thread::current().id(),
-            COUNTER.fetch_add(1, Relaxed)
-        );
-        let d = ring::digest::digest(&ring::digest::SHA256, seed.as_bytes());
-        let n = chunk.len();
-        chunk.copy_from_slice(&d.as_ref()[..n]);
     }
 }
 
@@ -482,11 +470,11 @@ mod tests {
         let mut n = spaces();
         let r = n.place(WorkerId(1), "m").unwrap();
         r.add_worker(
-            engine::WorkerKey::new(1, 0),
-            engine::sched::WorkerRole::default(),
+            crate::WorkerKey::new(1, 0),
+            crate::sched::WorkerRole::default(),
         )
         .unwrap();
-        let call = engine::router::RouteCall {
+        let call = super::super::RouteCall {
             request_id: Some("kvr-0".into()),
             tokens: &[1; 16],
             ..Default::default()
@@ -495,7 +483,7 @@ mod tests {
             std::time::Instant::now(),
             &call,
             &[],
-            &engine::Matches::default(),
+            &crate::Matches::default(),
         )
         .unwrap();
         assert!(n.is_active("kvr-0"));

@@ -7,7 +7,9 @@
 //! # Invariants
 //! 1. A request name is interned iff its request is active in the scheduler (expired,
 //!    finished and removed-worker requests are forgotten with it).
-//! 2. Generated names (`kvr-N`) and request ids never repeat within one router.
+//! 2. Internal request ids never repeat within one router; every request is named by its
+//!    caller (ids for requests routed without one are generated once, by
+//!    [`namespaces::Namespaces::generate_id`]: [`ids`] is the one id policy).
 //! 3. In approximate mode every routing decision is recorded as a prediction of what the
 //!    chosen worker now caches, and overlaps come from those predictions.
 //! 4. A caller's name is at most [`MAX_REQUEST_ID_BYTES`] long and holds no control
@@ -33,10 +35,18 @@ use crate::sched::{
 use hashbrown::HashMap;
 use std::time::Instant;
 
+pub mod ids;
+pub mod namespaces;
+pub mod reservations;
+
+pub use namespaces::{DEFAULT_MODEL, ModelError, ModelSpec, Namespace, Namespaces};
+pub use reservations::{AtCap, ClientId};
+
 /// A request to route.
 #[derive(Clone, Debug, Default)]
 pub struct RouteCall<'a> {
-    /// The caller's id (must not be active); generated when absent.
+    /// The caller's id (must not be active). [`Router`] needs one
+    /// ([`NameError::Missing`]); the namespaces generate it when absent.
     pub request_id: Option<String>,
     /// The prompt's token ids.
     pub tokens: &'a [u32],
@@ -58,6 +68,29 @@ pub struct Routed {
     pub decision: Decision,
     /// Full blocks in the prompt.
     pub blocks: usize,
+    /// The namespace (model) it was routed in ([`namespaces::DEFAULT_MODEL`] for the
+    /// default one).
+    pub model: String,
+}
+
+impl Routed {
+    /// What the caller that routed it keeps to mark it prefilled and free it: its
+    /// namespace and id, so neither needs a search over the namespaces.
+    pub fn ticket(&self) -> Ticket {
+        Ticket {
+            model: self.model.clone(),
+            request_id: self.request_id.clone(),
+        }
+    }
+}
+
+/// A routed request as its router-side caller holds it ([`Routed::ticket`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    /// The namespace it was routed in.
+    pub model: String,
+    /// Its id.
+    pub request_id: String,
 }
 
 /// The longest request id accepted, in bytes: ids are kept while their request is active,
@@ -76,6 +109,9 @@ pub enum NameError {
     /// The name holds a control character (its byte offset): it would end up in logs and
     /// headers, where one could forge a line.
     ControlCharacter(usize),
+    /// A request routed without a name where one is needed (a [`Router`] routes named
+    /// requests; [`Namespaces`] names the others).
+    Missing,
 }
 
 /// Whether `name` may name a request (invariant 4): at most [`MAX_REQUEST_ID_BYTES`] bytes
@@ -94,6 +130,8 @@ pub fn check_request_id(name: &str) -> std::result::Result<(), NameError> {
 #[derive(Debug)]
 pub struct Router {
     scheduler: Scheduler,
+    /// The namespace this router serves (its requests' [`Routed::model`]).
+    namespace: String,
     ids: HashMap<String, RequestId>,
     names: HashMap<RequestId, String>,
     next_id: u64,
@@ -139,6 +177,7 @@ impl Router {
     pub fn new(config: SchedulerConfig, approx: Option<ApproxConfig>) -> Result<Self> {
         Ok(Self {
             scheduler: Scheduler::new(config)?,
+            namespace: String::new(),
             ids: HashMap::new(),
             names: HashMap::new(),
             next_id: 0,
@@ -147,6 +186,11 @@ impl Router {
             cached: HashMap::new(),
             approx: approx.map(ApproxIndex::new).transpose()?,
         })
+    }
+
+    /// Names the namespace this router serves (the namespaces name theirs).
+    pub fn set_namespace(&mut self, name: &str) {
+        name.clone_into(&mut self.namespace);
     }
 
     /// Whether overlaps come from routing predictions (approximate mode).
@@ -257,7 +301,7 @@ impl Router {
                 return Err(RouteError::Name(NameError::Duplicate(n.clone())));
             }
             Some(n) => n.clone(),
-            None => format!("kvr-{}", self.next_id),
+            None => return Err(RouteError::Name(NameError::Missing)),
         };
         let id = RequestId(self.next_id);
         let request = RouteRequest {
@@ -287,6 +331,7 @@ impl Router {
             request_id: name,
             decision,
             blocks: seqs.len(),
+            model: self.namespace.clone(),
         })
     }
 
@@ -491,6 +536,14 @@ pub enum RouteError {
     Name(NameError),
     /// The scheduler refused (no workers, an invalid override, ...).
     Engine(EngineError),
+    /// The request's model ([`namespaces`]).
+    Model(ModelError),
+}
+
+impl From<EngineError> for RouteError {
+    fn from(e: EngineError) -> Self {
+        Self::Engine(e)
+    }
 }
 
 #[cfg(test)]
@@ -524,13 +577,22 @@ mod tests {
             r.route(now, &call, &[], &Matches::default()),
             Err(RouteError::Name(NameError::Duplicate("a".into())))
         );
+        // A router routes named requests only (the namespaces name the others).
         let anon = RouteCall {
             tokens: &[1; 32],
             ..RouteCall::default()
         };
-        let g1 = r.route(now, &anon, &[], &Matches::default()).unwrap();
-        let g2 = r.route(now, &anon, &[], &Matches::default()).unwrap();
-        assert_ne!(g1.request_id, g2.request_id);
+        assert_eq!(
+            r.route(now, &anon, &[], &Matches::default()),
+            Err(RouteError::Name(NameError::Missing))
+        );
+        for name in ["g1", "g2"] {
+            let named = RouteCall {
+                request_id: Some(name.into()),
+                ..anon.clone()
+            };
+            r.route(now, &named, &[], &Matches::default()).unwrap();
+        }
         assert_eq!(r.active_requests(), 3);
         r.finish("a").unwrap();
         assert_eq!(
@@ -685,6 +747,7 @@ mod tests {
         r.add_remote(now, &remote(ReplicaId(1), "x", key, &[SeqHash(1)], 16))
             .unwrap();
         let call = RouteCall {
+            request_id: Some("kvr-local".into()),
             tokens: &[1; 16],
             ..RouteCall::default()
         };
@@ -716,6 +779,7 @@ mod tests {
         let seqs = [SeqHash(1), SeqHash(2)];
         assert_eq!(r.predicted_matches(now, &seqs).unwrap().best(), 0);
         let call = RouteCall {
+            request_id: Some("p".into()),
             tokens: &[0; 32],
             ..RouteCall::default()
         };

@@ -1,0 +1,267 @@
+//! The facade's routing stage: a request's prompt is hashed at its model's block size,
+//! its overlaps come from the index (through this thread's core when it is one, or the
+//! model's predictions in approximate mode) less the unverified keys, and the model's
+//! scheduler decides under the routing lock ([`Routing`](super::Routing)); prefilled and
+//! finish follow the request's id.
+
+use super::Hub;
+use super::routing::{Decide, Refusal, Target};
+use crate::cores;
+use crate::error::Result;
+use engine::hash::{lora_seed, seq_hashes, seq_hashes_salted};
+use engine::router::{ClientId, DEFAULT_MODEL, RouteCall, Routed, Ticket};
+use engine::sched::Policy;
+use engine::{Matches, SeqHash};
+use std::time::Instant;
+
+impl Hub {
+    /// The seq hashes of `tokens`' full blocks at the router's block size (the default
+    /// namespace's; [`Hub::resolve_model`] gives a model's).
+    pub fn hash_prompt(&self, tokens: &[u32], lora_name: Option<&str>) -> Vec<SeqHash> {
+        seq_hashes(tokens, self.block_size() as usize, lora_seed(lora_name))
+    }
+
+    /// The request's overlaps from the index, or from `model`'s predictions in approximate
+    /// mode.
+    fn find_matches(&self, model: &str, seqs: &[SeqHash], now: Instant) -> Result<Matches> {
+        if self.approximate
+            && let Some(m) = self.routing.predicted_matches(model, seqs, now)
+        {
+            return Ok(m);
+        }
+        Ok(self.gate.filter(self.engine.find_matches(seqs)?))
+    }
+
+    /// Which workers hold how much of the prompt whose full blocks are `seqs`. No state
+    /// changes.
+    pub fn find_matches_for(&self, seqs: &[SeqHash]) -> Result<Matches> {
+        self.find_matches(DEFAULT_MODEL, seqs, Instant::now())
+    }
+
+    /// Which of `model`'s workers hold how much of the prompt: the model's block size, the
+    /// prompt's full blocks and the overlaps. No state changes.
+    pub fn overlap(
+        &self,
+        model: Option<&str>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+    ) -> Result<(u32, usize, Matches)> {
+        self.overlap_salted(model, tokens, lora_name, None)
+    }
+
+    /// [`Hub::overlap`] for a request with a `cache_salt` (vLLM's per-request cache
+    /// namespace, folded into block 0's hash; `None` or `""` is no salt): only blocks stored
+    /// under the same salt (and adapter) match.
+    pub fn overlap_salted(
+        &self,
+        model: Option<&str>,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<(u32, usize, Matches)> {
+        let (model, block_size) = self.resolve_model(model)?;
+        let seqs = seq_hashes_salted(
+            tokens,
+            block_size as usize,
+            lora_seed(lora_name),
+            cache_salt,
+        );
+        let mut matches = self.find_matches(&model, &seqs, Instant::now())?;
+        self.routing.retain_model(&model, &mut matches);
+        Ok((block_size, seqs.len(), matches))
+    }
+
+    /// Routes a request for `model` (see [`Hub::resolve_model`]) and records it as active
+    /// on the chosen worker.
+    pub fn route(&self, model: Option<&str>, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
+        let (model, seqs) = self.prepare(model, call)?;
+        let matches = self.find_matches(&model, &seqs, now)?;
+        self.decide(&model, call, &seqs, &matches, now, Decide::default())
+    }
+
+    /// [`Hub::route`] with `custom` choosing the worker among the scored candidates (the
+    /// Python package's custom policies). It runs under the routing lock, once per call.
+    pub fn route_with(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        custom: &mut dyn Policy,
+    ) -> Result<Routed> {
+        let (model, seqs) = self.prepare(model, call)?;
+        let matches = self.find_matches(&model, &seqs, now)?;
+        let how = Decide {
+            custom: Some(custom),
+            client: None,
+        };
+        self.decide(&model, call, &seqs, &matches, now, how)
+    }
+
+    /// [`Hub::route`] for async callers: on a hosted core, a query for another core's shard
+    /// waits without blocking the thread, which keeps serving meanwhile.
+    pub async fn route_async(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+    ) -> Result<Routed> {
+        self.route_async_as(model, call, now, None).await
+    }
+
+    /// [`Hub::route_async`] for a caller of the routing API (`POST /v1/route`): the request
+    /// becomes `client`'s reservation ([`engine::router::reservations`]): refused past the
+    /// client's cap, active for at most `--reservation-timeout-secs` unless freed, and only
+    /// `client` may mark or free it.
+    pub async fn reserve_async(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        client: ClientId,
+    ) -> Result<Routed> {
+        self.route_async_as(model, call, now, Some(client)).await
+    }
+
+    /// [`Hub::route_async`] in a namespace the caller resolved already
+    /// ([`Hub::resolve_model`]: `model` and its `block_size`), so the model is resolved once
+    /// per request (the OpenAI front door).
+    pub async fn route_resolved_async(
+        &self,
+        model: &str,
+        block_size: u32,
+        call: &RouteCall<'_>,
+        now: Instant,
+    ) -> Result<Routed> {
+        let seqs = hash_call(call, block_size);
+        self.route_hashed(model.to_owned(), seqs, call, now, None)
+            .await
+    }
+
+    async fn route_async_as(
+        &self,
+        model: Option<&str>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        client: Option<ClientId>,
+    ) -> Result<Routed> {
+        let (model, seqs) = self.prepare(model, call)?;
+        self.route_hashed(model, seqs, call, now, client).await
+    }
+
+    async fn route_hashed(
+        &self,
+        model: String,
+        seqs: Vec<SeqHash>,
+        call: &RouteCall<'_>,
+        now: Instant,
+        client: Option<ClientId>,
+    ) -> Result<Routed> {
+        let matches = match self.engine.hosted() && !self.approximate {
+            true => match cores::find_matches(&seqs).await {
+                Some(r) => self.gate.filter(r?),
+                None => self.find_matches(&model, &seqs, now)?,
+            },
+            false => self.find_matches(&model, &seqs, now)?,
+        };
+        let how = Decide {
+            custom: None,
+            client,
+        };
+        self.decide(&model, call, &seqs, &matches, now, how)
+    }
+
+    /// The namespace of the call and its prompt's seq hashes at that model's block size.
+    fn prepare(&self, model: Option<&str>, call: &RouteCall<'_>) -> Result<(String, Vec<SeqHash>)> {
+        let (model, block_size) = self.resolve_model(model)?;
+        Ok((model, hash_call(call, block_size)))
+    }
+
+    /// The scheduler's decision for a request whose overlaps are known; records and counts
+    /// it.
+    fn decide(
+        &self,
+        model: &str,
+        call: &RouteCall<'_>,
+        seqs: &[SeqHash],
+        matches: &Matches,
+        now: Instant,
+        how: Decide<'_>,
+    ) -> Result<Routed> {
+        let lifetime = self
+            .limits
+            .reservation_timeout
+            .unwrap_or(engine::router::reservations::DEFAULT_RESERVATION_TIMEOUT);
+        let lifetime = (lifetime < self.config.scheduler.request_timeout).then_some(lifetime);
+        let m = &self.metrics;
+        let routed = self
+            .routing
+            .decide(model, call, seqs, matches, now, how, &self.limits, lifetime)
+            .map_err(|(refusal, e)| {
+                use std::sync::atomic::Ordering::Relaxed;
+                match refusal {
+                    Some(Refusal::TooManyReservations) => {
+                        m.too_many_reservations.fetch_add(1, Relaxed)
+                    }
+                    Some(Refusal::Overloaded) => m.overloaded.fetch_add(1, Relaxed),
+                    None => 0,
+                };
+                e
+            })?;
+        let decision = &routed.decision;
+        m.decided(decision.mode);
+        m.decided_because(crate::metrics::DecisionReason::of(
+            decision.overlap_blocks,
+            decision.best_available_overlap_blocks,
+        ));
+        m.chosen_overlap.observe(f64::from(decision.overlap_blocks));
+        m.best_overlap
+            .observe(f64::from(decision.best_available_overlap_blocks));
+        Ok(routed)
+    }
+
+    /// Marks a routed request prefilled: its first token streamed now (the chosen worker's
+    /// TTFT model learns from the time since routing).
+    pub fn prefilled(&self, request_id: &str) -> Result<()> {
+        self.routing
+            .prefilled(Target::Id(request_id, None), Instant::now())
+    }
+
+    /// [`Hub::prefilled`] for a caller of the routing API: only `client`'s own reservations
+    /// are known to it (anything else is [`crate::TransportError::UnknownRequest`]).
+    pub fn prefilled_by(&self, request_id: &str, client: ClientId) -> Result<()> {
+        self.routing
+            .prefilled(Target::Id(request_id, Some(client)), Instant::now())
+    }
+
+    /// [`Hub::prefilled`] by the ticket the router's own caller kept ([`Routed::ticket`]).
+    pub fn prefilled_ticket(&self, ticket: &Ticket) -> Result<()> {
+        self.routing
+            .prefilled(Target::Ticket(ticket), Instant::now())
+    }
+
+    /// Frees a routed request (finished or cancelled).
+    pub fn finish(&self, request_id: &str) -> Result<()> {
+        self.routing.finish(Target::Id(request_id, None))
+    }
+
+    /// [`Hub::finish`] for a caller of the routing API: only `client`'s own reservations
+    /// are known to it (anything else is [`crate::TransportError::UnknownRequest`]).
+    pub fn finish_by(&self, request_id: &str, client: ClientId) -> Result<()> {
+        self.routing.finish(Target::Id(request_id, Some(client)))
+    }
+
+    /// [`Hub::finish`] by the ticket the router's own caller kept ([`Routed::ticket`]).
+    pub fn finish_ticket(&self, ticket: &Ticket) -> Result<()> {
+        self.routing.finish(Target::Ticket(ticket))
+    }
+}
+
+/// The seq hashes of the call's prompt at `block_size`.
+fn hash_call(call: &RouteCall<'_>, block_size: u32) -> Vec<SeqHash> {
+    seq_hashes_salted(
+        call.tokens,
+        block_size as usize,
+        lora_seed(call.lora_name),
+        call.cache_salt,
+    )
+}
