@@ -18,6 +18,7 @@
 //! Single writer: one ingest thread owns an `Ingest` and the directories of the workers
 //! whose events it decodes.
 
+use super::ops::{BlockOp, OpBatch};
 use super::shard::Shard;
 use super::{Placement, Route, ShardId, ShardPolicy};
 use crate::directories::{Applied, BlockStore, Directories};
@@ -28,30 +29,6 @@ use crate::snapshot::StreamMark;
 use crate::snapshot::image::{ArchivedCoreImage, CoreImage, EntryRec, KeyRec, MarkRec};
 use hashbrown::HashMap;
 use std::fmt;
-
-/// What to do with a batch's blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockOp {
-    /// One more copy of each block, as a chain continuing `parent` (`None`: the chain
-    /// starts a sequence).
-    Store {
-        /// The seq_hash of the block the chain continues.
-        parent: Option<SeqHash>,
-    },
-    /// One copy fewer of each block.
-    Remove,
-}
-
-/// Operations of one worker key for one shard.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OpBatch {
-    /// Whose blocks.
-    pub key: WorkerKey,
-    /// What to do with them.
-    pub op: BlockOp,
-    /// The blocks, in event order (for a store: the chain, in chain order).
-    pub seqs: Vec<SeqHash>,
-}
 
 /// Operations waiting to be delivered, one queue per shard.
 #[derive(Debug, Default)]
