@@ -25,7 +25,7 @@
 //! [`RuntimeConfig::call_timeout`]: super::RuntimeConfig::call_timeout
 //! [`RuntimeConfig::sync_timeout`]: super::RuntimeConfig::sync_timeout
 
-use super::home_core;
+use super::home::home_core;
 use super::msg::{CoreSummary, FromCore, Tagged, ToCore};
 use super::waker::Waker;
 use crate::directories::Applied;

@@ -7,7 +7,7 @@ use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::index::IndexStats;
 use crate::matches::Matches;
 use crate::sharding::ShardId;
-use crate::sharding::ingest::OpBatch;
+use crate::sharding::ops::OpBatch;
 use crate::sharding::promote::Promotion;
 use crate::snapshot::StreamMark;
 use crate::snapshot::image::{CoreImage, EngineImage};

@@ -38,101 +38,20 @@
 //! # Concurrency
 //! Each core's [`Promo`] is its own; the coordinator's also holds the queue and the round.
 //!
+//! [`Promo`]: super::promotion_state::Promo
 //! [`Shard::export_round`]: crate::sharding::shard::Shard::export_round
 
+use super::core_state::{Core, State};
 use super::msg::PeerMsg;
-use super::shard_loop::{Core, State};
+use super::promotion_state::{Active, Deferred, Round};
 use crate::ids::SeqHash;
 use crate::sharding::promote::Promotion;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::image::{CoreImage, EngineImage};
-use hashbrown::HashMap;
 use std::sync::Arc;
 
 /// The core that runs the rounds.
 const COORDINATOR: usize = 0;
-
-/// A round's hubs: (the shard exporting it, the block).
-type Hubs = Arc<[(ShardId, SeqHash)]>;
-
-/// A snapshot freeze put off until this core's event slice is done.
-#[derive(Debug)]
-struct Deferred {
-    epoch: u64,
-    hubs: Hubs,
-    buffer: Option<Box<CoreImage>>,
-}
-
-/// The round a core is frozen for.
-#[derive(Clone, Debug)]
-struct Round {
-    epoch: u64,
-    hubs: Arc<[(ShardId, SeqHash)]>,
-    /// A snapshot round: this core images itself once drained.
-    snapshot: bool,
-    /// Its image, until sent to the coordinator.
-    image: Option<Box<CoreImage>>,
-    /// Distinct shards among `hubs`.
-    exporters: usize,
-    /// This core exported its hubs (if it has any).
-    exported: bool,
-    /// `Graft`s received from other exporters.
-    grafts: usize,
-    /// This core told the coordinator it grafted everything.
-    grafted: bool,
-}
-
-/// The coordinator's view of the round in progress.
-#[derive(Debug, Default)]
-struct Active {
-    epoch: u64,
-    /// Cores (the coordinator included) that grafted every path.
-    grafted: usize,
-    promotions: Vec<Arc<[Promotion]>>,
-    /// A snapshot round: the clients waiting for it, and the images so far by core.
-    snapshot: Vec<(usize, u64)>,
-    images: Vec<(usize, Box<CoreImage>)>,
-}
-
-/// One core's part in promotions.
-#[derive(Debug, Default)]
-pub(crate) struct Promo {
-    frozen: Option<Round>,
-    /// `Drained` markers received per epoch (they may arrive before the `Freeze`).
-    drained: HashMap<u64, usize>,
-    queue: Vec<(ShardId, SeqHash)>,
-    active: Option<Active>,
-    /// Coordinator: clients waiting for a snapshot round to start (`(client, tag)`).
-    snapshot_waiters: Vec<(usize, u64)>,
-    /// Coordinator: image buffers for the next snapshot round, by core.
-    snapshot_buffers: Vec<CoreImage>,
-    /// A snapshot round's freeze that waits for this core's event slice to finish.
-    deferred: Option<Deferred>,
-    next_epoch: u64,
-    /// Promotions this core published (coordinator) or grafted.
-    pub(crate) rounds: u64,
-    /// Hubs this core reported to the coordinator.
-    pub(crate) reported: u64,
-    /// Coordinator: hub reports it has taken (queued, or dropped as already promoted).
-    pub(crate) heard: u64,
-}
-
-impl Promo {
-    /// Is this core frozen (invariant 1)?
-    pub(crate) fn frozen(&self) -> bool {
-        self.frozen.is_some()
-    }
-
-    /// Is a round in progress here (a core must not close its rings then)?
-    pub(crate) fn busy(&self) -> bool {
-        self.frozen.is_some() || self.active.is_some() || self.deferred.is_some()
-    }
-
-    /// Is a round in progress or queued (coordinator)?
-    pub(crate) fn pending(&self) -> bool {
-        self.busy() || !self.queue.is_empty() || !self.snapshot_waiters.is_empty()
-    }
-}
 
 impl<P: ShardPolicy> Core<P> {
     fn coordinator(&self) -> bool {
