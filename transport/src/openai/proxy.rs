@@ -365,7 +365,7 @@ pub(crate) async fn send(
     let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
-        .map_err(|e| crate::outbound::chain(&e))?;
+        .map_err(|e| crate::error::chain(&e))?;
     if resp.status().is_server_error() {
         return Err(format!("status {}", resp.status()));
     }
