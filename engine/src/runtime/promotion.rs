@@ -1,21 +1,23 @@
-//! Promoting hubs into the trunk while the cores run: a short freeze coordinated by core 0.
+//! Promoting junctions into the trunk while the cores run: a short freeze coordinated by
+//! core 0.
 //!
 //! `sharding::promote` requires that no operation routed by the old trunk is in flight
 //! when the new one is published. The single-threaded engine gets that for free; here the
 //! cores agree on it by message:
 //!
 //! 1. A core that routes enough stores under one block (or whose shard makes a block branch
-//!    past the policy's hub threshold) sends `Hub` to the coordinator (core 0), which
-//!    queues it and runs one round at a time, for every hub queued when the round starts
-//!    (a workload's first hubs tend to appear together: one freeze for all of them).
-//! 2. The coordinator sends `Freeze` with the round's hubs to every core and freezes
+//!    past the policy's junction threshold) sends `Junction` to the coordinator (core 0),
+//!    which queues it and runs one round at a time, for every junction queued when the
+//!    round starts (a workload's first junctions tend to appear together: one freeze for
+//!    all of them).
+//! 2. The coordinator sends `Freeze` with the round's junctions to every core and freezes
 //!    itself. A frozen core takes no more messages from ingest clients (queries and peers
 //!    are still served) and sends `Drained` to every other core, behind everything it sent
 //!    them before.
-//! 3. Each core holding some of the hubs (an *exporter*), once it has `Drained` from every
-//!    other core (so every operation for its shard from before the freeze is applied),
-//!    exports their paths and sends them (`Graft`) to every other core. A core that has
-//!    grafted what every other exporter sent tells the coordinator (`Grafted`).
+//! 3. Each core holding some of the junctions (an *exporter*), once it has `Drained` from
+//!    every other core (so every operation for its shard from before the freeze is
+//!    applied), exports their paths and sends them (`Graft`) to every other core. A core
+//!    that has grafted what every other exporter sent tells the coordinator (`Grafted`).
 //! 4. When every core has grafted, the coordinator publishes the new trunk and sends
 //!    `Thaw`; each core picks up the trunk and takes events again.
 //!
@@ -33,7 +35,7 @@
 //!    if a peer ring closes under it.
 //! 5. The paths grafted in one round are disjoint (`sharding::promote` invariant 3): paths
 //!    of different exporters are (a non-trunk block lives in one shard), and an exporter
-//!    exports its hubs with [`Shard::export_round`].
+//!    exports its junctions with [`Shard::export_round`].
 //!
 //! # Concurrency
 //! Each core's [`Promo`] is its own; the coordinator's also holds the queue and the round.
@@ -67,21 +69,21 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    /// After this core routed events or its shard changed: report new hubs (seen by the
-    /// ingest as it routed stores, or by the shard as it branched) to the coordinator.
-    pub(crate) fn note_hub(&mut self, st: &mut State) {
-        let mut hubs = self.ingest.take_hubs();
+    /// After this core routed events or its shard changed: report new junctions (seen by
+    /// the ingest as it routed stores, or by the shard as it branched) to the coordinator.
+    pub(crate) fn note_junctions(&mut self, st: &mut State) {
+        let mut junctions = self.ingest.take_junctions();
         if let Some((tip, fanout)) = self.shard.take_branch()
-            && self.ingest.policy().is_hub(tip, fanout)
+            && self.ingest.policy().is_junction(tip, fanout)
         {
-            hubs.push((self.me(), tip));
+            junctions.push((self.me(), tip));
         }
-        for (from, tip) in hubs {
+        for (from, tip) in junctions {
             st.promo.reported += 1;
             if self.coordinator() {
-                self.queue_hub(st, from, tip);
+                self.queue_junction(st, from, tip);
             } else {
-                self.send_peer(st, COORDINATOR, PeerMsg::Hub { from, tip });
+                self.send_peer(st, COORDINATOR, PeerMsg::Junction { from, tip });
             }
         }
     }
@@ -89,10 +91,10 @@ impl<P: ShardPolicy> Core<P> {
     /// Handles a promotion message from a peer; false if `msg` is not one.
     pub(crate) fn handle_promotion(&mut self, st: &mut State, msg: PeerMsg) -> bool {
         match msg {
-            PeerMsg::Hub { from, tip } => self.queue_hub(st, from, tip),
+            PeerMsg::Junction { from, tip } => self.queue_junction(st, from, tip),
             PeerMsg::Freeze {
                 epoch,
-                hubs,
+                junctions,
                 snapshot,
                 buffer,
             } => {
@@ -100,7 +102,7 @@ impl<P: ShardPolicy> Core<P> {
                     self.freeze(
                         st,
                         epoch,
-                        hubs,
+                        junctions,
                         snapshot.then(|| buffer.unwrap_or_default()),
                     );
                 }
@@ -125,7 +127,7 @@ impl<P: ShardPolicy> Core<P> {
         true
     }
 
-    fn queue_hub(&mut self, st: &mut State, from: ShardId, tip: SeqHash) {
+    fn queue_junction(&mut self, st: &mut State, from: ShardId, tip: SeqHash) {
         st.promo.heard += 1;
         let known = st.promo.queue.iter().any(|&(_, t)| t == tip);
         if !st.clients_gone && !known && !self.ingest.policy().in_trunk(tip) {
@@ -159,7 +161,7 @@ impl<P: ShardPolicy> Core<P> {
             return;
         }
         if !st.promo.snapshot_waiters.is_empty() {
-            // A snapshot round carries no hubs: they wait for the next round, so the
+            // A snapshot round carries no junctions: they wait for the next round, so the
             // images and the trunk they are taken with agree.
             st.promo.next_epoch += 1;
             let epoch = st.promo.next_epoch;
@@ -168,7 +170,7 @@ impl<P: ShardPolicy> Core<P> {
                 snapshot: std::mem::take(&mut st.promo.snapshot_waiters),
                 ..Active::default()
             });
-            let hubs: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
+            let junctions: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
             let mut buffers: Vec<Option<Box<CoreImage>>> =
                 std::mem::take(&mut st.promo.snapshot_buffers)
                     .into_iter()
@@ -180,7 +182,7 @@ impl<P: ShardPolicy> Core<P> {
                     let buffer = buffers.get_mut(p).and_then(Option::take);
                     let msg = PeerMsg::Freeze {
                         epoch,
-                        hubs: hubs.clone(),
+                        junctions: junctions.clone(),
                         snapshot: true,
                         buffer,
                     };
@@ -191,15 +193,15 @@ impl<P: ShardPolicy> Core<P> {
                 .get_mut(me)
                 .and_then(Option::take)
                 .unwrap_or_default();
-            self.freeze(st, epoch, hubs, Some(own));
+            self.freeze(st, epoch, junctions, Some(own));
             return;
         }
         let policy = self.ingest.policy();
-        let hubs: Arc<[(ShardId, SeqHash)]> = std::mem::take(&mut st.promo.queue)
+        let junctions: Arc<[(ShardId, SeqHash)]> = std::mem::take(&mut st.promo.queue)
             .into_iter()
             .filter(|&(_, tip)| !policy.in_trunk(tip))
             .collect();
-        if hubs.is_empty() {
+        if junctions.is_empty() {
             return;
         }
         st.promo.next_epoch += 1;
@@ -210,11 +212,11 @@ impl<P: ShardPolicy> Core<P> {
         });
         self.broadcast(st, || PeerMsg::Freeze {
             epoch,
-            hubs: hubs.clone(),
+            junctions: junctions.clone(),
             snapshot: false,
             buffer: None,
         });
-        self.freeze(st, epoch, hubs, None);
+        self.freeze(st, epoch, junctions, None);
     }
 
     /// Freezes now, or (a snapshot round while an event slice is half applied) once the
@@ -224,24 +226,24 @@ impl<P: ShardPolicy> Core<P> {
         &mut self,
         st: &mut State,
         epoch: u64,
-        hubs: Arc<[(ShardId, SeqHash)]>,
+        junctions: Arc<[(ShardId, SeqHash)]>,
         snapshot: Option<Box<CoreImage>>,
     ) {
         if snapshot.is_some() && st.rest.is_some() {
             st.promo.deferred = Some(Deferred {
                 epoch,
-                hubs,
+                junctions,
                 buffer: snapshot,
             });
             return;
         }
-        let mut shards: Vec<ShardId> = hubs.iter().map(|h| h.0).collect();
+        let mut shards: Vec<ShardId> = junctions.iter().map(|h| h.0).collect();
         shards.sort_unstable();
         shards.dedup();
         let exports_here = shards.contains(&self.me());
         st.promo.frozen = Some(Round {
             epoch,
-            hubs,
+            junctions,
             snapshot: snapshot.is_some(),
             exported: !exports_here && snapshot.is_none(),
             image: snapshot,
@@ -263,7 +265,7 @@ impl<P: ShardPolicy> Core<P> {
         if drained + 1 < self.cores() {
             return;
         }
-        let (epoch, hubs) = (round.epoch, round.hubs.clone());
+        let (epoch, junctions) = (round.epoch, round.junctions.clone());
         if round.snapshot {
             // Every operation any core produced before it froze is applied here, and no
             // core takes events until the thaw: this core's part of the cut.
@@ -289,7 +291,7 @@ impl<P: ShardPolicy> Core<P> {
         let me = self.me();
         // One round's paths are published together, so they are exported together:
         // disjoint, or the other shards would graft shared blocks twice (invariant 5).
-        let tips = hubs.iter().filter(|h| h.0 == me).map(|h| h.1);
+        let tips = junctions.iter().filter(|h| h.0 == me).map(|h| h.1);
         let promotions: Arc<[Promotion]> =
             self.shard.export_round(tips, |s| policy.in_trunk(s)).into();
         self.broadcast(st, || PeerMsg::Graft {
@@ -325,7 +327,7 @@ impl<P: ShardPolicy> Core<P> {
         let Some(r) = st.promo.frozen.as_ref() else {
             return;
         };
-        let others = r.exporters - usize::from(r.hubs.iter().any(|h| h.0 == self.me()));
+        let others = r.exporters - usize::from(r.junctions.iter().any(|h| h.0 == self.me()));
         if r.grafted || !r.exported || r.grafts < others {
             return;
         }
@@ -401,7 +403,7 @@ impl<P: ShardPolicy> Core<P> {
     pub(crate) fn freeze_deferred(&mut self, st: &mut State) {
         if let Some(d) = st.promo.deferred.take() {
             let buffer = d.buffer.unwrap_or_default();
-            self.freeze(st, d.epoch, d.hubs, Some(buffer));
+            self.freeze(st, d.epoch, d.junctions, Some(buffer));
         }
     }
 

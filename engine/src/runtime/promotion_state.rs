@@ -18,14 +18,14 @@ use crate::snapshot::image::CoreImage;
 use hashbrown::HashMap;
 use std::sync::Arc;
 
-/// A round's hubs: (the shard exporting it, the block).
-pub(super) type Hubs = Arc<[(ShardId, SeqHash)]>;
+/// A round's junctions: (the shard exporting it, the block).
+pub(super) type Junctions = Arc<[(ShardId, SeqHash)]>;
 
 /// A snapshot freeze put off until this core's event slice is done.
 #[derive(Debug)]
 pub(super) struct Deferred {
     pub(super) epoch: u64,
-    pub(super) hubs: Hubs,
+    pub(super) junctions: Junctions,
     pub(super) buffer: Option<Box<CoreImage>>,
 }
 
@@ -33,14 +33,14 @@ pub(super) struct Deferred {
 #[derive(Clone, Debug)]
 pub(super) struct Round {
     pub(super) epoch: u64,
-    pub(super) hubs: Arc<[(ShardId, SeqHash)]>,
+    pub(super) junctions: Arc<[(ShardId, SeqHash)]>,
     /// A snapshot round: this core images itself once drained.
     pub(super) snapshot: bool,
     /// Its image, until sent to the coordinator.
     pub(super) image: Option<Box<CoreImage>>,
-    /// Distinct shards among `hubs`.
+    /// Distinct shards among `junctions`.
     pub(super) exporters: usize,
-    /// This core exported its hubs (if it has any).
+    /// This core exported its junctions (if it has any).
     pub(super) exported: bool,
     /// `Graft`s received from other exporters.
     pub(super) grafts: usize,
@@ -77,9 +77,9 @@ pub(crate) struct Promo {
     pub(super) next_epoch: u64,
     /// Promotions this core published (coordinator) or grafted.
     pub(crate) rounds: u64,
-    /// Hubs this core reported to the coordinator.
+    /// Junctions this core reported to the coordinator.
     pub(crate) reported: u64,
-    /// Coordinator: hub reports it has taken (queued, or dropped as already promoted).
+    /// Coordinator: junction reports it has taken (queued, or dropped as already promoted).
     pub(crate) heard: u64,
 }
 

@@ -147,7 +147,7 @@ impl<P: ShardPolicy> Runner<P> {
             for _ in 0..burst {
                 // Checked before every ingest message, not once per round: handling one
                 // can freeze this core (the coordinator starts a promotion when the
-                // events it routed make a hub), and then the next must wait.
+                // events it routed make a junction), and then the next must wait.
                 if i < ingest && (st.no_events() || st.rest.is_some()) {
                     break;
                 }
@@ -309,7 +309,7 @@ impl<P: ShardPolicy> Core<P> {
                             self.shard.apply(b);
                             applied += b.seqs.len().max(1);
                         }
-                        self.note_hub(st);
+                        self.note_junctions(st);
                         self.serve_queries(st);
                     }
                     Ok(PeerMsg::Fence { client, tag }) => {
@@ -350,7 +350,7 @@ impl<P: ShardPolicy> Core<P> {
                     .ingest
                     .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
                 self.flush_outbox(st);
-                self.note_hub(st);
+                self.note_junctions(st);
                 self.reply(client, tag, FromCore::Applied(r));
             }
             ToCore::Clear(key) => {
@@ -424,8 +424,8 @@ impl<P: ShardPolicy> Core<P> {
             }
         }
         self.flush_outbox(st);
-        // The rest of the slice is put back (or its mark recorded) before `note_hub`: on
-        // the coordinator it may start a round, and a snapshot round must see a half
+        // The rest of the slice is put back (or its mark recorded) before `note_junctions`:
+        // on the coordinator it may start a round, and a snapshot round must see a half
         // applied slice to put its freeze off (an image must never hold part of a batch
         // without its mark; found by bin/tests/crash_restart.rs as a block lost after a
         // restart, the batch's first events applied twice).
@@ -434,7 +434,7 @@ impl<P: ShardPolicy> Core<P> {
         } else if let Some(m) = st.rest_mark.take() {
             self.ingest.mark(m);
         }
-        self.note_hub(st);
+        self.note_junctions(st);
         if st.rest.is_none() {
             // A snapshot round waits for the slice to finish before this core freezes.
             self.freeze_deferred(st);
@@ -493,8 +493,8 @@ impl<P: ShardPolicy> Core<P> {
             rejects: self.ingest.rejects().clone(),
             pinned_core: self.pinned_core,
             promotions: st.promo.rounds,
-            hubs_reported: st.promo.reported,
-            hubs_heard: st.promo.heard,
+            junctions_reported: st.promo.reported,
+            junctions_heard: st.promo.heard,
             promoting: st.promo.pending(),
             ring_backlog: self.clients_in.iter().map(|r| r.len()).sum::<usize>()
                 + self.peers_in.iter().map(|r| r.len()).sum::<usize>(),

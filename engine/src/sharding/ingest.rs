@@ -137,20 +137,20 @@ impl fmt::Debug for Placed {
     }
 }
 
-/// Counts the stores that continue each block placed in one shard, to report hubs as soon
-/// as the router sees them (the shard holding the block would see them only after they
+/// Counts the stores that continue each block placed in one shard, to report junctions as
+/// soon as the router sees them (the shard holding the block would see them only after they
 /// crossed a ring, behind whatever is queued there).
 ///
-/// Bounded: when it holds [`HubWatch::CAPACITY`] parents it starts over, so only parents
-/// that many stores continue in a row are reported; the shards' own branch reports catch
-/// the rest.
+/// Bounded: when it holds [`JunctionWatch::CAPACITY`] parents it starts over, so only
+/// parents that many stores continue in a row are reported; the shards' own branch reports
+/// catch the rest.
 #[derive(Debug, Default)]
-struct HubWatch {
+struct JunctionWatch {
     counts: hashbrown::HashMap<SeqHash, u32>,
     found: Vec<(ShardId, SeqHash)>,
 }
 
-impl HubWatch {
+impl JunctionWatch {
     const CAPACITY: usize = 1 << 14;
 
     fn saw<P: ShardPolicy>(&mut self, policy: &P, parent: SeqHash, shard: ShardId) {
@@ -159,7 +159,7 @@ impl HubWatch {
         }
         let n = self.counts.entry(parent).or_insert(0);
         *n += 1;
-        if policy.is_hub(parent, *n) {
+        if policy.is_junction(parent, *n) {
             self.counts.remove(&parent);
             self.found.push((shard, parent));
         }
@@ -173,7 +173,7 @@ struct OutboxSink<'a, P> {
     outbox: &'a mut Outbox,
     local: Option<&'a mut Shard>,
     scratch: &'a mut Vec<SeqHash>,
-    hubs: &'a mut HubWatch,
+    junctions: &'a mut JunctionWatch,
 }
 
 impl<P: ShardPolicy> OutboxSink<'_, P> {
@@ -206,7 +206,7 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
         if let Some(p) = parent
             && let Placement::Shard(x) = self.policy.placement(p.seq(), p.route())
         {
-            self.hubs.saw(self.policy, p.seq(), x);
+            self.junctions.saw(self.policy, p.seq(), x);
         }
         // Blocks are placed one by one only while the chain is replicated; once a block
         // lands in a shard, every later one does too (the policy's invariant 3), so the rest
@@ -286,7 +286,7 @@ pub struct Ingest<P> {
     /// `(seq, digest)` of the last batch applied per numbered stream.
     marks: HashMap<(WorkerId, u32), (u64, Option<u64>)>,
     scratch: Vec<SeqHash>,
-    hubs: HubWatch,
+    junctions: JunctionWatch,
 }
 
 impl<P: ShardPolicy> Ingest<P> {
@@ -297,7 +297,7 @@ impl<P: ShardPolicy> Ingest<P> {
             dirs: Directories::new(),
             marks: HashMap::new(),
             scratch: Vec::new(),
-            hubs: HubWatch::default(),
+            junctions: JunctionWatch::default(),
         }
     }
 
@@ -313,9 +313,9 @@ impl<P: ShardPolicy> Ingest<P> {
         &self.policy
     }
 
-    /// Hubs seen routing stores since the last call: (shard holding it, block).
-    pub fn take_hubs(&mut self) -> Vec<(ShardId, SeqHash)> {
-        std::mem::take(&mut self.hubs.found)
+    /// Junctions seen routing stores since the last call: (shard holding it, block).
+    pub fn take_junctions(&mut self) -> Vec<(ShardId, SeqHash)> {
+        std::mem::take(&mut self.junctions.found)
     }
 
     /// The sharding policy, mutably (to refresh or promote).
@@ -331,7 +331,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -350,7 +350,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: Some(local),
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -362,7 +362,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -374,7 +374,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.marks.retain(|(w, _), _| *w != worker);
         self.dirs.remove_worker(worker, &mut sink)

@@ -104,7 +104,7 @@ pub trait ShardPolicy: Send + Sync + fmt::Debug {
 
     /// Should `tip`, a block of one shard's private part of the index that now has
     /// `fanout` children there, join the trunk?
-    fn is_hub(&self, _tip: SeqHash, _fanout: u32) -> bool {
+    fn is_junction(&self, _tip: SeqHash, _fanout: u32) -> bool {
         false
     }
 
