@@ -825,13 +825,14 @@ fn collect_handles(
 fn edge_tls(args: &ServeArgs) -> Result<Option<EdgeTls>> {
     match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Ok(Some(
-            transport::http::tls::server_config(cert, key).context("--tls-cert / --tls-key")?,
+            transport::http::edge_tls::server_config(cert, key)
+                .context("--tls-cert / --tls-key")?,
         )),
         _ => Ok(None),
     }
 }
 
-type EdgeTls = Arc<transport::http::tls::TlsServerConfig>;
+type EdgeTls = Arc<transport::http::edge_tls::TlsServerConfig>;
 
 use transport::http::conn::Edge;
 

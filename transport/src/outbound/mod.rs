@@ -49,7 +49,7 @@ pub mod body;
 pub mod connector;
 
 use crate::error::{Result, TransportError, WorkerCallError, chain};
-use crate::native::tls::{pem_err, provider, tls_err};
+use crate::native::quic_tls::{pem_err, provider, tls_err};
 use body::{BodyKind, Overrun, ReadError, Refusals};
 use bytes::Bytes;
 use connector::Connector;
@@ -169,7 +169,7 @@ fn tls_connector(roots: rustls::RootCertStore) -> Result<TlsConnector> {
         .map_err(|e| tls_err("TLS versions", e))?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    cfg.alpn_protocols = vec![crate::http::tls::ALPN_HTTP11.to_vec()];
+    cfg.alpn_protocols = vec![crate::http::edge_tls::ALPN_HTTP11.to_vec()];
     Ok(TlsConnector::from(Arc::new(cfg)))
 }
 
