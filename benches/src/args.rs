@@ -76,8 +76,9 @@ pub struct IndexerArgs {
     #[arg(long, env = "KVENGINE_BENCH_REPLICATE_DEPTH")]
     pub replicate_depth: Option<u32>,
     /// Sharded indexers, adaptive trunk: a block joins the trunk at this many children.
-    #[arg(long, default_value_t = Adaptive::DEFAULT_HUB_FANOUT, env = "KVENGINE_BENCH_HUB_FANOUT")]
-    pub hub_fanout: u32,
+    #[arg(long, alias = "hub-fanout", default_value_t = Adaptive::DEFAULT_JUNCTION_FANOUT,
+          env = "KVENGINE_BENCH_JUNCTION_FANOUT")]
+    pub junction_fanout: u32,
     /// Repeat the mixed phase (in round pairs) until this many seconds have passed; 0 runs
     /// one pair.
     #[arg(long, default_value_t = 0.0, env = "KVENGINE_BENCH_DURATION_S")]
@@ -211,7 +212,7 @@ impl IndexerArgs {
         Ok(Sharding::configured(
             self.cores,
             self.replicate_depth,
-            self.hub_fanout,
+            self.junction_fanout,
         )?)
     }
 

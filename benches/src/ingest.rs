@@ -24,10 +24,10 @@ pub struct IngestConfig {
     /// Pin the engine's core threads.
     pub pin_cores: bool,
     /// Sharding: `Some(d)` replicates the first `d` blocks everywhere; `None` (the router's
-    /// default) lets the trunk adapt, promoting at `hub_fanout` children.
+    /// default) lets the trunk adapt, promoting at `junction_fanout` children.
     pub replicate_depth: Option<u32>,
     /// Children at which the adaptive trunk promotes a block.
-    pub hub_fanout: u32,
+    pub junction_fanout: u32,
     /// Tokio worker threads (the transport and the publishers share the runtime).
     pub tokio_threads: usize,
     /// Publishers, one worker id each (1..=workers).
@@ -50,7 +50,7 @@ impl Default for IngestConfig {
             cores: 2,
             pin_cores: false,
             replicate_depth: None,
-            hub_fanout: Adaptive::DEFAULT_HUB_FANOUT,
+            junction_fanout: Adaptive::DEFAULT_JUNCTION_FANOUT,
             tokio_threads: 2,
             workers: 4,
             batches: 1000,
@@ -105,7 +105,7 @@ impl IngestConfig {
             HubConfig {
                 scheduler: SchedulerConfig::default(),
             },
-            Sharding::configured(self.cores, self.replicate_depth, self.hub_fanout)?,
+            Sharding::configured(self.cores, self.replicate_depth, self.junction_fanout)?,
             engine_cfg,
         )
         .context("starting the engine")?;

@@ -320,16 +320,20 @@ impl WorkerEntry {
     }
 }
 
-/// The `KVENGINE_*` variable of each long flag of `kvengine serve`.
+/// The `KVENGINE_*` variable of each long flag of `kvengine serve`, under its long name and
+/// under each of its aliases (a former name, e.g. `hub-fanout`, or Dynamo's).
 fn flag_envs() -> BTreeMap<String, String> {
     let cmd = crate::Cli::command();
-    cmd.get_arguments()
-        .filter_map(|a| {
-            let long = a.get_long()?;
-            let env = a.get_env()?.to_str()?;
-            Some((long.to_owned(), env.to_owned()))
-        })
-        .collect()
+    let mut out = BTreeMap::new();
+    for a in cmd.get_arguments() {
+        let (Some(long), Some(env)) = (a.get_long(), a.get_env().and_then(|e| e.to_str())) else {
+            continue;
+        };
+        for name in std::iter::once(long).chain(a.get_all_aliases().unwrap_or_default()) {
+            out.insert(name.to_owned(), env.to_owned());
+        }
+    }
+    out
 }
 
 /// A setting's value as its variable would carry it.
@@ -597,5 +601,8 @@ mod tests {
         assert_eq!(envs["router-mode"], "KVENGINE_ROUTER_MODE");
         assert_eq!(envs["zmq-worker"], "KVENGINE_ZMQ_WORKERS");
         assert_eq!(envs["admin-token"], "KVENGINE_ADMIN_TOKEN");
+        // A renamed flag's former name is still a setting, of the same variable.
+        assert_eq!(envs["junction-fanout"], "KVENGINE_JUNCTION_FANOUT");
+        assert_eq!(envs["hub-fanout"], "KVENGINE_JUNCTION_FANOUT");
     }
 }

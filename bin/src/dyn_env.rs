@@ -1,7 +1,9 @@
-//! Dynamo's environment variable names for the settings kvengine shares with its router
-//! (docs/api.md "Dynamo's names"), so a deployment written for `dynamo.frontend` keeps its
-//! environment. Each `DYN_*` name is copied to its `KVENGINE_*` name before the command
-//! line is parsed; a `KVENGINE_*` variable that is set wins, and a flag wins over both.
+//! Other names for kvengine's environment variables: Dynamo's, for the settings kvengine
+//! shares with its router (docs/api.md "Dynamo's names"), so a deployment written for
+//! `dynamo.frontend` keeps its environment; and kvengine's own former names, so a renamed
+//! setting keeps working. Each other name is copied to its `KVENGINE_*` name before the
+//! command line is parsed; a `KVENGINE_*` variable that is set wins, and a flag wins over
+//! both.
 
 /// `(Dynamo's name, kvengine's name)`.
 pub const ALIASES: [(&str, &str); 6] = [
@@ -16,13 +18,24 @@ pub const ALIASES: [(&str, &str); 6] = [
     ("DYN_HTTP_PORT", "KVENGINE_HTTP_PORT"),
 ];
 
-/// Copies each set `DYN_*` variable to its unset `KVENGINE_*` name.
+/// `(former name, current name)`: kvengine's own renamed variables. Their flags keep the
+/// former name as a hidden alias, and the config file takes it too.
+pub const FORMER: [(&str, &str); 2] = [
+    // The trunk's "hub" became a junction (issue 30): `--hub-fanout`.
+    ("KVENGINE_HUB_FANOUT", "KVENGINE_JUNCTION_FANOUT"),
+    (
+        "KVENGINE_BENCH_HUB_FANOUT",
+        "KVENGINE_BENCH_JUNCTION_FANOUT",
+    ),
+];
+
+/// Copies each set `DYN_*` (or former) variable to its unset `KVENGINE_*` name.
 ///
 /// Must run first in `main`, before any thread exists (it sets environment variables).
 pub fn apply() {
-    for (dynamo, ours) in ALIASES {
+    for (other, ours) in ALIASES.into_iter().chain(FORMER) {
         if std::env::var_os(ours).is_none()
-            && let Some(value) = std::env::var_os(dynamo)
+            && let Some(value) = std::env::var_os(other)
         {
             // SAFETY: called at the top of `main`, before the process starts any thread, so
             // nothing can read the environment concurrently (the reason `set_var` is

@@ -122,6 +122,36 @@ mod tests {
     }
 
     #[test]
+    fn renamed_flags_keep_their_former_names() {
+        let fanout = |a: &[&str]| {
+            let mut v = vec!["kvengine"];
+            v.extend_from_slice(a);
+            Cli::try_parse_from(v).unwrap().serve.junction_fanout
+        };
+        assert_eq!(fanout(&["--junction-fanout", "5"]), 5);
+        assert_eq!(fanout(&["--hub-fanout", "5"]), 5);
+        let cli = Cli::try_parse_from(["kvengine", "serve", "--hub-fanout", "6"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::Serve(a)) if a.junction_fanout == 6));
+        // A former variable name maps to a variable some flag reads.
+        let mut envs = Vec::new();
+        let mut cmds = vec![Cli::command()];
+        while let Some(cmd) = cmds.pop() {
+            envs.extend(
+                cmd.get_arguments()
+                    .filter_map(|a| a.get_env())
+                    .map(|e| e.to_owned()),
+            );
+            cmds.extend(cmd.get_subcommands().cloned());
+        }
+        for (_, current) in dyn_env::FORMER {
+            assert!(
+                envs.iter().any(|e| e == current),
+                "{current} is no flag's variable"
+            );
+        }
+    }
+
+    #[test]
     fn an_open_control_plane_is_warned_about_and_the_edge_bounds_default_sanely() {
         let args = |a: &[&str]| {
             let mut v = vec!["kvengine"];

@@ -97,13 +97,13 @@ fn tls_worker(dir: &std::path::Path) -> (u16, std::path::PathBuf, std::sync::mps
                                 "message": {"role": "assistant", "content": "tls ok"}}]}))
                     }),
                 );
-            let tls = transport::http::tls::server_config(&c, &k).unwrap();
+            let tls = transport::http::edge_tls::server_config(&c, &k).unwrap();
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             port_tx.send(listener.local_addr().unwrap().port()).unwrap();
             let stop = async move {
                 let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
             };
-            transport::http::tls::serve_https(listener, app, tls, stop)
+            transport::http::edge_tls::serve_https(listener, app, tls, stop)
                 .await
                 .unwrap();
         });

@@ -2,15 +2,15 @@
 //!
 //! Two ingest handles post batches (`IngestHandle::send`, several events in flight) for
 //! disjoint workers into the threaded runtime on 1, 2 and 3 cores, with the adaptive policy
-//! at hub fanout 2, so promotion rounds run all the time and often take several hubs at
-//! once. Afterwards the queries must equal a plain model of DESIGN.md (no worker shown
-//! holding a block it removed), and once every worker is removed every shard must be back
-//! to an empty tree with no inconsistency: no entry that no directory owns.
+//! at junction fanout 2, so promotion rounds run all the time and often take several
+//! junctions at once. Afterwards the queries must equal a plain model of DESIGN.md (no
+//! worker shown holding a block it removed), and once every worker is removed every shard
+//! must be back to an empty tree with no inconsistency: no entry that no directory owns.
 //!
-//! Regression: a round that promoted two hubs of one shard whose paths shared blocks (one
-//! below the other, or siblings under a common non-trunk block) exported the shared blocks
-//! twice, and every other shard grafted their holders twice; removals, one per shard, left
-//! the second copies behind (`sharding::promote` invariant 3).
+//! Regression: a round that promoted two junctions of one shard whose paths shared blocks
+//! (one below the other, or siblings under a common non-trunk block) exported the shared
+//! blocks twice, and every other shard grafted their holders twice; removals, one per
+//! shard, left the second copies behind (`sharding::promote` invariant 3).
 
 mod model;
 

@@ -1,5 +1,5 @@
 //! The adaptive trunk against a plain model: random stores, removals, clears and worker
-//! removals on 1, 2, 3 and 8 shards with a hub threshold of 2 or 3, so that blocks are
+//! removals on 1, 2, 3 and 8 shards with a junction threshold of 2 or 3, so that blocks are
 //! promoted (and their continuations pinned) all the time; after every operation every
 //! query, per-key block counts, per-shard entry counts and shard consistency are checked,
 //! and at the end everything is removed and the footprint is back to empty.
@@ -381,7 +381,8 @@ proptest! {
 #[test]
 fn a_long_shared_prompt_is_promoted_and_the_load_spreads() {
     let shards = 2;
-    let mut ix = ShardedIndex::new(Adaptive::new(shards, Adaptive::DEFAULT_HUB_FANOUT).unwrap());
+    let mut ix =
+        ShardedIndex::new(Adaptive::new(shards, Adaptive::DEFAULT_JUNCTION_FANOUT).unwrap());
     let prompt: Vec<TokensHash> = (0..96).map(|i| TokensHash(1_000 + i)).collect();
     for seq in 0..1_000u64 {
         let key = WorkerKey::new(seq % 64, 0);
@@ -538,6 +539,6 @@ fn streamed_events_with_promotions_answer_like_the_one_shard_index() {
             ));
             queries.push(prompt.iter().chain(&tail).map(|x| x.0).collect());
         }
-        bulk_equals_kv_index(cores, Adaptive::DEFAULT_HUB_FANOUT, &events, &queries);
+        bulk_equals_kv_index(cores, Adaptive::DEFAULT_JUNCTION_FANOUT, &events, &queries);
     }
 }

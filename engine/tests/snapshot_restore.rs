@@ -1,6 +1,6 @@
 //! Snapshots against a plain model: an engine restored from a snapshot answers exactly as
 //! the model of the batches its stream marks name, on 1, 2 and 3 cores, with trunk
-//! promotions happening all the time (hub fanout 2).
+//! promotions happening all the time (junction fanout 2).
 //!
 //! * `a_restored_engine_is_the_engine_it_was_taken_from`: events from one thread; a
 //!   snapshot at random points; the restored engine is compared with the model, then both

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use transport::openai::prompt::{PromptSource, parse_request};
+use transport::openai::request_prompt::{PromptSource, parse_request};
 
 fuzz_target!(|data: &[u8]| {
     for source in [PromptSource::Chat, PromptSource::Completion] {

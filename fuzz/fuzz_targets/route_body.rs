@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use transport::http::prompt::{parse_prompt, parse_prompt_serde};
+use transport::http::route_body::{parse_prompt, parse_prompt_serde};
 
 fuzz_target!(|data: &[u8]| {
     let (mut fast, mut slow) = (Vec::new(), Vec::new());

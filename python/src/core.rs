@@ -54,7 +54,7 @@ impl Shared {
     /// Starts `settings.cores` shard threads and a hub over them.
     pub(crate) fn start(settings: EngineSettings) -> PyResult<Arc<Self>> {
         let cores = settings.cores.max(1);
-        let sharding = Sharding::configured(cores, None, Adaptive::DEFAULT_HUB_FANOUT)
+        let sharding = Sharding::configured(cores, None, Adaptive::DEFAULT_JUNCTION_FANOUT)
             .map_err(crate::error::from_engine)?;
         let engine = RuntimeConfig {
             ring_capacity: settings.ring_capacity,

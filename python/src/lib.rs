@@ -8,13 +8,15 @@
 //!
 //! # Components
 //! * `indexer`: `KvIndexer`, `compute_block_hashes`, `compute_seq_hashes`.
-//! * `router`: `KvRouter`, `Decision`, `Candidate`.
+//! * `router`: `KvRouter`, `Decision`.
+//! * `candidate`: `Candidate`, one worker rank as the cost function saw it.
 //! * `policy`: a Python callable as the engine's routing `Policy`.
 //! * `core`: the engine, hub and ZMQ runtime an indexer and its router share.
 //! * `events`, `tokens`: Python objects to batches and token ids.
 //! * `guard`: refuses calls back into the router from inside its policy.
 //! * `error`: Rust errors to Python exceptions.
 
+mod candidate;
 mod core;
 mod error;
 mod events;
@@ -34,7 +36,7 @@ fn _kvengine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<indexer::KvIndexer>()?;
     m.add_class::<router::KvRouter>()?;
     m.add_class::<router::Decision>()?;
-    m.add_class::<router::Candidate>()?;
+    m.add_class::<candidate::Candidate>()?;
     m.add_function(wrap_pyfunction!(indexer::compute_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(indexer::compute_seq_hashes, m)?)?;
     m.add("EngineError", m.py().get_type::<error::KvEngineError>())?;

@@ -13,8 +13,8 @@
 //! back into the router from inside the policy would wait for its own lock: `guard.rs`
 //! turns that into a `RuntimeError`.
 
+use crate::candidate::Candidate;
 use crate::guard::InPolicy;
-use crate::router::Candidate;
 use engine::sched::kv::KvPolicy;
 use engine::sched::{Policy, RouteMode, SelectionInput};
 use engine::{EngineError, WorkerKey};

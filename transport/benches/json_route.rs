@@ -5,7 +5,7 @@
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use mimalloc::MiMalloc;
 use std::hint::black_box;
-use transport::http::prompt::{parse_prompt, parse_prompt_serde};
+use transport::http::route_body::{parse_prompt, parse_prompt_serde};
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;

@@ -1,4 +1,5 @@
-//! The transport crate's one error type, and the labels dropped input is counted under.
+//! The transport crate's one error type, the labels dropped input is counted under, and
+//! [`chain`]: an error and its sources as one line.
 
 use engine::{EngineError, RejectReason};
 
@@ -265,4 +266,20 @@ impl TransportError {
             TransportError::PromptTooLong { .. } => DropReason::Oversized,
         }
     }
+}
+
+/// `e` and its sources, `: `-separated (a client error's cause, e.g. the TLS verifier's
+/// complaint, is in its sources), repeated messages once.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let msg = s.to_string();
+        if !out.ends_with(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        source = s.source();
+    }
+    out
 }

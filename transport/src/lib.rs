@@ -5,7 +5,6 @@
 pub mod bounds;
 pub mod cores;
 pub mod error;
-pub mod fence;
 pub mod http;
 pub mod hub;
 pub mod json_events;

@@ -390,7 +390,7 @@ fn json_events_survive_mutation() {
 
 #[test]
 fn route_bodies_decode_as_serde_does() {
-    use transport::http::prompt::{parse_prompt, parse_prompt_serde};
+    use transport::http::route_body::{parse_prompt, parse_prompt_serde};
     let ids: Vec<u32> = (0..40).map(|i| i * 1_000_003 % 4_000_000_000).collect();
     let corpus: Vec<Vec<u8>> = [
         serde_json::json!({"token_ids": ids}),
@@ -420,7 +420,7 @@ fn route_bodies_decode_as_serde_does() {
 
 #[test]
 fn openai_bodies_survive_mutation() {
-    use transport::openai::prompt::{PromptSource, parse_request};
+    use transport::openai::request_prompt::{PromptSource, parse_request};
     let corpus: Vec<Vec<u8>> = [
         serde_json::json!({"model": "m", "messages": [
             {"role": "system", "content": "be brief"},

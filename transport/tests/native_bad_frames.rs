@@ -41,7 +41,7 @@ struct Raw {
 
 impl Raw {
     async fn connect(env: &Env) -> Raw {
-        let client = transport::native::tls::client_config(&Trust::Fingerprint(
+        let client = transport::native::quic_tls::client_config(&Trust::Fingerprint(
             env.server.fingerprint().to_owned(),
         ))
         .unwrap();

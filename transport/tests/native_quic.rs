@@ -299,7 +299,7 @@ async fn a_wrong_token_is_refused_and_others_are_unaffected() {
 
 /// Sends a raw hello and returns the server's answer.
 async fn raw_hello(env: &Env, hello: &ClientFrame) -> ServerFrame {
-    let client = transport::native::tls::client_config(&Trust::Fingerprint(
+    let client = transport::native::quic_tls::client_config(&Trust::Fingerprint(
         env.server.fingerprint().to_owned(),
     ))
     .unwrap();
@@ -457,7 +457,7 @@ async fn fingerprint_pinning_rejects_other_certificates_and_ca_trust_works() {
     .await;
     assert_eq!(
         env.server.fingerprint(),
-        transport::native::tls::fingerprint(ck.cert.der())
+        transport::native::quic_tls::fingerprint(ck.cert.der())
     );
 
     let mut cfg = env.publisher(1, &[]);

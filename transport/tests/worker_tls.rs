@@ -81,12 +81,12 @@ async fn tls_worker(cert: &std::path::Path, key: &std::path::Path) -> TlsWorker 
                 }
             }),
         );
-    let tls = transport::http::tls::server_config(cert, key).unwrap();
+    let tls = transport::http::edge_tls::server_config(cert, key).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = transport::http::tls::serve_https(listener, app, tls, async {
+        let _ = transport::http::edge_tls::serve_https(listener, app, tls, async {
             let _ = rx.await;
         })
         .await;

@@ -379,8 +379,8 @@ fn settle(host: &mut CoreHost<Sharding>) -> Result<()> {
     loop {
         host.sync()?;
         let cores = host.core_stats()?;
-        let reported: u64 = cores.iter().map(|c| c.hubs_reported).sum();
-        let heard: u64 = cores.iter().map(|c| c.hubs_heard).sum();
+        let reported: u64 = cores.iter().map(|c| c.junctions_reported).sum();
+        let heard: u64 = cores.iter().map(|c| c.junctions_heard).sum();
         if reported == heard && cores.iter().all(|c| !c.promoting) {
             return Ok(());
         }

@@ -16,9 +16,10 @@ pub struct ServeArgs {
     pub replicate_depth: Option<u32>,
     /// Adaptive trunk (the default): a block that this many different continuations follow
     /// in one shard is copied to every shard, and what continues it is spread over them.
-    #[arg(long, env = "KVENGINE_HUB_FANOUT", default_value_t = Adaptive::DEFAULT_HUB_FANOUT,
+    #[arg(long, alias = "hub-fanout", env = "KVENGINE_JUNCTION_FANOUT",
+          default_value_t = Adaptive::DEFAULT_JUNCTION_FANOUT,
           value_parser = clap::value_parser!(u32).range(2..=(1 << 20)))]
-    pub hub_fanout: u32,
+    pub junction_fanout: u32,
     /// Messages each client-to-shard ring holds.
     #[arg(long, env = "KVENGINE_RING_CAPACITY", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 24)))]

@@ -139,13 +139,14 @@ pub(super) fn collect_handles(
 pub(super) fn edge_tls(args: &ServeArgs) -> Result<Option<EdgeTls>> {
     match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Ok(Some(
-            transport::http::tls::server_config(cert, key).context("--tls-cert / --tls-key")?,
+            transport::http::edge_tls::server_config(cert, key)
+                .context("--tls-cert / --tls-key")?,
         )),
         _ => Ok(None),
     }
 }
 
-pub(super) type EdgeTls = Arc<transport::http::tls::TlsServerConfig>;
+pub(super) type EdgeTls = Arc<transport::http::edge_tls::TlsServerConfig>;
 
 /// Another core's share of the HTTP edge: the edge core 0 built, on this core's listener.
 pub(super) async fn serve_share(

@@ -110,7 +110,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     let rx = crate::signals::stop_channel()?;
 
-    let sharding = Sharding::configured(cores, args.replicate_depth, args.hub_fanout)
+    let sharding = Sharding::configured(cores, args.replicate_depth, args.junction_fanout)
         .context("invalid sharding flags")?;
     println!(
         "kvengine: {cores} core thread(s) up ({available} CPU(s) available); sharding {}",

@@ -1,8 +1,8 @@
 //! Child maps: the children of a node (or of the root), keyed by their first block.
 //!
 //! A node with one child keeps it inline (`nodes::Kids::One`); two or more live in a map
-//! here. Hub nodes (the end of a system prompt that thousands of requests continue) have
-//! thousands of children, so the lookup is a hash probe, not a scan.
+//! here. Junction nodes (the end of a system prompt that thousands of requests continue)
+//! have thousands of children, so the lookup is a hash probe, not a scan.
 //!
 //! # Invariants
 //! 1. A map holds each child once, under the seq_hash of the child's first block; two

@@ -25,7 +25,7 @@
 //! [`RuntimeConfig::call_timeout`]: super::RuntimeConfig::call_timeout
 //! [`RuntimeConfig::sync_timeout`]: super::RuntimeConfig::sync_timeout
 
-use super::home_core;
+use super::home::home_core;
 use super::msg::{CoreSummary, FromCore, Tagged, ToCore};
 use super::waker::Waker;
 use crate::directories::Applied;
@@ -552,14 +552,15 @@ impl IngestHandle {
     }
 
     /// Like [`IngestHandle::sync`], and then waits until the trunk promotions those events
-    /// caused are done (every hub reported has been taken by the coordinator and no round
-    /// is queued or running), so that what follows sees the index and the trunk settled.
+    /// caused are done (every junction reported has been taken by the coordinator and no
+    /// round is queued or running), so that what follows sees the index and the trunk
+    /// settled.
     pub fn settle(&mut self) -> Result<()> {
         loop {
             self.sync()?;
             let cores = self.link.stats(&mut idle)?;
-            let reported: u64 = cores.iter().map(|c| c.hubs_reported).sum();
-            let heard: u64 = cores.iter().map(|c| c.hubs_heard).sum();
+            let reported: u64 = cores.iter().map(|c| c.junctions_reported).sum();
+            let heard: u64 = cores.iter().map(|c| c.junctions_heard).sum();
             if reported == heard && cores.iter().all(|c| !c.promoting) {
                 return Ok(());
             }

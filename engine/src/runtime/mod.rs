@@ -25,15 +25,19 @@
 
 mod barrier;
 mod client;
+mod core_state;
 #[cfg(test)]
 mod deadline_tests;
+mod home;
 mod hosted;
 mod msg;
 mod promotion;
+mod promotion_state;
 mod shard_loop;
 mod waker;
 
 pub use client::{IngestHandle, QueryHandle};
+pub use home::home_core;
 pub use hosted::{CoreHost, Lookup, SentQuery};
 pub use msg::CoreSummary;
 
@@ -43,29 +47,17 @@ pub use msg::CoreSummary;
 pub use barrier::SyncBarrier;
 
 use crate::error::{EngineError, Result};
-use crate::ids::WorkerId;
 use crate::ring::ring;
 use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::image::ArchivedEngineImage;
 use client::Link;
-use shard_loop::{Core, Runner};
+use core_state::Core;
+use shard_loop::Runner;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use waker::Waker;
-
-/// The core that owns `worker`'s directories: the worker id modulo the cores.
-///
-/// Worker ids are usually small and sequential (`--zmq-worker 1=...`), which modulo spreads
-/// exactly evenly, or random 64-bit instance ids, which it spreads as well as any hash.
-/// A hash of sequential ids is uneven by about the square root of the count (measured on
-/// Dynamo's 128-worker benchmark: 59 and 69 workers on 2 cores, and the busier core set
-/// the removal rate). Ids strided by the core count would all share a home; that is the
-/// pattern to avoid when numbering workers.
-pub fn home_core(worker: WorkerId, cores: usize) -> ShardId {
-    ShardId((worker.0 % cores.max(1) as u64) as u16)
-}
 
 /// How to start the runtime.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

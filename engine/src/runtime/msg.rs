@@ -7,7 +7,7 @@ use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::index::IndexStats;
 use crate::matches::Matches;
 use crate::sharding::ShardId;
-use crate::sharding::ingest::OpBatch;
+use crate::sharding::ops::OpBatch;
 use crate::sharding::promote::Promotion;
 use crate::snapshot::StreamMark;
 use crate::snapshot::image::{CoreImage, EngineImage};
@@ -84,21 +84,21 @@ pub(crate) enum PeerMsg {
     /// Everything this core produced from client `client`'s events before its `Sync` tagged
     /// `tag` precedes this marker on this ring.
     Fence { client: usize, tag: u64 },
-    /// To the coordinator: `tip`, in shard `from`, has become a hub.
-    Hub { from: ShardId, tip: SeqHash },
-    /// From the coordinator: stop taking events for promotion round `epoch` of `hubs`
+    /// To the coordinator: `tip`, in shard `from`, has become a junction.
+    Junction { from: ShardId, tip: SeqHash },
+    /// From the coordinator: stop taking events for promotion round `epoch` of `junctions`
     /// (each exported by the shard named with it).
     Freeze {
         epoch: u64,
-        hubs: Arc<[(ShardId, SeqHash)]>,
-        /// A snapshot round: every core images itself once drained (no hubs then).
+        junctions: Arc<[(ShardId, SeqHash)]>,
+        /// A snapshot round: every core images itself once drained (no junctions then).
         snapshot: bool,
         /// The receiving core's image buffer (a snapshot round).
         buffer: Option<Box<CoreImage>>,
     },
     /// Everything this core produced before it froze for `epoch` precedes this marker.
     Drained { epoch: u64 },
-    /// From an exporting core: the paths of its hubs in round `epoch` (possibly none).
+    /// From an exporting core: the paths of its junctions in round `epoch` (possibly none).
     Graft {
         epoch: u64,
         promotions: Arc<[Promotion]>,
@@ -138,10 +138,10 @@ pub struct CoreSummary {
     pub pinned_core: Option<usize>,
     /// Trunk promotions it published (core 0) or grafted.
     pub promotions: u64,
-    /// Hubs its shard reported for promotion.
-    pub hubs_reported: u64,
-    /// Hub reports it took as the promotions' coordinator (core 0; 0 elsewhere).
-    pub hubs_heard: u64,
+    /// Junctions its shard reported for promotion.
+    pub junctions_reported: u64,
+    /// Junction reports it took as the promotions' coordinator (core 0; 0 elsewhere).
+    pub junctions_heard: u64,
     /// A promotion round is queued or running here.
     pub promoting: bool,
     /// Messages waiting in its incoming rings (from clients and peer cores) when it

@@ -1,21 +1,23 @@
-//! Promoting hubs into the trunk while the cores run: a short freeze coordinated by core 0.
+//! Promoting junctions into the trunk while the cores run: a short freeze coordinated by
+//! core 0.
 //!
 //! `sharding::promote` requires that no operation routed by the old trunk is in flight
 //! when the new one is published. The single-threaded engine gets that for free; here the
 //! cores agree on it by message:
 //!
 //! 1. A core that routes enough stores under one block (or whose shard makes a block branch
-//!    past the policy's hub threshold) sends `Hub` to the coordinator (core 0), which
-//!    queues it and runs one round at a time, for every hub queued when the round starts
-//!    (a workload's first hubs tend to appear together: one freeze for all of them).
-//! 2. The coordinator sends `Freeze` with the round's hubs to every core and freezes
+//!    past the policy's junction threshold) sends `Junction` to the coordinator (core 0),
+//!    which queues it and runs one round at a time, for every junction queued when the
+//!    round starts (a workload's first junctions tend to appear together: one freeze for
+//!    all of them).
+//! 2. The coordinator sends `Freeze` with the round's junctions to every core and freezes
 //!    itself. A frozen core takes no more messages from ingest clients (queries and peers
 //!    are still served) and sends `Drained` to every other core, behind everything it sent
 //!    them before.
-//! 3. Each core holding some of the hubs (an *exporter*), once it has `Drained` from every
-//!    other core (so every operation for its shard from before the freeze is applied),
-//!    exports their paths and sends them (`Graft`) to every other core. A core that has
-//!    grafted what every other exporter sent tells the coordinator (`Grafted`).
+//! 3. Each core holding some of the junctions (an *exporter*), once it has `Drained` from
+//!    every other core (so every operation for its shard from before the freeze is
+//!    applied), exports their paths and sends them (`Graft`) to every other core. A core
+//!    that has grafted what every other exporter sent tells the coordinator (`Grafted`).
 //! 4. When every core has grafted, the coordinator publishes the new trunk and sends
 //!    `Thaw`; each core picks up the trunk and takes events again.
 //!
@@ -33,106 +35,25 @@
 //!    if a peer ring closes under it.
 //! 5. The paths grafted in one round are disjoint (`sharding::promote` invariant 3): paths
 //!    of different exporters are (a non-trunk block lives in one shard), and an exporter
-//!    exports its hubs with [`Shard::export_round`].
+//!    exports its junctions with [`Shard::export_round`].
 //!
 //! # Concurrency
 //! Each core's [`Promo`] is its own; the coordinator's also holds the queue and the round.
 //!
+//! [`Promo`]: super::promotion_state::Promo
 //! [`Shard::export_round`]: crate::sharding::shard::Shard::export_round
 
+use super::core_state::{Core, State};
 use super::msg::PeerMsg;
-use super::shard_loop::{Core, State};
+use super::promotion_state::{Active, Deferred, Round};
 use crate::ids::SeqHash;
 use crate::sharding::promote::Promotion;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::image::{CoreImage, EngineImage};
-use hashbrown::HashMap;
 use std::sync::Arc;
 
 /// The core that runs the rounds.
 const COORDINATOR: usize = 0;
-
-/// A round's hubs: (the shard exporting it, the block).
-type Hubs = Arc<[(ShardId, SeqHash)]>;
-
-/// A snapshot freeze put off until this core's event slice is done.
-#[derive(Debug)]
-struct Deferred {
-    epoch: u64,
-    hubs: Hubs,
-    buffer: Option<Box<CoreImage>>,
-}
-
-/// The round a core is frozen for.
-#[derive(Clone, Debug)]
-struct Round {
-    epoch: u64,
-    hubs: Arc<[(ShardId, SeqHash)]>,
-    /// A snapshot round: this core images itself once drained.
-    snapshot: bool,
-    /// Its image, until sent to the coordinator.
-    image: Option<Box<CoreImage>>,
-    /// Distinct shards among `hubs`.
-    exporters: usize,
-    /// This core exported its hubs (if it has any).
-    exported: bool,
-    /// `Graft`s received from other exporters.
-    grafts: usize,
-    /// This core told the coordinator it grafted everything.
-    grafted: bool,
-}
-
-/// The coordinator's view of the round in progress.
-#[derive(Debug, Default)]
-struct Active {
-    epoch: u64,
-    /// Cores (the coordinator included) that grafted every path.
-    grafted: usize,
-    promotions: Vec<Arc<[Promotion]>>,
-    /// A snapshot round: the clients waiting for it, and the images so far by core.
-    snapshot: Vec<(usize, u64)>,
-    images: Vec<(usize, Box<CoreImage>)>,
-}
-
-/// One core's part in promotions.
-#[derive(Debug, Default)]
-pub(crate) struct Promo {
-    frozen: Option<Round>,
-    /// `Drained` markers received per epoch (they may arrive before the `Freeze`).
-    drained: HashMap<u64, usize>,
-    queue: Vec<(ShardId, SeqHash)>,
-    active: Option<Active>,
-    /// Coordinator: clients waiting for a snapshot round to start (`(client, tag)`).
-    snapshot_waiters: Vec<(usize, u64)>,
-    /// Coordinator: image buffers for the next snapshot round, by core.
-    snapshot_buffers: Vec<CoreImage>,
-    /// A snapshot round's freeze that waits for this core's event slice to finish.
-    deferred: Option<Deferred>,
-    next_epoch: u64,
-    /// Promotions this core published (coordinator) or grafted.
-    pub(crate) rounds: u64,
-    /// Hubs this core reported to the coordinator.
-    pub(crate) reported: u64,
-    /// Coordinator: hub reports it has taken (queued, or dropped as already promoted).
-    pub(crate) heard: u64,
-}
-
-impl Promo {
-    /// Is this core frozen (invariant 1)?
-    pub(crate) fn frozen(&self) -> bool {
-        self.frozen.is_some()
-    }
-
-    /// Is a round in progress here (a core must not close its rings then)?
-    pub(crate) fn busy(&self) -> bool {
-        self.frozen.is_some() || self.active.is_some() || self.deferred.is_some()
-    }
-
-    /// Is a round in progress or queued (coordinator)?
-    pub(crate) fn pending(&self) -> bool {
-        self.busy() || !self.queue.is_empty() || !self.snapshot_waiters.is_empty()
-    }
-}
 
 impl<P: ShardPolicy> Core<P> {
     fn coordinator(&self) -> bool {
@@ -148,21 +69,21 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    /// After this core routed events or its shard changed: report new hubs (seen by the
-    /// ingest as it routed stores, or by the shard as it branched) to the coordinator.
-    pub(crate) fn note_hub(&mut self, st: &mut State) {
-        let mut hubs = self.ingest.take_hubs();
+    /// After this core routed events or its shard changed: report new junctions (seen by
+    /// the ingest as it routed stores, or by the shard as it branched) to the coordinator.
+    pub(crate) fn note_junctions(&mut self, st: &mut State) {
+        let mut junctions = self.ingest.take_junctions();
         if let Some((tip, fanout)) = self.shard.take_branch()
-            && self.ingest.policy().is_hub(tip, fanout)
+            && self.ingest.policy().is_junction(tip, fanout)
         {
-            hubs.push((self.me(), tip));
+            junctions.push((self.me(), tip));
         }
-        for (from, tip) in hubs {
+        for (from, tip) in junctions {
             st.promo.reported += 1;
             if self.coordinator() {
-                self.queue_hub(st, from, tip);
+                self.queue_junction(st, from, tip);
             } else {
-                self.send_peer(st, COORDINATOR, PeerMsg::Hub { from, tip });
+                self.send_peer(st, COORDINATOR, PeerMsg::Junction { from, tip });
             }
         }
     }
@@ -170,10 +91,10 @@ impl<P: ShardPolicy> Core<P> {
     /// Handles a promotion message from a peer; false if `msg` is not one.
     pub(crate) fn handle_promotion(&mut self, st: &mut State, msg: PeerMsg) -> bool {
         match msg {
-            PeerMsg::Hub { from, tip } => self.queue_hub(st, from, tip),
+            PeerMsg::Junction { from, tip } => self.queue_junction(st, from, tip),
             PeerMsg::Freeze {
                 epoch,
-                hubs,
+                junctions,
                 snapshot,
                 buffer,
             } => {
@@ -181,7 +102,7 @@ impl<P: ShardPolicy> Core<P> {
                     self.freeze(
                         st,
                         epoch,
-                        hubs,
+                        junctions,
                         snapshot.then(|| buffer.unwrap_or_default()),
                     );
                 }
@@ -206,7 +127,7 @@ impl<P: ShardPolicy> Core<P> {
         true
     }
 
-    fn queue_hub(&mut self, st: &mut State, from: ShardId, tip: SeqHash) {
+    fn queue_junction(&mut self, st: &mut State, from: ShardId, tip: SeqHash) {
         st.promo.heard += 1;
         let known = st.promo.queue.iter().any(|&(_, t)| t == tip);
         if !st.clients_gone && !known && !self.ingest.policy().in_trunk(tip) {
@@ -240,7 +161,7 @@ impl<P: ShardPolicy> Core<P> {
             return;
         }
         if !st.promo.snapshot_waiters.is_empty() {
-            // A snapshot round carries no hubs: they wait for the next round, so the
+            // A snapshot round carries no junctions: they wait for the next round, so the
             // images and the trunk they are taken with agree.
             st.promo.next_epoch += 1;
             let epoch = st.promo.next_epoch;
@@ -249,7 +170,7 @@ impl<P: ShardPolicy> Core<P> {
                 snapshot: std::mem::take(&mut st.promo.snapshot_waiters),
                 ..Active::default()
             });
-            let hubs: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
+            let junctions: Arc<[(ShardId, SeqHash)]> = Arc::new([]);
             let mut buffers: Vec<Option<Box<CoreImage>>> =
                 std::mem::take(&mut st.promo.snapshot_buffers)
                     .into_iter()
@@ -261,7 +182,7 @@ impl<P: ShardPolicy> Core<P> {
                     let buffer = buffers.get_mut(p).and_then(Option::take);
                     let msg = PeerMsg::Freeze {
                         epoch,
-                        hubs: hubs.clone(),
+                        junctions: junctions.clone(),
                         snapshot: true,
                         buffer,
                     };
@@ -272,15 +193,15 @@ impl<P: ShardPolicy> Core<P> {
                 .get_mut(me)
                 .and_then(Option::take)
                 .unwrap_or_default();
-            self.freeze(st, epoch, hubs, Some(own));
+            self.freeze(st, epoch, junctions, Some(own));
             return;
         }
         let policy = self.ingest.policy();
-        let hubs: Arc<[(ShardId, SeqHash)]> = std::mem::take(&mut st.promo.queue)
+        let junctions: Arc<[(ShardId, SeqHash)]> = std::mem::take(&mut st.promo.queue)
             .into_iter()
             .filter(|&(_, tip)| !policy.in_trunk(tip))
             .collect();
-        if hubs.is_empty() {
+        if junctions.is_empty() {
             return;
         }
         st.promo.next_epoch += 1;
@@ -291,11 +212,11 @@ impl<P: ShardPolicy> Core<P> {
         });
         self.broadcast(st, || PeerMsg::Freeze {
             epoch,
-            hubs: hubs.clone(),
+            junctions: junctions.clone(),
             snapshot: false,
             buffer: None,
         });
-        self.freeze(st, epoch, hubs, None);
+        self.freeze(st, epoch, junctions, None);
     }
 
     /// Freezes now, or (a snapshot round while an event slice is half applied) once the
@@ -305,24 +226,24 @@ impl<P: ShardPolicy> Core<P> {
         &mut self,
         st: &mut State,
         epoch: u64,
-        hubs: Arc<[(ShardId, SeqHash)]>,
+        junctions: Arc<[(ShardId, SeqHash)]>,
         snapshot: Option<Box<CoreImage>>,
     ) {
         if snapshot.is_some() && st.rest.is_some() {
             st.promo.deferred = Some(Deferred {
                 epoch,
-                hubs,
+                junctions,
                 buffer: snapshot,
             });
             return;
         }
-        let mut shards: Vec<ShardId> = hubs.iter().map(|h| h.0).collect();
+        let mut shards: Vec<ShardId> = junctions.iter().map(|h| h.0).collect();
         shards.sort_unstable();
         shards.dedup();
         let exports_here = shards.contains(&self.me());
         st.promo.frozen = Some(Round {
             epoch,
-            hubs,
+            junctions,
             snapshot: snapshot.is_some(),
             exported: !exports_here && snapshot.is_none(),
             image: snapshot,
@@ -344,7 +265,7 @@ impl<P: ShardPolicy> Core<P> {
         if drained + 1 < self.cores() {
             return;
         }
-        let (epoch, hubs) = (round.epoch, round.hubs.clone());
+        let (epoch, junctions) = (round.epoch, round.junctions.clone());
         if round.snapshot {
             // Every operation any core produced before it froze is applied here, and no
             // core takes events until the thaw: this core's part of the cut.
@@ -370,7 +291,7 @@ impl<P: ShardPolicy> Core<P> {
         let me = self.me();
         // One round's paths are published together, so they are exported together:
         // disjoint, or the other shards would graft shared blocks twice (invariant 5).
-        let tips = hubs.iter().filter(|h| h.0 == me).map(|h| h.1);
+        let tips = junctions.iter().filter(|h| h.0 == me).map(|h| h.1);
         let promotions: Arc<[Promotion]> =
             self.shard.export_round(tips, |s| policy.in_trunk(s)).into();
         self.broadcast(st, || PeerMsg::Graft {
@@ -406,7 +327,7 @@ impl<P: ShardPolicy> Core<P> {
         let Some(r) = st.promo.frozen.as_ref() else {
             return;
         };
-        let others = r.exporters - usize::from(r.hubs.iter().any(|h| h.0 == self.me()));
+        let others = r.exporters - usize::from(r.junctions.iter().any(|h| h.0 == self.me()));
         if r.grafted || !r.exported || r.grafts < others {
             return;
         }
@@ -482,7 +403,7 @@ impl<P: ShardPolicy> Core<P> {
     pub(crate) fn freeze_deferred(&mut self, st: &mut State) {
         if let Some(d) = st.promo.deferred.take() {
             let buffer = d.buffer.unwrap_or_default();
-            self.freeze(st, d.epoch, d.hubs, Some(buffer));
+            self.freeze(st, d.epoch, d.junctions, Some(buffer));
         }
     }
 

@@ -6,6 +6,10 @@
 //! others to the cores that own them, over one SPSC ring per ordered pair of cores. It also
 //! answers queries for its shard. Nothing is shared between cores but the rings.
 //!
+//! Layers: the core's parts and its send / reply primitives are `core_state`'s, the trunk
+//! promotion protocol is `promotion`'s (over those parts), and this loop, on top, serves the
+//! rings in rounds and calls the protocol.
+//!
 //! # Invariants
 //! 1. Messages of one client are handled in the order the client sent them, and so are the
 //!    messages of one peer core.
@@ -31,21 +35,14 @@
 //! 7. Trunk promotions follow `promotion`'s protocol; while frozen for one, the core takes
 //!    no ingest-client message and does not close its peer rings.
 
-use super::barrier::SyncBarrier;
-use super::home_core;
-use super::msg::{CoreSummary, EventSlice, FromCore, PeerMsg, Tagged, ToCore};
-use super::promotion::Promo;
-use super::waker::Waker;
+use super::core_state::{Core, State};
+use super::home::home_core;
+use super::msg::{CoreSummary, FromCore, PeerMsg, Tagged, ToCore};
 use crate::ids::SeqHash;
 use crate::matches::Matches;
-use crate::ring::{Consumer, PopError, Producer, PushError};
-use crate::sharding::ingest::{Ingest, Outbox};
-use crate::sharding::shard::Shard;
+use crate::ring::{Consumer, PopError};
 use crate::sharding::{ShardId, ShardPolicy};
-use crate::snapshot::StreamMark;
-use crate::snapshot::image::EngineImage;
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Messages taken from one query client per round (each is one query).
@@ -94,56 +91,6 @@ impl Drop for AbortOnPanic {
     }
 }
 
-pub(crate) struct Core<P> {
-    pub shard: Shard,
-    pub ingest: Ingest<P>,
-    pub outbox: Outbox,
-    pub clients_in: Vec<Consumer<Tagged<ToCore>>>,
-    pub clients_out: Vec<Producer<Tagged<FromCore>>>,
-    /// Clients `0..ingest_clients` are ingest handles, the rest query handles.
-    pub ingest_clients: usize,
-    pub peers_in: Vec<Consumer<PeerMsg>>,
-    /// Indexed by core id; `None` for this core (and once closed at shutdown).
-    pub peers_out: Vec<Option<Producer<PeerMsg>>>,
-    pub wakers: Arc<[Arc<Waker>]>,
-    /// Clients' wakers, by client index: a client parked on its reply ring is woken after
-    /// the reply is pushed.
-    pub client_wakers: Arc<[Arc<Waker>]>,
-    pub pinned_core: Option<usize>,
-    /// Idle rounds before parking ([`YIELD_ROUNDS_SPARE_CPU`] or
-    /// [`YIELD_ROUNDS_SHARED_CPU`]).
-    pub yield_rounds: u32,
-    /// Blocks applied per round ([`HOSTED_STEP_BLOCKS`] or unbounded; invariant 4).
-    pub step_blocks: usize,
-}
-
-/// Per-run state of a core.
-pub(crate) struct State {
-    pending: Vec<VecDeque<PeerMsg>>,
-    /// Syncs waiting for this core's own `Sync` or for peers' fences (invariant 2).
-    syncs: SyncBarrier,
-    queries: u64,
-    lost_peer_msgs: u64,
-    /// This core's part in trunk promotions (`promotion`).
-    pub(crate) promo: Promo,
-    /// This core has closed its rings to the peers (shutting down).
-    pub(crate) closed_peers: bool,
-    /// Every client ring is closed.
-    pub(crate) clients_gone: bool,
-    /// The part of an event slice not applied yet (invariant 4).
-    pub(crate) rest: Option<EventSlice>,
-    /// The stream mark to record once `rest` is applied.
-    rest_mark: Option<StreamMark>,
-}
-
-impl State {
-    /// No events may be taken now: frozen for a promotion, or messages for peers wait for
-    /// room (invariants 3 and 7).
-    fn no_events(&self) -> bool {
-        self.promo.frozen() || self.pending.iter().any(|q| !q.is_empty())
-    }
-}
-
 /// A core and its per-run state, stepped one round at a time: by its own thread
 /// ([`Core::run`]) or by the thread that hosts it ([`super::CoreHost`]).
 pub(crate) struct Runner<P> {
@@ -155,17 +102,7 @@ pub(crate) struct Runner<P> {
 
 impl<P: ShardPolicy> Runner<P> {
     pub(crate) fn new(core: Core<P>) -> Self {
-        let st = State {
-            pending: (0..core.cores()).map(|_| VecDeque::new()).collect(),
-            syncs: SyncBarrier::new(core.cores().saturating_sub(1)),
-            queries: 0,
-            lost_peer_msgs: 0,
-            promo: Promo::default(),
-            closed_peers: false,
-            clients_gone: false,
-            rest: None,
-            rest_mark: None,
-        };
+        let st = State::new(core.cores());
         let clients_open = vec![true; core.clients_in.len()];
         let peers_open = vec![true; core.peers_in.len()];
         Self {
@@ -210,7 +147,7 @@ impl<P: ShardPolicy> Runner<P> {
             for _ in 0..burst {
                 // Checked before every ingest message, not once per round: handling one
                 // can freeze this core (the coordinator starts a promotion when the
-                // events it routed make a hub), and then the next must wait.
+                // events it routed make a junction), and then the next must wait.
                 if i < ingest && (st.no_events() || st.rest.is_some()) {
                     break;
                 }
@@ -315,14 +252,6 @@ impl<P: ShardPolicy> Runner<P> {
 }
 
 impl<P: ShardPolicy> Core<P> {
-    pub(crate) fn me(&self) -> ShardId {
-        self.shard.id()
-    }
-
-    pub(crate) fn cores(&self) -> usize {
-        self.peers_out.len()
-    }
-
     /// Runs the core on the calling thread (its own) until it ends; see the module docs.
     pub(crate) fn run(self) -> CoreSummary {
         let me = self.me().idx();
@@ -380,7 +309,7 @@ impl<P: ShardPolicy> Core<P> {
                             self.shard.apply(b);
                             applied += b.seqs.len().max(1);
                         }
-                        self.note_hub(st);
+                        self.note_junctions(st);
                         self.serve_queries(st);
                     }
                     Ok(PeerMsg::Fence { client, tag }) => {
@@ -421,7 +350,7 @@ impl<P: ShardPolicy> Core<P> {
                     .ingest
                     .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
                 self.flush_outbox(st);
-                self.note_hub(st);
+                self.note_junctions(st);
                 self.reply(client, tag, FromCore::Applied(r));
             }
             ToCore::Clear(key) => {
@@ -495,8 +424,8 @@ impl<P: ShardPolicy> Core<P> {
             }
         }
         self.flush_outbox(st);
-        // The rest of the slice is put back (or its mark recorded) before `note_hub`: on
-        // the coordinator it may start a round, and a snapshot round must see a half
+        // The rest of the slice is put back (or its mark recorded) before `note_junctions`:
+        // on the coordinator it may start a round, and a snapshot round must see a half
         // applied slice to put its freeze off (an image must never hold part of a batch
         // without its mark; found by bin/tests/crash_restart.rs as a block lost after a
         // restart, the batch's first events applied twice).
@@ -505,7 +434,7 @@ impl<P: ShardPolicy> Core<P> {
         } else if let Some(m) = st.rest_mark.take() {
             self.ingest.mark(m);
         }
-        self.note_hub(st);
+        self.note_junctions(st);
         if st.rest.is_none() {
             // A snapshot round waits for the slice to finish before this core freezes.
             self.freeze_deferred(st);
@@ -551,76 +480,6 @@ impl<P: ShardPolicy> Core<P> {
         }
     }
 
-    pub(crate) fn send_peer(&mut self, st: &mut State, peer: usize, msg: PeerMsg) {
-        let Some(queue) = st.pending.get_mut(peer) else {
-            return;
-        };
-        if !queue.is_empty() {
-            queue.push_back(msg);
-            return;
-        }
-        match self.peers_out.get_mut(peer) {
-            Some(Some(ring)) => match ring.try_push(msg) {
-                Ok(()) => {
-                    if let Some(w) = self.wakers.get(peer) {
-                        w.wake();
-                    }
-                }
-                Err(PushError::Full(m)) => queue.push_back(m),
-                Err(PushError::Closed(_)) => st.lost_peer_msgs += 1,
-            },
-            _ => st.lost_peer_msgs += 1,
-        }
-    }
-
-    fn flush_pending(&mut self, st: &mut State) -> bool {
-        let mut progressed = false;
-        for (peer, queue) in st.pending.iter_mut().enumerate() {
-            while let Some(msg) = queue.pop_front() {
-                let Some(Some(ring)) = self.peers_out.get_mut(peer) else {
-                    st.lost_peer_msgs += 1;
-                    continue;
-                };
-                match ring.try_push(msg) {
-                    Ok(()) => {
-                        progressed = true;
-                        if let Some(w) = self.wakers.get(peer) {
-                            w.wake();
-                        }
-                    }
-                    Err(PushError::Full(m)) => {
-                        queue.push_front(m);
-                        break;
-                    }
-                    Err(PushError::Closed(_)) => st.lost_peer_msgs += 1,
-                }
-            }
-        }
-        progressed
-    }
-
-    /// Replies to a call this core cannot answer (the client then fails it).
-    pub(crate) fn reply_count(&mut self, client: usize, tag: u64) {
-        self.reply(client, tag, FromCore::Count(0));
-    }
-
-    /// Replies with a snapshot.
-    pub(crate) fn reply_snapshot(&mut self, client: usize, tag: u64, image: Box<EngineImage>) {
-        self.reply(client, tag, FromCore::Snapshot(image));
-    }
-
-    fn reply(&mut self, client: usize, tag: u64, msg: FromCore) {
-        if let Some(out) = self.clients_out.get_mut(client) {
-            // A client that is gone no longer needs its answer, and one that gave up on
-            // older calls drains their late replies before its next one, so a reply ring
-            // fills only if a client stops reading: its caller then times out.
-            let _ = out.try_push(Tagged { tag, msg });
-            if let Some(w) = self.client_wakers.get(client) {
-                w.wake();
-            }
-        }
-    }
-
     fn summary(&self, st: &State) -> CoreSummary {
         let (directory_entries, directory_bytes) = self.ingest.directory_size();
         CoreSummary {
@@ -634,8 +493,8 @@ impl<P: ShardPolicy> Core<P> {
             rejects: self.ingest.rejects().clone(),
             pinned_core: self.pinned_core,
             promotions: st.promo.rounds,
-            hubs_reported: st.promo.reported,
-            hubs_heard: st.promo.heard,
+            junctions_reported: st.promo.reported,
+            junctions_heard: st.promo.heard,
             promoting: st.promo.pending(),
             ring_backlog: self.clients_in.iter().map(|r| r.len()).sum::<usize>()
                 + self.peers_in.iter().map(|r| r.len()).sum::<usize>(),

@@ -7,9 +7,10 @@
 //! promotion and stayed where it was); every block below the anchor lives with it. A query
 //! walks the trunk along the request and goes to the shard of the first block past it.
 //!
-//! A block joins the trunk when the shard holding it sees it branch [`Adaptive::hub_fanout`]
-//! times (see `sharding::promote`): no depth or size to configure, and a system prompt of
-//! any length becomes trunk as soon as enough requests continue it.
+//! A block joins the trunk when the shard holding it sees it branch
+//! [`Adaptive::junction_fanout`] times (see `sharding::promote`): no depth or size to
+//! configure, and a system prompt of any length becomes trunk as soon as enough requests
+//! continue it.
 //!
 //! # Route encoding
 //! `Route(u32::MAX)`: everywhere. `Route(s)`: shard `s`.
@@ -27,7 +28,7 @@ const EVERYWHERE: Route = Route(u32::MAX);
 #[derive(Clone, Debug)]
 pub struct Adaptive {
     shards: u16,
-    hub_fanout: u32,
+    junction_fanout: u32,
     cell: Arc<TrunkCell>,
     trunk: Arc<Trunk>,
 }
@@ -39,20 +40,20 @@ impl Adaptive {
     /// Small enough that a hot prompt is promoted while its subtree is a handful of
     /// requests (which stay pinned where they are), large enough that an ordinary fork in
     /// a conversation is not replicated.
-    pub const DEFAULT_HUB_FANOUT: u32 = 8;
+    pub const DEFAULT_JUNCTION_FANOUT: u32 = 8;
 
-    /// `shards` shards (1..=32768); a block joins the trunk at `hub_fanout` (>= 2)
+    /// `shards` shards (1..=32768); a block joins the trunk at `junction_fanout` (>= 2)
     /// children.
-    pub fn new(shards: usize, hub_fanout: u32) -> Result<Self> {
+    pub fn new(shards: usize, junction_fanout: u32) -> Result<Self> {
         if shards == 0 || shards > Self::MAX_SHARDS {
             return Err(EngineError::InvalidArgument {
                 name: "shards",
                 reason: "must be within 1..=32768",
             });
         }
-        if hub_fanout < 2 {
+        if junction_fanout < 2 {
             return Err(EngineError::InvalidArgument {
-                name: "hub_fanout",
+                name: "junction_fanout",
                 reason: "must be at least 2",
             });
         }
@@ -60,7 +61,7 @@ impl Adaptive {
         let trunk = cell.load();
         Ok(Self {
             shards: shards as u16,
-            hub_fanout,
+            junction_fanout,
             cell,
             trunk,
         })
@@ -72,8 +73,8 @@ impl Adaptive {
     }
 
     /// Children at which a block joins the trunk.
-    pub fn hub_fanout(&self) -> u32 {
-        self.hub_fanout
+    pub fn junction_fanout(&self) -> u32 {
+        self.junction_fanout
     }
 
     #[inline]
@@ -128,8 +129,8 @@ impl ShardPolicy for Adaptive {
         }
     }
 
-    fn is_hub(&self, tip: SeqHash, fanout: u32) -> bool {
-        fanout >= self.hub_fanout && !self.trunk.contains(tip)
+    fn is_junction(&self, tip: SeqHash, fanout: u32) -> bool {
+        fanout >= self.junction_fanout && !self.trunk.contains(tip)
     }
 
     fn in_trunk(&self, seq: SeqHash) -> bool {
@@ -205,7 +206,7 @@ mod tests {
         assert!(Adaptive::new(0, 8).is_err());
         assert!(Adaptive::new(40_000, 8).is_err());
         assert!(Adaptive::new(2, 1).is_err());
-        assert!(!Adaptive::new(2, 4).unwrap().is_hub(SeqHash(1), 3));
-        assert!(Adaptive::new(2, 4).unwrap().is_hub(SeqHash(1), 4));
+        assert!(!Adaptive::new(2, 4).unwrap().is_junction(SeqHash(1), 3));
+        assert!(Adaptive::new(2, 4).unwrap().is_junction(SeqHash(1), 4));
     }
 }

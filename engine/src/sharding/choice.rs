@@ -20,19 +20,19 @@ pub enum Sharding {
 impl Sharding {
     /// The default: an adaptive trunk over `shards` shards.
     pub fn adaptive(shards: usize) -> Result<Self> {
-        Adaptive::new(shards, Adaptive::DEFAULT_HUB_FANOUT).map(Self::Adaptive)
+        Adaptive::new(shards, Adaptive::DEFAULT_JUNCTION_FANOUT).map(Self::Adaptive)
     }
 
     /// `shards` shards; `replicate_depth`: `Some(d)` for [`FixedDepth`], `None` for
-    /// [`Adaptive`] with `hub_fanout`.
+    /// [`Adaptive`] with `junction_fanout`.
     pub fn configured(
         shards: usize,
         replicate_depth: Option<u32>,
-        hub_fanout: u32,
+        junction_fanout: u32,
     ) -> Result<Self> {
         match replicate_depth {
             Some(d) => FixedDepth::new(shards, d).map(Self::FixedDepth),
-            None => Adaptive::new(shards, hub_fanout).map(Self::Adaptive),
+            None => Adaptive::new(shards, junction_fanout).map(Self::Adaptive),
         }
     }
 
@@ -47,7 +47,9 @@ impl Sharding {
     /// A short description for reports.
     pub fn describe(&self) -> String {
         match self {
-            Self::Adaptive(a) => format!("adaptive trunk (hub fanout {})", a.hub_fanout()),
+            Self::Adaptive(a) => {
+                format!("adaptive trunk (junction fanout {})", a.junction_fanout())
+            }
             Self::FixedDepth(f) => format!("replicate depth {} blocks", f.depth()),
         }
     }
@@ -86,8 +88,8 @@ impl ShardPolicy for Sharding {
         both!(self, p => p.refresh())
     }
 
-    fn is_hub(&self, tip: SeqHash, fanout: u32) -> bool {
-        both!(self, p => p.is_hub(tip, fanout))
+    fn is_junction(&self, tip: SeqHash, fanout: u32) -> bool {
+        both!(self, p => p.is_junction(tip, fanout))
     }
 
     fn in_trunk(&self, seq: SeqHash) -> bool {

@@ -18,6 +18,7 @@
 //! Single writer: one ingest thread owns an `Ingest` and the directories of the workers
 //! whose events it decodes.
 
+use super::ops::{BlockOp, OpBatch};
 use super::shard::Shard;
 use super::{Placement, Route, ShardId, ShardPolicy};
 use crate::directories::{Applied, BlockStore, Directories};
@@ -28,30 +29,6 @@ use crate::snapshot::StreamMark;
 use crate::snapshot::image::{ArchivedCoreImage, CoreImage, EntryRec, KeyRec, MarkRec};
 use hashbrown::HashMap;
 use std::fmt;
-
-/// What to do with a batch's blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BlockOp {
-    /// One more copy of each block, as a chain continuing `parent` (`None`: the chain
-    /// starts a sequence).
-    Store {
-        /// The seq_hash of the block the chain continues.
-        parent: Option<SeqHash>,
-    },
-    /// One copy fewer of each block.
-    Remove,
-}
-
-/// Operations of one worker key for one shard.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OpBatch {
-    /// Whose blocks.
-    pub key: WorkerKey,
-    /// What to do with them.
-    pub op: BlockOp,
-    /// The blocks, in event order (for a store: the chain, in chain order).
-    pub seqs: Vec<SeqHash>,
-}
 
 /// Operations waiting to be delivered, one queue per shard.
 #[derive(Debug, Default)]
@@ -160,20 +137,20 @@ impl fmt::Debug for Placed {
     }
 }
 
-/// Counts the stores that continue each block placed in one shard, to report hubs as soon
-/// as the router sees them (the shard holding the block would see them only after they
+/// Counts the stores that continue each block placed in one shard, to report junctions as
+/// soon as the router sees them (the shard holding the block would see them only after they
 /// crossed a ring, behind whatever is queued there).
 ///
-/// Bounded: when it holds [`HubWatch::CAPACITY`] parents it starts over, so only parents
-/// that many stores continue in a row are reported; the shards' own branch reports catch
-/// the rest.
+/// Bounded: when it holds [`JunctionWatch::CAPACITY`] parents it starts over, so only
+/// parents that many stores continue in a row are reported; the shards' own branch reports
+/// catch the rest.
 #[derive(Debug, Default)]
-struct HubWatch {
+struct JunctionWatch {
     counts: hashbrown::HashMap<SeqHash, u32>,
     found: Vec<(ShardId, SeqHash)>,
 }
 
-impl HubWatch {
+impl JunctionWatch {
     const CAPACITY: usize = 1 << 14;
 
     fn saw<P: ShardPolicy>(&mut self, policy: &P, parent: SeqHash, shard: ShardId) {
@@ -182,7 +159,7 @@ impl HubWatch {
         }
         let n = self.counts.entry(parent).or_insert(0);
         *n += 1;
-        if policy.is_hub(parent, *n) {
+        if policy.is_junction(parent, *n) {
             self.counts.remove(&parent);
             self.found.push((shard, parent));
         }
@@ -196,7 +173,7 @@ struct OutboxSink<'a, P> {
     outbox: &'a mut Outbox,
     local: Option<&'a mut Shard>,
     scratch: &'a mut Vec<SeqHash>,
-    hubs: &'a mut HubWatch,
+    junctions: &'a mut JunctionWatch,
 }
 
 impl<P: ShardPolicy> OutboxSink<'_, P> {
@@ -229,7 +206,7 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
         if let Some(p) = parent
             && let Placement::Shard(x) = self.policy.placement(p.seq(), p.route())
         {
-            self.hubs.saw(self.policy, p.seq(), x);
+            self.junctions.saw(self.policy, p.seq(), x);
         }
         // Blocks are placed one by one only while the chain is replicated; once a block
         // lands in a shard, every later one does too (the policy's invariant 3), so the rest
@@ -309,7 +286,7 @@ pub struct Ingest<P> {
     /// `(seq, digest)` of the last batch applied per numbered stream.
     marks: HashMap<(WorkerId, u32), (u64, Option<u64>)>,
     scratch: Vec<SeqHash>,
-    hubs: HubWatch,
+    junctions: JunctionWatch,
 }
 
 impl<P: ShardPolicy> Ingest<P> {
@@ -320,7 +297,7 @@ impl<P: ShardPolicy> Ingest<P> {
             dirs: Directories::new(),
             marks: HashMap::new(),
             scratch: Vec::new(),
-            hubs: HubWatch::default(),
+            junctions: JunctionWatch::default(),
         }
     }
 
@@ -336,9 +313,9 @@ impl<P: ShardPolicy> Ingest<P> {
         &self.policy
     }
 
-    /// Hubs seen routing stores since the last call: (shard holding it, block).
-    pub fn take_hubs(&mut self) -> Vec<(ShardId, SeqHash)> {
-        std::mem::take(&mut self.hubs.found)
+    /// Junctions seen routing stores since the last call: (shard holding it, block).
+    pub fn take_junctions(&mut self) -> Vec<(ShardId, SeqHash)> {
+        std::mem::take(&mut self.junctions.found)
     }
 
     /// The sharding policy, mutably (to refresh or promote).
@@ -354,7 +331,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -373,7 +350,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: Some(local),
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -385,7 +362,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -397,7 +374,7 @@ impl<P: ShardPolicy> Ingest<P> {
             outbox: out,
             local: None,
             scratch: &mut self.scratch,
-            hubs: &mut self.hubs,
+            junctions: &mut self.junctions,
         };
         self.marks.retain(|(w, _), _| *w != worker);
         self.dirs.remove_worker(worker, &mut sink)

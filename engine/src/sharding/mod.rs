@@ -16,7 +16,7 @@
 //! every sequence.
 //!
 //! The modules here are sans-IO and single-threaded: [`ingest::Ingest`] turns KV events
-//! into per-shard operation batches, [`shard::Shard`] applies them, and
+//! into per-shard operation batches ([`ops`]), [`shard::Shard`] applies them, and
 //! [`sharded::ShardedIndex`] wires N shards to one ingest in one thread, which is both the
 //! exactness reference for the threaded runtime and what its tests compare against the
 //! reference model.
@@ -39,6 +39,7 @@ pub mod adaptive;
 pub mod choice;
 pub mod fixed_depth;
 pub mod ingest;
+pub mod ops;
 pub mod promote;
 pub mod shard;
 pub mod sharded;
@@ -103,7 +104,7 @@ pub trait ShardPolicy: Send + Sync + fmt::Debug {
 
     /// Should `tip`, a block of one shard's private part of the index that now has
     /// `fanout` children there, join the trunk?
-    fn is_hub(&self, _tip: SeqHash, _fanout: u32) -> bool {
+    fn is_junction(&self, _tip: SeqHash, _fanout: u32) -> bool {
         false
     }
 

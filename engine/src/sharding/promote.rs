@@ -1,12 +1,12 @@
-//! Promoting a hub into the trunk: one shard exports the hub's path, every other shard
-//! imports it, and the policy publishes the new trunk.
+//! Promoting a junction into the trunk: one shard exports the junction's path, every other
+//! shard imports it, and the policy publishes the new trunk.
 //!
-//! A shard notices a hub when a store makes one of its blocks branch (the tree reports the
-//! branch, the policy decides with [`ShardPolicy::is_hub`]). The path from the hub's anchor
-//! down to the hub leaves that shard's private part of the index: every other shard gets a
-//! copy with the same holders and copy counts (grafted under whatever trunk ancestors it
-//! lacks), and the blocks that already continue the path stay where they are (pinned).
-//! Nothing else moves.
+//! A shard notices a junction when a store makes one of its blocks branch (the tree reports
+//! the branch, the policy decides with [`ShardPolicy::is_junction`]). The path from the
+//! junction's anchor down to the junction leaves that shard's private part of the index:
+//! every other shard gets a copy with the same holders and copy counts (grafted under
+//! whatever trunk ancestors it lacks), and the blocks that already continue the path stay
+//! where they are (pinned). Nothing else moves.
 //!
 //! # Invariants
 //! 1. After a promotion every shard holds the path with the same holder multisets, so a
@@ -20,14 +20,14 @@
 //!    per shard) never take back. Promotions published together (the runtime's round) are
 //!    exported together with [`Shard::export_round`], which makes them disjoint.
 //!
-//! [`ShardPolicy::is_hub`]: super::ShardPolicy::is_hub
+//! [`ShardPolicy::is_junction`]: super::ShardPolicy::is_junction
 
 use super::ShardId;
 use super::shard::Shard;
 use crate::ids::SeqHash;
 use crate::index::PathPiece;
 
-/// A hub's path, as the shard that holds it exports it.
+/// A junction's path, as the shard that holds it exports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Promotion {
     /// The exporting shard.
@@ -90,8 +90,9 @@ impl Shard {
     /// The paths of `tips` for promotions that are published together (one runtime
     /// round; `in_trunk` is the trunk before it): each path ends where the trunk or a path
     /// exported before it in the call does, as it would once those were published, so no
-    /// block is in two of them (invariant 3). Two hubs of one shard share blocks whenever
-    /// one is below the other or they branch from a common block outside the trunk.
+    /// block is in two of them (invariant 3). Two junctions of one shard share blocks
+    /// whenever one is below the other or they branch from a common block outside the
+    /// trunk.
     pub fn export_round(
         &self,
         tips: impl IntoIterator<Item = SeqHash>,
@@ -147,7 +148,7 @@ impl Shard {
         if let Some(end) = at {
             self.index_mut().prune_unheld(end);
         }
-        // Grafting is not traffic: a branch it made is no hub.
+        // Grafting is not traffic: a branch it made is no junction.
         let _ = self.take_branch();
     }
 }
@@ -168,7 +169,7 @@ mod tests {
         v.iter().copied().map(SeqHash).collect()
     }
 
-    /// Three hubs of one shard in one round (2, 3 below it, and 6, 3's sibling): every
+    /// Three junctions of one shard in one round (2, 3 below it, and 6, 3's sibling): every
     /// other shard grafts each shared block once, so it answers as the exporter does, and
     /// one removal per held block (what the ingest sends every shard once the blocks are
     /// trunk) empties it.

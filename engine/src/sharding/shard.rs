@@ -11,7 +11,7 @@
 //! Owned by its shard thread; nothing in it is shared.
 
 use super::ShardId;
-use super::ingest::{BlockOp, OpBatch};
+use super::ops::{BlockOp, OpBatch};
 use crate::error::{EngineError, Result};
 use crate::ids::{SeqHash, WorkerKey};
 use crate::index::{IndexStats, Pos, ShardIndex, holder_key};

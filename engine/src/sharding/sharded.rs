@@ -2,8 +2,8 @@
 //!
 //! [`ShardedIndex`] applies each event through [`Ingest`] and delivers the outbox to its
 //! [`Shard`]s at once, and sends each query to the one shard the policy names. When a
-//! delivery makes a block a hub, it is promoted into the trunk at once (between two events,
-//! as `promote` requires). It gives
+//! delivery makes a block a junction, it is promoted into the trunk at once (between two
+//! events, as `promote` requires). It gives
 //! exactly the answers of the single-shard [`crate::kv_index::KvIndex`] (tested against
 //! the reference model with 1, 2, 3 and 8 shards), so the threaded runtime, which moves the
 //! same batches over rings, can be checked against it.
@@ -60,26 +60,27 @@ impl<P: ShardPolicy> ShardedIndex<P> {
     }
 
     fn deliver(&mut self) {
-        let mut hubs = Vec::new();
+        let mut junctions = Vec::new();
         for shard in &mut self.shards {
             for batch in self.outbox.take(shard.id()) {
                 shard.apply(&batch);
             }
             if let Some((tip, fanout)) = shard.take_branch()
-                && self.ingest.policy().is_hub(tip, fanout)
+                && self.ingest.policy().is_junction(tip, fanout)
             {
-                hubs.push((shard.id(), tip));
+                junctions.push((shard.id(), tip));
             }
         }
-        hubs.extend(self.ingest.take_hubs());
-        for (from, tip) in hubs {
+        junctions.extend(self.ingest.take_junctions());
+        for (from, tip) in junctions {
             if !self.ingest.policy().in_trunk(tip) {
                 self.promote(from, tip);
             }
         }
     }
 
-    /// Promotes the hub `tip` of shard `from` into the trunk (see `sharding::promote`).
+    /// Promotes the junction `tip` of shard `from` into the trunk (see
+    /// `sharding::promote`).
     fn promote(&mut self, from: ShardId, tip: SeqHash) {
         let policy = self.ingest.policy();
         let Some(p) = self

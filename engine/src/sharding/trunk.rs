@@ -3,10 +3,10 @@
 //! Real traffic shares long prefixes (system prompts of hundreds of blocks; in a production
 //! trace every request starts with the same block). Sharding by a sequence's first block
 //! would put all of it on one shard, and a fixed replicated depth fails as soon as a prompt
-//! is longer than it. So a block whose subtree branches widely (a *hub*: the end of a
+//! is longer than it. So a block whose subtree branches widely (a *junction*: the end of a
 //! system prompt that many requests continue) is promoted, with its path from the root,
 //! into the trunk, which every shard holds; what continues a trunk block is placed by the
-//! hash of its own first block, so the requests below a hub spread over the shards.
+//! hash of its own first block, so the requests below a junction spread over the shards.
 //!
 //! A [`Trunk`] is an immutable snapshot: the trunk's blocks, and the *pins*: blocks that
 //! continued a trunk block before it was promoted, which stay in the shard that had them

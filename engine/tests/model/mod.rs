@@ -1,7 +1,7 @@
 //! The plain model of DESIGN.md's index that the engine's randomised runtime tests
 //! compare against (`snapshot_restore.rs`, `leak_check.rs`), and the random events they
 //! feed it: tokens from a small alphabet, so workers share prefixes and blocks branch
-//! (hubs, promotions).
+//! (junctions, promotions).
 
 #![allow(dead_code)]
 
@@ -96,7 +96,7 @@ impl Model {
 pub struct Paths(pub HashMap<u64, Vec<SeqHash>>);
 
 /// A random event for `key` given what it holds: tokens from a small alphabet, so workers
-/// share prefixes and blocks branch (hubs, promotions).
+/// share prefixes and blocks branch (junctions, promotions).
 pub fn event(rng: &mut SmallRng, model: &Model, paths: &mut Paths, key: WorkerKey) -> KvEvent {
     let held: Vec<(u64, u64)> = model
         .dirs

@@ -9,8 +9,8 @@
 
 use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
-pub use transport::openai::errors::OpenAiError;
-use transport::openai::prompt::{PromptSource, prompt_token_ids};
+pub use transport::openai::openai_error::OpenAiError;
+use transport::openai::request_prompt::{PromptSource, prompt_token_ids};
 
 use super::disagg::{Disagg, detect};
 use super::tokens::Prompter;

@@ -63,7 +63,7 @@ mod tests {
 
     #[test]
     fn without_a_model_the_worker_reads_prompts_as_the_router_does() {
-        use transport::openai::prompt::{PromptSource, prompt_token_ids};
+        use transport::openai::request_prompt::{PromptSource, prompt_token_ids};
         assert!(Prompter::Fallback.tokenizer().is_none());
         let body = br#"{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}"#;
         assert_eq!(

@@ -17,13 +17,13 @@
 //! # Invariants
 //! 1. A control call from a peer whose address is unknown (a router served without
 //!    [`axum::extract::ConnectInfo`]) is refused unless it carries the token: the gate fails
-//!    closed. [`super::serve_http`] and [`super::tls::serve_https`] always supply the peer
-//!    address.
+//!    closed. [`super::serve_http`] and [`super::edge_tls::serve_https`] always supply the
+//!    peer address.
 //! 2. Tokens are compared by digest, in constant time (no timing hint); refusals are counted
 //!    ([`crate::DropReason::Unauthorized`]) and logged without the presented secret.
 
 use super::AppState;
-use super::errors::ApiError;
+use super::api_error::ApiError;
 use crate::error::{DropReason, TransportError};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};

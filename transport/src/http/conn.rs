@@ -57,6 +57,9 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 8192;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The default [`ConnLimits::write_timeout`].
 pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// The default [`ConnLimits::handshake_timeout`]: how long a client has to complete the TLS
+/// handshake before its connection is closed.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The bounds on one listener's connections (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +80,7 @@ impl Default for ConnLimits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             write_timeout: DEFAULT_WRITE_TIMEOUT,
-            handshake_timeout: super::tls::HANDSHAKE_TIMEOUT,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
         }
     }
 }

@@ -24,7 +24,7 @@
 //! its memory budget ([`crate::bounds`]).
 
 use super::AppState;
-use super::errors::json;
+use super::api_error::json;
 use crate::error::WorkerCallError;
 use crate::hub::{Hub, StreamState, WorkerInfo};
 use crate::metrics::Metrics;

@@ -2,7 +2,7 @@
 //! (OpenMetrics), rendered with `prometheus-client` from a registry built at scrape time.
 
 use super::AppState;
-use super::errors::ApiError;
+use super::api_error::ApiError;
 use crate::hub::Hub;
 use crate::metrics::Histogram as HubHistogram;
 use axum::extract::State;

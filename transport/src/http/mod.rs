@@ -1,7 +1,7 @@
 //! The HTTP edge: JSON endpoints over the [`Hub`] (routing, overlap queries, KV events,
 //! worker registry, load reports), Prometheus metrics and worker health checks. The
 //! contract is documented in `docs/api.md`.
-//! [`serve_http`] serves it over plain TCP, [`tls::serve_https`] over TLS.
+//! [`serve_http`] serves it over plain TCP, [`edge_tls::serve_https`] over TLS.
 //!
 //! # Concurrency
 //! Handlers never hold a hub lock across an await: every hub call is synchronous and made
@@ -9,32 +9,32 @@
 //! blocking pool so they never stall the routing path.
 //!
 //! # Invariants
-//! 1. No input reaches a panic; every refusal is a JSON error (see [`errors`]).
+//! 1. No input reaches a panic; every refusal is a JSON error (see [`api_error`]).
 //! 2. Bodies larger than [`HttpConfig::max_body_bytes`] are refused with 413 before being
 //!    buffered past the limit.
 
 mod admin;
+pub mod api_error;
 pub mod conn;
-pub mod errors;
+pub mod edge_tls;
 mod events;
 pub mod health;
 pub mod metrics_text;
 pub mod process;
-pub mod prompt;
+pub mod route_body;
 mod routing;
 pub mod scrape;
-pub mod tls;
 mod workers;
 
 use crate::error::{DropReason, TransportError};
 use crate::hub::{Hub, Registration};
 use crate::stream::EventStream;
+use api_error::ApiError;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, FromRequest, Request};
 use axum::routing::{delete, get, post};
 use bytes::Bytes;
 use engine::{WorkerId, WorkerKey};
-use errors::ApiError;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
@@ -287,7 +287,7 @@ pub async fn read_body(
 }
 
 /// The peer's address, if the server supplied it ([`serve_http`] and
-/// [`tls::serve_https`] always do).
+/// [`edge_tls::serve_https`] always do).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Peer(pub Option<std::net::SocketAddr>);
 

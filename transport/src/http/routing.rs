@@ -5,8 +5,8 @@
 //! client, freed at `--reservation-timeout-secs` if the caller never frees it, and only the
 //! caller (its peer address) may mark it prefilled or free it.
 
-use super::errors::{ApiError, json};
-use super::prompt::{PromptFields, parse_prompt_capped};
+use super::api_error::{ApiError, json};
+use super::route_body::{PromptFields, parse_prompt_capped};
 use super::{AppState, Peer, RawBody, malformed};
 use crate::hub::{Hub, RouteCall};
 use axum::extract::rejection::PathRejection;

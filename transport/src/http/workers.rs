@@ -1,6 +1,6 @@
 //! `GET /v1/workers`, `POST /v1/workers`, `DELETE /v1/workers/{id}`, `POST /v1/load`.
 
-use super::errors::{ApiError, json};
+use super::api_error::{ApiError, json};
 use super::routing::path_param;
 use super::{AppState, RawBody, decode};
 use crate::hub::{Registration, WorkerInfo};

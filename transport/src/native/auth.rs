@@ -33,7 +33,7 @@
 //! # Concurrency
 //! Built once before the server starts, then read-only (shared by every connection task).
 
-use super::tls::constant_time_eq;
+use super::quic_tls::constant_time_eq;
 use crate::error::{Result, TransportError};
 use engine::WorkerId;
 use std::fmt;

@@ -27,8 +27,8 @@
 //!    keeps it and the numbering.
 
 use super::frame::{self, FrameBuf, LEN_BYTES, MAX_FRAME_BYTES};
+use super::quic_tls::{self, Trust};
 use super::schema::{ClientFrame, PROTOCOL_VERSION, ServerFrame};
-use super::tls::{self, Trust};
 use crate::error::{Result, TransportError};
 use crate::native::schema::NativeEvent;
 use quinn::{Connection, ReadExactError, RecvStream, SendStream, VarInt};
@@ -164,7 +164,7 @@ impl Publisher {
     }
 
     async fn open(cfg: PublisherConfig, next_seq: HashMap<u32, u64>) -> Result<Publisher> {
-        let client = tls::client_config(&cfg.trust)?;
+        let client = quic_tls::client_config(&cfg.trust)?;
         let bind: SocketAddr = if cfg.server.is_ipv4() {
             SocketAddr::from(([0, 0, 0, 0], 0))
         } else {

@@ -7,21 +7,21 @@
 //! * [`frame`] does length-prefixed framing, validation and conversion (pure; fuzzed).
 //! * [`server`] runs the ingest server, [`serve_quic`].
 //! * [`client`] is the publisher, [`Publisher`].
-//! * [`tls`] handles certificates, fingerprints and trust.
+//! * [`quic_tls`] handles certificates, fingerprints and trust.
 //! * [`auth`] holds the ingest tokens and the workers each may publish for.
 
 pub mod auth;
 pub mod client;
 pub mod frame;
+pub mod quic_tls;
 pub mod schema;
 pub mod server;
-pub mod tls;
 
 pub use auth::{IngestCredentials, ScopedToken, WorkerScope};
 pub use client::{Done, Publisher, PublisherConfig};
 pub use frame::MAX_FRAME_BYTES;
+pub use quic_tls::{TlsSource, Trust};
 pub use schema::{
     ClientFrame, EventBatch, NativeBlock, NativeEvent, PROTOCOL_VERSION, ServerFrame,
 };
 pub use server::{HELLO_TIMEOUT, MAX_UNAUTHENTICATED, QuicServer, QuicServerConfig, serve_quic};
-pub use tls::{TlsSource, Trust};

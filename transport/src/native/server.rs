@@ -27,9 +27,9 @@
 //!    (`hello_timeout`); a new connection that arrives while
 //!    [`QuicServerConfig::max_unauthenticated`] are counted is refused at once (QUIC
 //!    `CONNECTION_REFUSED`, no handshake) and counted (`too_many_unauthenticated`). Until
-//!    the hello is accepted, the connection's receive window is `tls::PRE_HELLO_WINDOW`
-//!    and frames are bounded by [`MAX_HELLO_BYTES`]; after it, the window is widened and
-//!    frames are bounded by `max_frame_bytes`.
+//!    the hello is accepted, the connection's receive window is
+//!    `quic_tls::PRE_HELLO_WINDOW` and frames are bounded by [`MAX_HELLO_BYTES`]; after it,
+//!    the window is widened and frames are bounded by `max_frame_bytes`.
 //!
 //! # Concurrency
 //! The accept loop runs on the runtime that called [`serve_quic`]; each connection runs in
@@ -41,8 +41,8 @@ use super::auth::{IngestCredentials, WorkerScope};
 use super::frame::{
     self, FrameBuf, LEN_BYTES, MAX_FRAME_BYTES, MAX_HELLO_BYTES, access_client_frame,
 };
+use super::quic_tls::{self, TlsSource};
 use super::schema::{ArchivedClientFrame, ArchivedEventBatch, PROTOCOL_VERSION, ServerFrame};
-use super::tls::{self, TlsSource};
 use crate::cores::{Homes, engine_call};
 use crate::error::{DropReason, Result, TransportError};
 use crate::hub::{Hub, Registration};
@@ -299,12 +299,12 @@ pub async fn serve_quic(hub: Arc<Hub>, cfg: QuicServerConfig) -> Result<QuicServ
             reason: "must be at least 1 (no publisher could connect)".into(),
         });
     }
-    let (chain, key) = tls::load(&cfg.tls)?;
+    let (chain, key) = quic_tls::load(&cfg.tls)?;
     let fingerprint = chain
         .first()
-        .map(|c| tls::fingerprint(c.as_ref()))
+        .map(|c| quic_tls::fingerprint(c.as_ref()))
         .unwrap_or_default();
-    let server_config = tls::server_config(chain, key)?;
+    let server_config = quic_tls::server_config(chain, key)?;
     let endpoint =
         quinn::Endpoint::server(server_config, cfg.listen).map_err(|e| TransportError::Io {
             context: format!("binding QUIC on {}", cfg.listen),
@@ -551,7 +551,7 @@ async fn serve_connection(
     };
     // Authenticated: no longer counted, and the window opens for batches (invariant 6).
     drop(slot);
-    conn.set_receive_window(VarInt::from_u32(tls::RECEIVE_WINDOW));
+    conn.set_receive_window(VarInt::from_u32(quic_tls::RECEIVE_WINDOW));
     // A restarted publisher's old blocks are cleared before it is acknowledged.
     let fences = shared.fences_for(hello.worker, hello.instance);
     write_frame(

@@ -8,12 +8,12 @@
 //! [`disagg`] splits it between a prefill and a decode worker where the deployment has both.
 
 pub mod disagg;
-pub mod errors;
 pub mod fallback;
 pub mod headers;
-pub mod prompt;
+pub mod openai_error;
 pub mod proxy;
 mod relay;
+pub mod request_prompt;
 mod sse;
 pub mod tokenize;
 mod usage;

@@ -1,11 +1,11 @@
 //! The OpenAI-compatible proxy: `POST /v1/chat/completions`, `POST /v1/completions` and
 //! `GET /v1/models`, routed by KV-cache overlap.
 //!
-//! A request is tokenized as the engine will tokenize it ([`super::prompt`]), routed by the
-//! hub (it becomes active on the chosen worker), and its body forwarded unchanged to that
-//! worker's URL; the answer streams back chunk by chunk, with headers naming the request
-//! (`x-kvengine-request-id`) and the worker that served it (`x-kvengine-worker-id`,
-//! `x-kvengine-dp-rank`).
+//! A request is tokenized as the engine will tokenize it ([`super::request_prompt`]),
+//! routed by the hub (it becomes active on the chosen worker), and its body forwarded
+//! unchanged to that worker's URL; the answer streams back chunk by chunk, with headers
+//! naming the request (`x-kvengine-request-id`) and the worker that served it
+//! (`x-kvengine-worker-id`, `x-kvengine-dp-rank`).
 //!
 //! # Invariants
 //! 1. Every routed request is freed exactly once: when its answer ends, fails, or the client
@@ -18,10 +18,10 @@
 //! 3. Malformed requests get OpenAI-style 400 errors and are never forwarded.
 
 use super::disagg::{self, DisaggConfig};
-use super::errors::{OpenAiError, openai_error};
 use super::headers::{Forwarded, X_REQUEST_ID};
-use super::prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
+use super::openai_error::{OpenAiError, openai_error};
 use super::relay::{Active, Relay};
+use super::request_prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
 use super::tokenize::PromptTokenizer;
 use super::usage::UsagePatch;
 use crate::hub::{Hub, RouteCall, Routed};
@@ -146,7 +146,7 @@ async fn tokenize(
             .map_err(|e| OpenAiError::unavailable(format!("tokenizing failed: {e}")))??
     };
     if ids.len() > cap {
-        return Err(super::prompt::too_long("prompt", cap));
+        return Err(super::request_prompt::too_long("prompt", cap));
     }
     Ok(ids)
 }
@@ -369,7 +369,7 @@ pub(crate) async fn send(
     let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
-        .map_err(|e| crate::outbound::chain(&e))?;
+        .map_err(|e| crate::error::chain(&e))?;
     if resp.status().is_server_error() {
         return Err(format!("status {}", resp.status()));
     }

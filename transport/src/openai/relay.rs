@@ -11,7 +11,7 @@
 //! 4. Nothing else is buffered: each chunk of the worker's answer is passed on as it
 //!    arrives.
 
-use super::errors::OpenAiError;
+use super::openai_error::OpenAiError;
 use super::usage::UsagePatch;
 use crate::hub::Hub;
 use crate::outbound::body::{BodyKind, Overrun};

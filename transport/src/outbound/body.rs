@@ -188,7 +188,7 @@ where
     match http_body_util::Limited::new(body, cap).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ReadError::TooLarge),
-        Err(e) => Err(ReadError::Broken(super::chain(&*e))),
+        Err(e) => Err(ReadError::Broken(crate::error::chain(&*e))),
     }
 }
 

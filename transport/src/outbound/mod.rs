@@ -48,8 +48,8 @@ pub mod addr;
 pub mod body;
 pub mod connector;
 
-use crate::error::{Result, TransportError, WorkerCallError};
-use crate::native::tls::{pem_err, provider, tls_err};
+use crate::error::{Result, TransportError, WorkerCallError, chain};
+use crate::native::quic_tls::{pem_err, provider, tls_err};
 use body::{BodyKind, Overrun, ReadError, Refusals};
 use bytes::Bytes;
 use connector::Connector;
@@ -169,7 +169,7 @@ fn tls_connector(roots: rustls::RootCertStore) -> Result<TlsConnector> {
         .map_err(|e| tls_err("TLS versions", e))?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    cfg.alpn_protocols = vec![crate::http::tls::ALPN_HTTP11.to_vec()];
+    cfg.alpn_protocols = vec![crate::http::edge_tls::ALPN_HTTP11.to_vec()];
     Ok(TlsConnector::from(Arc::new(cfg)))
 }
 
@@ -213,22 +213,6 @@ pub async fn fetch(
         _ => {}
     }
     result
-}
-
-/// `e` and its sources, `: `-separated (a client error's cause, e.g. the TLS verifier's
-/// complaint, is in its sources), repeated messages once.
-pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let msg = s.to_string();
-        if !out.ends_with(&msg) {
-            out.push_str(": ");
-            out.push_str(&msg);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// `TransportError::Invalid` for the address field `name`.

@@ -15,8 +15,8 @@
 use super::SGLANG_BOOTSTRAP_PORT;
 use super::handoff::{Body, Handoff, Pair};
 use crate::error::WorkerCallError;
-use crate::openai::errors::{OpenAiError, openai_error};
 use crate::openai::headers::Forwarded;
+use crate::openai::openai_error::{OpenAiError, openai_error};
 use crate::openai::proxy::{
     Outgoing, Proxy, respond, retry_elsewhere, route, runner_up, send, send_or_retry,
 };

@@ -1,6 +1,12 @@
-//! One KV-event stream's fencing policy, written once for ZMQ, QUIC and HTTP: what to do with
-//! an arriving numbered batch. Sans-IO: [`EventStream`] decides; the transport replays,
+//! One KV-event stream's sequence fencing and continuity, written once for ZMQ, QUIC and
+//! HTTP: what to do with an arriving numbered batch, and whether a stream that reconnected
+//! is still the same publisher. Sans-IO: [`EventStream`] decides; the transport replays,
 //! clears and applies, using [`clear_keys`] and [`skip_duplicate`] for the shared effects.
+//!
+//! Two layers: `fence` ([`Fence`], [`Verdict`]) classifies a batch by its number alone
+//! (in order, gap, duplicate of a replay, restart); [`EventStream`], over it, adds what
+//! numbers cannot tell: the batch's bytes (a retry against a restart), replays, and the
+//! check of a (re)connection.
 //!
 //! # Semantics (every transport)
 //! * The first batch a new subscription sees, where the source can replay (ZMQ) and the
@@ -47,15 +53,29 @@
 //! 1. A batch consumes its number once classified, whether or not any of its events apply
 //!    (an undecodable batch is not a gap: the ZMQ subscriber reads it again from the
 //!    replay buffer, or else clears and resyncs the stream's ranks).
-//! 2. After a [`Action::Replay`], the caller feeds every replayed batch to
+//! 2. After batch `s` is accepted the next expected number is `s + 1`: numbers only move
+//!    forward, except through a restart ([`Verdict::Restarted`], which the caller answers
+//!    by clearing the stream's ranks) or a reset after a clear (the next batch starts
+//!    afresh).
+//! 3. After a replay, the live copies of the replayed batches (queued on the live socket
+//!    while the replay ran) are duplicates, not a restart, until a live batch past the
+//!    replayed range arrives.
+//! 4. After a [`Action::Replay`], the caller feeds every replayed batch to
 //!    [`EventStream::replayed`], then calls [`EventStream::replay_ended`], then offers the
 //!    live batch again.
-//! 3. A stream's blocks are trusted after a (re)connection only once [`EventStream::verified`]
+//! 5. A stream's blocks are trusted after a (re)connection only once [`EventStream::verified`]
 //!    answered [`Continuity::Same`] for the last batch applied, or after a clear; never on
 //!    the number of the next batch alone.
+//!
+//! # Concurrency
+//! An [`EventStream`] (and its [`Fence`]) belongs to the one task that reads its stream;
+//! only the effects ([`clear_keys`], [`skip_duplicate`]) touch the shared [`Hub`].
+
+mod fence;
+
+pub use fence::{Fence, Verdict};
 
 use crate::error::{DropReason, Result};
-use crate::fence::{Fence, Verdict};
 use crate::hub::Hub;
 use engine::WorkerKey;
 use std::fmt;

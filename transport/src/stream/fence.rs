@@ -1,17 +1,12 @@
-//! Sequence fencing for one event stream: what to do with the batch numbered `seq`.
+//! The numbers alone: what to do with the batch numbered `seq`, the lower layer of
+//! [`super::EventStream`].
 //!
 //! Publishers number their batches (vLLM: a u64 per publisher process, from 0). A stream
 //! keeps the next number it expects and classifies each arriving batch. Sans-IO: the caller
 //! does the replaying, clearing and applying; [`Fence::accept`] records what it applied.
-//!
-//! # Invariants
-//! 1. After `accept(s)`, the next expected number is `s + 1`; numbers only move forward
-//!    except through [`Verdict::Restarted`], which the caller answers by clearing the worker.
-//! 2. A batch that could not be decoded is still accepted (it consumes its number), so it is
-//!    never reported as a gap.
-//! 3. After a replay, the live copies of the replayed batches (queued on the live socket
-//!    while the replay ran) are duplicates, not a restart, until a live batch past the
-//!    replayed range arrives.
+//! [`Fence`] keeps the stream module's invariants 1-3 (a batch consumes its number; numbers
+//! only move forward but through a restart or a reset; live copies of a replay are
+//! duplicates until the live stream is past it).
 
 /// What to do with an arriving batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

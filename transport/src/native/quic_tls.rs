@@ -90,8 +90,8 @@ pub fn parse_fingerprint(text: &str) -> Result<[u8; 32]> {
 
 /// A PEM certificate chain (end-entity first) from `cert` and a PEM private key (PKCS#8,
 /// PKCS#1/RSA or SEC1) from `key`; shared by the QUIC server and the HTTPS edge
-/// ([`crate::http::tls`]). Every error names the file: [`TransportError::Io`] when it cannot
-/// be read, [`TransportError::Invalid`] when it holds no usable PEM item.
+/// ([`crate::http::edge_tls`]). Every error names the file: [`TransportError::Io`] when it
+/// cannot be read, [`TransportError::Invalid`] when it holds no usable PEM item.
 pub(crate) fn load_pem_files(
     cert: &Path,
     key: &Path,

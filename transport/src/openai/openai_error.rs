@@ -1,4 +1,6 @@
-//! OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`.
+//! The OpenAI front door's error responses (`/v1/completions`, `/v1/chat/completions`, and
+//! the error event of a failed stream), in OpenAI's shape:
+//! `{"error": {"message", "type", "param", "code"}}`.
 
 use crate::error::TransportError;
 use axum::http::StatusCode;
@@ -92,7 +94,7 @@ impl OpenAiError {
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         };
         let code = match &e {
-            TransportError::Overloaded { .. } => Some(crate::http::errors::OVERLOADED),
+            TransportError::Overloaded { .. } => Some(crate::http::api_error::OVERLOADED),
             _ => None,
         };
         Self {
@@ -109,11 +111,11 @@ impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS
-            || self.code == Some(crate::http::errors::OVERLOADED)
+            || self.code == Some(crate::http::api_error::OVERLOADED)
         {
             r.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from_static(crate::http::errors::RETRY_AFTER_SECS),
+                axum::http::HeaderValue::from_static(crate::http::api_error::RETRY_AFTER_SECS),
             );
         }
         r

@@ -3,9 +3,9 @@
 //! way [`super::serve_http`] serves it over plain TCP.
 //!
 //! rustls is the one quinn uses (0.23, through `quinn::rustls`), with the *ring* provider
-//! only, like the native protocol ([`crate::native::tls`], whose PEM loading this shares).
-//! TLS 1.2 and 1.3 are offered (HTTP clients and load balancers still speak 1.2); ALPN is
-//! `http/1.1` alone, since the edge's hyper is built with HTTP/1 only.
+//! only, like the native protocol ([`crate::native::quic_tls`], whose PEM loading this
+//! shares). TLS 1.2 and 1.3 are offered (HTTP clients and load balancers still speak 1.2);
+//! ALPN is `http/1.1` alone, since the edge's hyper is built with HTTP/1 only.
 //!
 //! # Invariants
 //! 1. Accepting never waits on a peer: each connection's handshake runs in its own task,
@@ -22,7 +22,7 @@
 //! [`TransportError`]: crate::error::TransportError
 
 use crate::error::Result;
-use crate::native::tls::{load_pem_files, provider, tls_err};
+use crate::native::quic_tls::{load_pem_files, provider, tls_err};
 use axum::Router;
 use quinn::rustls::ServerConfig;
 use std::future::Future;
@@ -38,8 +38,9 @@ pub const ALPN_HTTP11: &[u8] = b"http/1.1";
 /// [`server_config`] builds them.
 pub type TlsServerConfig = ServerConfig;
 
-/// How long a client has to complete the TLS handshake before its connection is closed.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client has to complete the TLS handshake before its connection is closed
+/// (the connection bounds' default, [`super::conn::DEFAULT_HANDSHAKE_TIMEOUT`]).
+pub const HANDSHAKE_TIMEOUT: Duration = super::conn::DEFAULT_HANDSHAKE_TIMEOUT;
 
 /// The rustls server configuration for the PEM certificate chain `cert_pem` (end-entity
 /// first) and the PEM private key `key_pem` (PKCS#8, PKCS#1/RSA or SEC1).

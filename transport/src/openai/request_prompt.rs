@@ -10,8 +10,8 @@
 //!   (absent, `null` and `""` are no salt; any other type is refused as vLLM refuses it). The
 //!   router folds it into the prompt's block hashes ([`engine::hash::seq_hashes_salted`]).
 
-use super::errors::OpenAiError;
 use super::fallback;
+use super::openai_error::OpenAiError;
 use super::tokenize::{ChatMessage, PromptTokenizer};
 use serde::Deserialize;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
