@@ -203,3 +203,59 @@ fn load_reports_need_known_ranks_and_event_ranks_are_capped() {
     drop(hub);
     runtime.join().unwrap();
 }
+
+/// A source's feed admits its worker's batches without a registry visit while nothing
+/// changed, and follows every change: a new rank, a model with another block size, the
+/// worker's removal.
+#[test]
+fn a_feed_follows_the_registry() {
+    let config = HubConfig {
+        scheduler: SchedulerConfig::default(),
+    };
+    let engine = RuntimeConfig {
+        pin_cores: false,
+        ingest_handles: 2,
+        query_handles: 2,
+        ..RuntimeConfig::default()
+    };
+    let (hub, runtime) = start_engine(config, Sharding::adaptive(2).unwrap(), engine).unwrap();
+    let prompt: Vec<u32> = (0..64).collect();
+    let mut feed = hub.feed(WorkerId(3));
+    let events = || vec![stored(&prompt, 10)];
+    // Not registered: refused, as through `ingest`.
+    let err = hub
+        .ingest_fed(&mut feed, DpRank(0), events(), 0, None)
+        .unwrap_err();
+    assert!(matches!(err, TransportError::UnknownWorker(3)));
+    hub.register(Registration::new(WorkerId(3))).unwrap();
+    hub.ingest_fed(&mut feed, DpRank(0), events(), 1, None)
+        .unwrap();
+    // A rank the feed does not know registers itself, as through `ingest`.
+    hub.ingest_fed(&mut feed, DpRank(2), events(), 2, None)
+        .unwrap();
+    hub.sync().unwrap();
+    let (_, _, m) = hub.overlap(None, &prompt, None).unwrap();
+    assert_eq!(m.overlaps, vec![(key(3, 0), 4), (key(3, 2), 4)]);
+    // A model with its own block size: the feed converts at it from the next batch on.
+    hub.declare_model(&engine::router::ModelSpec {
+        name: "m".into(),
+        block_size: Some(32),
+    })
+    .unwrap();
+    assert_eq!(feed.block_size(), 16);
+    hub.register(Registration {
+        model: Some("m".into()),
+        ..Registration::new(WorkerId(3))
+    })
+    .unwrap();
+    hub.refresh_feed(&mut feed);
+    assert_eq!(feed.block_size(), 32);
+    // Removed: refused again.
+    hub.remove_worker(WorkerId(3)).unwrap();
+    let err = hub
+        .ingest_fed(&mut feed, DpRank(0), events(), 3, None)
+        .unwrap_err();
+    assert!(matches!(err, TransportError::UnknownWorker(3)));
+    drop(hub);
+    runtime.join().unwrap();
+}

@@ -4,8 +4,8 @@
 //! path (the hub's invariants 1, 2, 5 and 7); clears, resyncs and trust for the streams;
 //! the engine's figures and snapshot.
 
-use super::Hub;
 use super::engine_link::Batch;
+use super::{Feed, Hub};
 use crate::bounds::Degraded;
 use crate::cores;
 use crate::error::{Result, TransportError};
@@ -51,14 +51,59 @@ impl Hub {
         self.hand_over(key, events, Some((seq, digest)))
     }
 
+    /// A feed of `worker` for one event source ([`Feed`]), up to date.
+    pub fn feed(&self, worker: WorkerId) -> Feed {
+        let mut feed = Feed::new(worker);
+        self.refresh_feed(&mut feed);
+        feed
+    }
+
+    /// Brings `feed` up to date with the registry (one atomic load while nothing changed):
+    /// its block size is then the one to convert the next batch at.
+    pub fn refresh_feed(&self, feed: &mut Feed) {
+        self.registry.refresh(feed, self.block_size());
+    }
+
+    /// [`Hub::ingest_marked`] for the source that keeps `feed`: a batch of a rank the feed
+    /// knows is admitted without a registry visit (the count is the batch's only one).
+    pub fn ingest_fed(
+        &self,
+        feed: &mut Feed,
+        dp_rank: engine::DpRank,
+        events: Vec<KvEvent>,
+        seq: u64,
+        digest: Option<u64>,
+    ) -> Result<()> {
+        self.refresh_feed(feed);
+        let key = WorkerKey {
+            worker: feed.worker(),
+            dp_rank,
+        };
+        let known = feed.knows(dp_rank);
+        self.hand_over_as(key, events, Some((seq, digest)), known)
+    }
+
     fn hand_over(
+        &self,
+        key: WorkerKey,
+        events: Vec<KvEvent>,
+        seq: Option<(u64, Option<u64>)>,
+    ) -> Result<()> {
+        self.hand_over_as(key, events, seq, false)
+    }
+
+    /// `admitted`: the caller's feed knows the key as registered now.
+    fn hand_over_as(
         &self,
         key: WorkerKey,
         mut events: Vec<KvEvent>,
         seq: Option<(u64, Option<u64>)>,
+        admitted: bool,
     ) -> Result<()> {
         self.refuse_events_if_approximate()?;
-        self.admit(key)?;
+        if !admitted {
+            self.admit(key)?;
+        }
         // A batch with a digest comes from a ZMQ stream, whose subscriber decides when its
         // ranks are trusted again (invariant 7).
         let proves_continuity = !matches!(seq, Some((_, Some(_))));

@@ -56,7 +56,7 @@ pub use engine_link::{Batch, EngineAccess, Hosted, Threads, start_engine, start_
 pub use entropy::SystemEntropy;
 pub use gate::IngestGate;
 pub use persisted::{Persisted, Resume};
-pub use registry::{MAX_RANKS_PER_WORKER, Registration, Registry, StreamState, WorkerInfo};
+pub use registry::{Feed, MAX_RANKS_PER_WORKER, Registration, Registry, StreamState, WorkerInfo};
 pub use replica_sink::{LoadSink, ReplicaStats, ReplicaStatus};
 pub use routing::Routing;
 pub use wakeups::FinishWakeups;
@@ -285,6 +285,7 @@ impl Hub {
         e.trtllm_poll = reg.trtllm_poll.or(e.trtllm_poll);
         e.dp_ranks = entry.ranks.iter().copied().collect();
         drop(registry);
+        self.registry.bump();
         if moved && !new {
             // Blocks it cached for its old model are not its new model's.
             for &r in &all {
@@ -314,6 +315,7 @@ impl Hub {
         if self.registry.write().remove(&worker).is_none() {
             return Ok(None);
         }
+        self.registry.bump();
         self.persisted.forget_worker(worker);
         self.gate.forget_worker(worker);
         {

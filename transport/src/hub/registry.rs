@@ -20,6 +20,7 @@ use crate::error::{Result, TransportError};
 use engine::sched::{ActiveLoad, WorkerLoad, WorkerRole};
 use engine::{DpRank, WorkerId, WorkerKey};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// A worker as registered (over HTTP, `--zmq-worker`, or a QUIC hello).
@@ -174,6 +175,48 @@ type Map = BTreeMap<WorkerId, WorkerEntry>;
 #[derive(Debug, Default)]
 pub struct Registry {
     map: RwLock<Map>,
+    /// Bumped after every change of a worker's ranks, model or presence: a [`Feed`]
+    /// that saw the same number needs no registry visit to admit a batch.
+    generation: AtomicU64,
+}
+
+/// What one event source keeps of its worker between batches ([`super::Hub::feed`]): its
+/// block size and ranks as of a registry generation. While the generation is unchanged a
+/// batch is admitted without a registry visit, and the only one it makes is its count.
+#[derive(Clone, Debug)]
+pub struct Feed {
+    worker: WorkerId,
+    /// `u64::MAX`: never read (the first batch reads the registry).
+    generation: u64,
+    block_size: u32,
+    ranks: BTreeSet<DpRank>,
+}
+
+impl Feed {
+    /// A feed of `worker`, read at its first batch.
+    pub fn new(worker: WorkerId) -> Self {
+        Self {
+            worker,
+            generation: u64::MAX,
+            block_size: 0,
+            ranks: BTreeSet::new(),
+        }
+    }
+
+    /// The worker.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// The block size its events are converted at, as of the last refresh.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Whether `dp_rank` is known as of the last refresh.
+    pub(super) fn knows(&self, dp_rank: DpRank) -> bool {
+        self.ranks.contains(&dp_rank)
+    }
 }
 
 /// Where a key stands for its events ([`Registry::check_rank`]).
@@ -204,6 +247,32 @@ impl Registry {
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
+    }
+
+    /// Notes a change of some worker's ranks, model or presence (after the write).
+    pub(super) fn bump(&self) {
+        self.generation.fetch_add(1, Relaxed);
+    }
+
+    /// Brings `feed` up to date if the registry changed since it was read (one atomic load
+    /// otherwise); `default` is the block size of an unregistered worker.
+    pub fn refresh(&self, feed: &mut Feed, default: u32) {
+        let now = self.generation.load(Relaxed);
+        if now == feed.generation {
+            return;
+        }
+        let map = self.read();
+        match map.get(&feed.worker) {
+            Some(e) => {
+                feed.block_size = e.block_size;
+                feed.ranks.clone_from(&e.ranks);
+            }
+            None => {
+                feed.block_size = default;
+                feed.ranks.clear();
+            }
+        }
+        feed.generation = now;
     }
 
     /// Whether `worker` is registered.

@@ -55,7 +55,7 @@
 use super::zmtp::{Connection, Incoming, Limits, SocketType, is_violation};
 use super::{REPLAY_END, ZmqSource};
 use crate::error::{DropReason, TransportError};
-use crate::hub::{Hub, StreamState};
+use crate::hub::{Feed, Hub, StreamState};
 use crate::kv_events::{ConvertConfig, convert, decode_batch};
 use crate::state::Resume;
 use crate::stream::{
@@ -129,6 +129,7 @@ pub fn spawn_subscriber_on(
             convert: ConvertConfig {
                 block_size: hub.block_size_of(source.worker),
             },
+            feed: hub.feed(source.worker),
             hub,
             source,
             config,
@@ -146,6 +147,9 @@ struct Stream {
     source: ZmqSource,
     config: SubscriberConfig,
     convert: ConvertConfig,
+    /// The worker as of the registry's last change: block size and ranks, so a batch
+    /// visits the registry once (its count).
+    feed: Feed,
     stream: EventStream,
     /// Ranks this stream has carried (what a resync or restart clears).
     ranks: BTreeSet<DpRank>,
@@ -746,7 +750,8 @@ impl Stream {
             }
         }
         // The worker's model (so its block size) can change with a re-registration.
-        self.convert.block_size = self.hub.block_size_of(self.source.worker);
+        self.hub.refresh_feed(&mut self.feed);
+        self.convert.block_size = self.feed.block_size();
         let converted = convert(batch, &self.convert);
         for &(reason, n) in &converted.drops {
             metrics.drop_input(
@@ -778,10 +783,13 @@ impl Stream {
             self.hub.distrust(key);
         }
         let n = converted.events.len() as u64;
-        if let Err(e) = self
-            .hub
-            .ingest_marked(key, converted.events, seq, Some(batch_id.digest))
-        {
+        if let Err(e) = self.hub.ingest_fed(
+            &mut self.feed,
+            converted.dp_rank,
+            converted.events,
+            seq,
+            Some(batch_id.digest),
+        ) {
             metrics.drop_input(e.reason(), n, &format_args!("worker {worker}: {e}"));
         }
         Ok(())
