@@ -14,8 +14,8 @@ use serde_json::json;
 use sim::engine::EngineConfig;
 use sim::server::trtllm::{WINDOW_SIZE, convert_batch};
 use sim::server::{EventFormat, SimWorkerConfig, SimWorkerHandle, spawn_worker};
-use transport::kv_events::{WireBatch, WireEvent};
-use transport::trtllm::{PageEntry, TrtData, TrtEvent, TrtToken, WireHash, decode_page};
+use wire::kv_events::{WireBatch, WireEvent};
+use wire::trtllm::{PageEntry, TrtData, TrtEvent, TrtToken, WireHash, decode_page};
 
 async fn trtllm_worker(buffer: usize, engine: EngineConfig) -> SimWorkerHandle {
     let cfg = SimWorkerConfig {

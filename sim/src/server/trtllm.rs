@@ -4,7 +4,7 @@
 //! TensorRT-LLM does not publish its KV events: it keeps them in a bounded buffer
 //! (`event_buffer_max_size`, the oldest dropped when it overflows) and `trtllm-serve` hands
 //! out everything buffered since the last call, a destructive drain, as a JSON array
-//! ([`transport::trtllm::wire`]). A worker in [`super::EventFormat::Trtllm`] mode does the
+//! ([`wire::trtllm`]). A worker in [`super::EventFormat::Trtllm`] mode does the
 //! same with [`TrtllmEvents`]: the driver converts each of the engine's event batches
 //! ([`convert_batch`]) into the buffer, the HTTP handler drains it.
 //!
@@ -31,8 +31,8 @@
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use transport::kv_events::{WireBatch, WireEvent};
-use transport::trtllm::{TrtBlock, TrtData, TrtEvent, TrtToken, WireHash};
+use wire::kv_events::{WireBatch, WireEvent};
+use wire::trtllm::{TrtBlock, TrtData, TrtEvent, TrtToken, WireHash};
 
 /// [`super::EventFormat::Trtllm`]'s default buffer: TensorRT-LLM examples' usual
 /// `event_buffer_max_size`.
@@ -309,7 +309,7 @@ mod tests {
         assert_eq!(ranked.drain()[0].attention_dp_rank, Some(3));
         // Serializes to trtllm-serve's shape, which the router's decoder reads back.
         let text = serde_json::to_vec(&got).unwrap();
-        let page = transport::trtllm::decode_page(&text).unwrap();
+        let page = wire::trtllm::decode_page(&text).unwrap();
         assert_eq!(page.len(), 3);
     }
 }

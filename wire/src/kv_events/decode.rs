@@ -1,100 +1,25 @@
-//! The positional msgpack decoder for vLLM / SGLang KV-event batches.
-//!
-//! One pass over the input with a cursor; markers are classified with [`rmp::Marker`] and
-//! payloads are read straight from the slice. Nothing is copied except the values kept
-//! (hashes, token ids, the two short strings). See the module docs of
-//! [`crate::kv_events`] for the wire shapes and the invariants.
+//! The positional msgpack decoder for vLLM / SGLang KV-event batches: the batch, its
+//! events and their fields, read with [`super::cursor`]'s primitives. Nothing is copied
+//! except the values kept (hashes, token ids, the short strings). See [`crate::kv_events`]
+//! for the wire shapes and the invariants.
 
-use crate::error::TransportError;
+use super::cursor::{Bad, Cursor, R};
+use super::{
+    MAX_BATCH_BYTES, MAX_HASH_BIN_BYTES, WireBatch, WireEvent, WireExtraItem, WireExtraKeys,
+};
+use crate::error::WireError;
 use rmp::Marker;
-
-/// The largest batch [`decode_batch`] accepts, in bytes (64 MiB).
-pub const MAX_BATCH_BYTES: usize = 64 * 1024 * 1024;
-
-/// The largest binary digest accepted as a block hash, in bytes.
-pub const MAX_HASH_BIN_BYTES: usize = 32;
-
-/// A decoded batch: what one publisher message carries, before any router policy.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct WireBatch {
-    /// Publisher timestamp (seconds since the epoch), if it sent a number.
-    pub ts: Option<f64>,
-    /// The data-parallel rank the batch is from, if given (`None` for old publishers).
-    pub dp_rank: Option<u32>,
-    /// The events with a known type, in order.
-    pub events: Vec<WireEvent>,
-    /// Events with an unknown type tag: skipped, counted here.
-    pub unknown_events: u32,
-}
-
-/// One KV event as published, fields as on the wire.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WireEvent {
-    /// `BlockStored`: a chain of full blocks entered the cache.
-    Stored {
-        /// The worker's ids of the new blocks, in sequence order (folded to u64, see
-        /// [`crate::kv_events`]).
-        block_hashes: Vec<u64>,
-        /// The worker's id of the block before the first one (`None`: a sequence start).
-        parent: Option<u64>,
-        /// The token ids of all the blocks, concatenated.
-        token_ids: Vec<u32>,
-        /// The publisher's block size, when it sends one.
-        block_size: Option<u32>,
-        /// The LoRA adapter's integer id, when not the base model.
-        lora_id: Option<i64>,
-        /// The LoRA adapter's name, when sent.
-        lora_name: Option<String>,
-        /// The storage medium (`"GPU"`, `"CPU"`, ...), when sent.
-        medium: Option<String>,
-        /// vLLM's `extra_keys` (one entry per block of `block_hashes`), when sent and not nil.
-        extra_keys: Option<WireExtraKeys>,
-    },
-    /// `BlockRemoved`: blocks left the cache.
-    Removed {
-        /// The worker's ids of the evicted blocks.
-        block_hashes: Vec<u64>,
-        /// The storage medium they left, when sent.
-        medium: Option<String>,
-    },
-    /// `AllBlocksCleared`: the whole cache of this rank was emptied.
-    Cleared,
-}
-
-/// `BlockStored.extra_keys` as published (vLLM's `to_event_extra_keys`): untagged, one
-/// entry per block.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WireExtraKeys {
-    /// One entry per block: `None` (nil) for a block without extra keys, else its items in
-    /// order.
-    Blocks(Vec<Option<Vec<WireExtraItem>>>),
-    /// Well-formed msgpack that is not a list of nil-or-array entries of known items: the
-    /// event is dropped at conversion (counted), the rest of the batch still applies.
-    Malformed,
-}
-
-/// One untagged item of a block's `extra_keys` entry.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WireExtraItem {
-    /// A bare string: the LoRA name (first, when the event's `lora_name` is set) or the
-    /// `cache_salt` (block 0 only).
-    Str(String),
-    /// A multimodal item: `(identifier, offset)`.
-    Mm(String, i64),
-    /// A bin: a prompt-embeddings digest (vLLM: SHA-256).
-    Bin(Vec<u8>),
-}
 
 /// Decodes one msgpack KV-event batch.
 ///
 /// # Errors
-/// [`TransportError::Oversized`] when `bytes` is longer than [`MAX_BATCH_BYTES`];
-/// [`TransportError::MalformedMsgpack`] when the bytes are not a well-formed batch (truncated,
+/// [`WireError::Oversized`] when `bytes` is longer than [`MAX_BATCH_BYTES`];
+/// [`WireError::MalformedMsgpack`] when the bytes are not a well-formed batch (truncated,
 /// wrong types, out-of-range integers, a known event missing a required field). Unknown event
 /// types are not errors: they are skipped and counted in [`WireBatch::unknown_events`].
-pub fn decode_batch(bytes: &[u8]) -> Result<WireBatch, TransportError> {
+pub fn decode_batch(bytes: &[u8]) -> Result<WireBatch, WireError> {
     if bytes.len() > MAX_BATCH_BYTES {
-        return Err(TransportError::Oversized {
+        return Err(WireError::Oversized {
             what: "msgpack KV-event batch",
             got: bytes.len(),
             limit: MAX_BATCH_BYTES,
@@ -102,17 +27,8 @@ pub fn decode_batch(bytes: &[u8]) -> Result<WireBatch, TransportError> {
     }
     let mut cur = Cursor { buf: bytes, pos: 0 };
     cur.batch()
-        .map_err(|e| TransportError::MalformedMsgpack(format!("{} at byte {}", e.what, e.pos)))
+        .map_err(|Bad { what, pos }| WireError::MalformedMsgpack { what, at: pos })
 }
-
-/// Decode failure: what was wrong and where. Formatted once, at the top.
-#[derive(Debug)]
-struct Bad {
-    what: &'static str,
-    pos: usize,
-}
-
-type R<T> = Result<T, Bad>;
 
 /// Event type tags.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -145,226 +61,7 @@ struct Fields {
     extra_keys: Option<WireExtraKeys>,
 }
 
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
 impl<'a> Cursor<'a> {
-    #[inline]
-    fn bad<T>(&self, what: &'static str) -> R<T> {
-        Err(Bad {
-            what,
-            pos: self.pos,
-        })
-    }
-
-    #[inline]
-    fn remaining(&self) -> usize {
-        self.buf.len().saturating_sub(self.pos)
-    }
-
-    #[inline]
-    fn byte(&mut self) -> R<u8> {
-        match self.buf.get(self.pos) {
-            Some(&b) => {
-                self.pos += 1;
-                Ok(b)
-            }
-            None => self.bad("unexpected end of input"),
-        }
-    }
-
-    #[inline]
-    fn take(&mut self, n: usize) -> R<&'a [u8]> {
-        let end = match self.pos.checked_add(n) {
-            Some(e) => e,
-            None => return self.bad("length overflows"),
-        };
-        match self.buf.get(self.pos..end) {
-            Some(s) => {
-                self.pos = end;
-                Ok(s)
-            }
-            None => self.bad("unexpected end of input"),
-        }
-    }
-
-    #[inline]
-    fn array_n<const N: usize>(&mut self) -> R<[u8; N]> {
-        let s = self.take(N)?;
-        let mut a = [0u8; N];
-        a.copy_from_slice(s);
-        Ok(a)
-    }
-
-    #[inline]
-    fn be_u8(&mut self) -> R<u8> {
-        self.byte()
-    }
-    #[inline]
-    fn be_u16(&mut self) -> R<u16> {
-        Ok(u16::from_be_bytes(self.array_n()?))
-    }
-    #[inline]
-    fn be_u32(&mut self) -> R<u32> {
-        Ok(u32::from_be_bytes(self.array_n()?))
-    }
-    #[inline]
-    fn be_u64(&mut self) -> R<u64> {
-        Ok(u64::from_be_bytes(self.array_n()?))
-    }
-
-    #[inline]
-    fn marker(&mut self) -> R<Marker> {
-        Ok(Marker::from_u8(self.byte()?))
-    }
-
-    #[inline]
-    fn peek_marker(&self) -> R<Marker> {
-        match self.buf.get(self.pos) {
-            Some(&b) => Ok(Marker::from_u8(b)),
-            None => self.bad("unexpected end of input"),
-        }
-    }
-
-    /// The integer payload after marker `m`, or `None` if `m` is not an integer marker.
-    #[inline]
-    fn int_after(&mut self, m: Marker) -> R<Option<i128>> {
-        Ok(Some(match m {
-            Marker::FixPos(v) => i128::from(v),
-            Marker::FixNeg(v) => i128::from(v),
-            Marker::U8 => i128::from(self.be_u8()?),
-            Marker::U16 => i128::from(self.be_u16()?),
-            Marker::U32 => i128::from(self.be_u32()?),
-            Marker::U64 => i128::from(self.be_u64()?),
-            Marker::I8 => i128::from(self.be_u8()? as i8),
-            Marker::I16 => i128::from(self.be_u16()? as i16),
-            Marker::I32 => i128::from(self.be_u32()? as i32),
-            Marker::I64 => i128::from(self.be_u64()? as i64),
-            _ => return Ok(None),
-        }))
-    }
-
-    /// Length of an array whose marker is `m`, bounded by the remaining input (every element
-    /// takes at least one byte).
-    #[inline]
-    fn array_len_after(&mut self, m: Marker) -> R<Option<usize>> {
-        let n = match m {
-            Marker::FixArray(n) => usize::from(n),
-            Marker::Array16 => usize::from(self.be_u16()?),
-            Marker::Array32 => self.be_u32()? as usize,
-            _ => return Ok(None),
-        };
-        if n > self.remaining() {
-            return self.bad("array length exceeds the input");
-        }
-        Ok(Some(n))
-    }
-
-    /// Number of entries of a map whose marker is `m`, bounded by the remaining input.
-    #[inline]
-    fn map_len_after(&mut self, m: Marker) -> R<Option<usize>> {
-        let n = match m {
-            Marker::FixMap(n) => usize::from(n),
-            Marker::Map16 => usize::from(self.be_u16()?),
-            Marker::Map32 => self.be_u32()? as usize,
-            _ => return Ok(None),
-        };
-        if n > self.remaining() / 2 {
-            return self.bad("map length exceeds the input");
-        }
-        Ok(Some(n))
-    }
-
-    /// The bytes of a string whose marker is `m`, or `None` if `m` is not a string marker.
-    #[inline]
-    fn str_after(&mut self, m: Marker) -> R<Option<&'a [u8]>> {
-        let n = match m {
-            Marker::FixStr(n) => usize::from(n),
-            Marker::Str8 => usize::from(self.be_u8()?),
-            Marker::Str16 => usize::from(self.be_u16()?),
-            Marker::Str32 => self.be_u32()? as usize,
-            _ => return Ok(None),
-        };
-        self.take(n).map(Some)
-    }
-
-    /// The bytes of a bin whose marker is `m`, or `None` if `m` is not a bin marker.
-    #[inline]
-    fn bin_after(&mut self, m: Marker) -> R<Option<&'a [u8]>> {
-        let n = match m {
-            Marker::Bin8 => usize::from(self.be_u8()?),
-            Marker::Bin16 => usize::from(self.be_u16()?),
-            Marker::Bin32 => self.be_u32()? as usize,
-            _ => return Ok(None),
-        };
-        self.take(n).map(Some)
-    }
-
-    /// Skips one value of any type, nested arrays and maps included, without recursion.
-    fn skip_value(&mut self) -> R<()> {
-        // Values still to skip. Every value takes at least one byte, so a count above the
-        // remaining input is malformed: this bounds the loop and rejects lying headers early.
-        let mut pending: usize = 1;
-        while pending > 0 {
-            pending -= 1;
-            let m = self.marker()?;
-            let n = match m {
-                Marker::FixPos(_)
-                | Marker::FixNeg(_)
-                | Marker::Null
-                | Marker::True
-                | Marker::False => 0,
-                Marker::U8 | Marker::I8 => 1,
-                Marker::U16 | Marker::I16 => 2,
-                Marker::U32 | Marker::I32 | Marker::F32 => 4,
-                Marker::U64 | Marker::I64 | Marker::F64 => 8,
-                Marker::FixStr(n) => usize::from(n),
-                Marker::Str8 | Marker::Bin8 => usize::from(self.be_u8()?),
-                Marker::Str16 | Marker::Bin16 => usize::from(self.be_u16()?),
-                Marker::Str32 | Marker::Bin32 => self.be_u32()? as usize,
-                Marker::FixExt1 => 2,
-                Marker::FixExt2 => 3,
-                Marker::FixExt4 => 5,
-                Marker::FixExt8 => 9,
-                Marker::FixExt16 => 17,
-                Marker::Ext8 => usize::from(self.be_u8()?) + 1,
-                Marker::Ext16 => usize::from(self.be_u16()?) + 1,
-                Marker::Ext32 => (self.be_u32()? as usize).saturating_add(1),
-                Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {
-                    let n = self.array_len_after(m)?.unwrap_or(0);
-                    pending = pending.saturating_add(n);
-                    0
-                }
-                Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {
-                    let n = self.map_len_after(m)?.unwrap_or(0);
-                    pending = pending.saturating_add(n.saturating_mul(2));
-                    0
-                }
-                Marker::Reserved => return self.bad("reserved marker 0xc1"),
-            };
-            self.take(n)?;
-            if pending > self.remaining() {
-                return self.bad("nested length exceeds the input");
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether the next value is nil; consumes it if so.
-    #[inline]
-    fn eat_nil(&mut self) -> R<bool> {
-        if let Marker::Null = self.peek_marker()? {
-            self.pos += 1;
-            Ok(true)
-        } else {
-            Ok(false)
-        }
-    }
-
-    // ---- typed fields ----
-
     fn batch(&mut self) -> R<WireBatch> {
         let m = self.marker()?;
         if let Some(n) = self.array_len_after(m)? {
@@ -834,16 +531,6 @@ impl<'a> Cursor<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn skip_handles_deep_nesting_without_recursion() {
-        // 1 MiB of nested one-element arrays around a nil.
-        let mut v = vec![0x91u8; 1 << 20];
-        v.push(0xc0);
-        let mut c = Cursor { buf: &v, pos: 0 };
-        c.skip_value().unwrap();
-        assert_eq!(c.remaining(), 0);
-    }
 
     #[test]
     fn bin_hash_folds_last_eight_bytes() {

@@ -30,7 +30,7 @@
 //!    hex string (newer servers' `v2_sha256` hashes), folded to its last 8 bytes.
 //! 4. Memory is proportional to the events read: a run of unreadable elements is one entry.
 
-use crate::error::TransportError;
+use crate::error::WireError;
 use serde::de::{self, Deserializer, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
@@ -74,7 +74,7 @@ impl<'de> Deserialize<'de> for WireHash {
 }
 
 /// A hex digest (`"0x"` optional, 1 to 64 digits) folded to its last 8 bytes read
-/// big-endian, as the msgpack decoder folds vLLM's byte digests: newer TensorRT-LLM servers
+/// big-endian, as the msgpack decoder folds vLLM's byte digests ([`crate::kv_events`]): newer TensorRT-LLM servers
 /// (`hash_algo` `v2_sha256`) send block hashes as hex strings.
 fn hex_hash(s: &str) -> Option<u64> {
     let digits = s.strip_prefix("0x").unwrap_or(s);
@@ -261,18 +261,20 @@ struct IdOnly {
 /// not one per element.
 ///
 /// # Errors
-/// [`TransportError::Oversized`] above [`MAX_PAGE_BYTES`]; [`TransportError::MalformedJson`]
-/// when the body is not a JSON array. Bad elements are [`PageEntry::Unreadable`], not errors.
-pub fn decode_page(bytes: &[u8]) -> Result<Vec<PageEntry>, TransportError> {
+/// [`WireError::Oversized`] above [`MAX_PAGE_BYTES`]; [`WireError::MalformedJson`] when the
+/// body is not a JSON array. Bad elements are [`PageEntry::Unreadable`], not errors.
+pub fn decode_page(bytes: &[u8]) -> Result<Vec<PageEntry>, WireError> {
     if bytes.len() > MAX_PAGE_BYTES {
-        return Err(TransportError::Oversized {
+        return Err(WireError::Oversized {
             what: "TensorRT-LLM /kv_cache_events answer",
             got: bytes.len(),
             limit: MAX_PAGE_BYTES,
         });
     }
-    let malformed =
-        |e: serde_json::Error| TransportError::MalformedJson(format!("/kv_cache_events: {e}"));
+    let malformed = |source: serde_json::Error| WireError::MalformedJson {
+        what: "/kv_cache_events",
+        source,
+    };
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let page = de.deserialize_seq(PageVisitor).map_err(malformed)?;
     de.end().map_err(malformed)?;
