@@ -353,7 +353,7 @@ pub struct ServeArgs {
     /// (TensorRT-LLM: the router polls each one's POST /kv_cache_events; blocks of 32
     /// tokens unless --kv-cache-block-size says otherwise).
     #[arg(long, env = "KVENGINE_SIM_ENGINE", default_value = "vllm",
-          value_parser = kvengine_benches::replay::parse_engine)]
+          value_parser = lab::replay::parse_engine)]
     pub sim_engine: sim::server::EventFormat,
     /// KV-cache blocks of each simulated worker.
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]

@@ -10,17 +10,17 @@ use engine::event::{KvEvent, StoredBlock};
 use engine::kv_index::KvIndex;
 use engine::sharding::choice::Sharding;
 use engine::{EngineHash, Matches, SeqHash, TokensHash, WorkerKey};
-use kvengine_benches::anchor::report::Figures;
-use kvengine_benches::anchor::{self, AnchorOptions};
-use kvengine_benches::args::IndexerArgs;
-use kvengine_benches::driver::kv_index::KvIndexUnderTest;
-use kvengine_benches::driver::runtime::RuntimeUnderTest;
-use kvengine_benches::driver::sharded::ShardedUnderTest;
-use kvengine_benches::driver::{
+use lab::anchor::report::Figures;
+use lab::anchor::{self, AnchorOptions};
+use lab::args::IndexerArgs;
+use lab::driver::kv_index::KvIndexUnderTest;
+use lab::driver::runtime::RuntimeUnderTest;
+use lab::driver::sharded::ShardedUnderTest;
+use lab::driver::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
 };
-use kvengine_benches::workload::anchor::{AnchorPlan, AnchorSpec};
-use kvengine_benches::workload::{EventStream, Query, WorkloadKind};
+use lab::workload::anchor::{AnchorPlan, AnchorSpec};
+use lab::workload::{EventStream, Query, WorkloadKind};
 use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64_with_seed;

@@ -3,7 +3,7 @@
 # binary), registers 8 workers and preloads their caches over HTTP (preload.py), then
 # drives /v1/route with wrk (route.lua: 8,000-token prompts, ~50 KB bodies).
 #
-#   benches/http_route/run.sh     # PORT=8088 DURATION=10s CONNS=16 THREADS=1 CORES=2
+#   lab/http_route/run.sh     # PORT=8088 DURATION=10s CONNS=16 THREADS=1 CORES=2
 #
 # BIN=path/to/kvengine runs that binary instead of building this checkout's (to compare two
 # commits side by side on the same day).
@@ -40,12 +40,12 @@ for _ in $(seq 100); do
   curl -sf "http://127.0.0.1:$PORT/healthz" >/dev/null && break
   sleep 0.1
 done
-python3 benches/http_route/preload.py "http://127.0.0.1:$PORT"
+python3 lab/http_route/preload.py "http://127.0.0.1:$PORT"
 rss() { awk '/VmRSS/ {print $2 " kB"}' "/proc/$PID/status"; }
 echo "router RSS before: $(rss)"
 # Warm-up (thread-local buffers, connection pools, allocator).
-wrk -t"$THREADS" -c"$CONNS" -d2s -s benches/http_route/route.lua "http://127.0.0.1:$PORT/v1/route" >/dev/null
-wrk -t"$THREADS" -c"$CONNS" -d"$DURATION" -s benches/http_route/route.lua --latency \
+wrk -t"$THREADS" -c"$CONNS" -d2s -s lab/http_route/route.lua "http://127.0.0.1:$PORT/v1/route" >/dev/null
+wrk -t"$THREADS" -c"$CONNS" -d"$DURATION" -s lab/http_route/route.lua --latency \
   "http://127.0.0.1:$PORT/v1/route"
 echo "router RSS after: $(rss)"
 curl -s "http://127.0.0.1:$PORT/metrics" | grep -E '^kvengine_(active_requests|decisions_total\{mode="kv"\})'

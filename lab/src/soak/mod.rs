@@ -745,7 +745,7 @@ fn build_report(h: &Harness<'_>, warmup: f64, end_s: f64) -> SoakReport {
     );
     let mut notes = vec![
         "acknowledged_lost / stale_entries: blocks summed over checkpoints, each taken \
-         after traffic paused, workers idle and heartbeats published (benches/src/soak/mod.rs)"
+         after traffic paused, workers idle and heartbeats published (lab/src/soak/mod.rs)"
             .to_owned(),
         "dropped_batches stands in for ZMQ high-water-mark overflow (batches numbered and \
          buffered for replay, never sent); slow_consumer is a burst that outpaces the \

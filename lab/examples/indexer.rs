@@ -2,20 +2,20 @@
 //! single-threaded indexers and prints (and optionally writes) the JSON report.
 //!
 //! ```text
-//! cargo run --release -p kvengine-benches --example indexer -- --workload dynamo --json /tmp/x.json
-//! cargo run --release -p kvengine-benches --example indexer -- --workload shared-prefix --indexer sharded --cores 2
-//! cargo run --release -p kvengine-benches --example indexer -- --workload dynamo-w1 --repeat 3
+//! cargo run --release -p kvengine-lab --example indexer -- --workload dynamo --json /tmp/x.json
+//! cargo run --release -p kvengine-lab --example indexer -- --workload shared-prefix --indexer sharded --cores 2
+//! cargo run --release -p kvengine-lab --example indexer -- --workload dynamo-w1 --repeat 3
 //! ```
 //!
 //! Exits with status 1 when the run's self-checks fail (the report is still written).
 
 use anyhow::Result;
 use clap::Parser;
-use kvengine_benches::anchor;
-use kvengine_benches::args::{Baseline, IndexerArgs};
-use kvengine_benches::harness::run;
-use kvengine_benches::workload::Plan;
-use kvengine_benches::workload::anchor::AnchorPlan;
+use lab::anchor;
+use lab::args::{Baseline, IndexerArgs};
+use lab::harness::run;
+use lab::workload::Plan;
+use lab::workload::anchor::AnchorPlan;
 use mimalloc::MiMalloc;
 use std::time::Instant;
 
@@ -46,7 +46,7 @@ fn main() -> Result<()> {
         )?;
         println!("{}", serde_json::to_string_pretty(&report)?);
         if let Some(path) = &args.json {
-            kvengine_benches::write_json(&report, path)?;
+            lab::write_json(&report, path)?;
         }
         for p in &report.problems {
             eprintln!("check failed: {p}");
@@ -67,7 +67,7 @@ fn main() -> Result<()> {
     drop(plan);
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(path) = &args.json {
-        kvengine_benches::write_json(&report, path)?;
+        lab::write_json(&report, path)?;
     }
     let problems = report.checks.problems();
     for p in &problems {

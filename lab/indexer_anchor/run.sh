@@ -3,7 +3,7 @@
 # index (kv-index) and on the thread-per-core runtime (2 cores), 1 warm-up + 5 timed runs
 # per invocation, JSON reports in docs/bench-results/ and one summary line per report.
 #
-#   bash benches/indexer_anchor/run.sh [workload...]      (default: all four)
+#   bash lab/indexer_anchor/run.sh [workload...]      (default: all four)
 #
 # Run it on a quiet machine: every figure moves with the memory system of the moment; each
 # report records the machine's memory latency (`mem_latency_ns`) measured just before.

@@ -3,7 +3,7 @@
 # aggregated kv on the same number of simulated GPUs, five runs each, JSON and SVG per run in
 # docs/bench-results/disagg/, then min / median / max tables.
 #
-#   bash benches/replay_disagg/run.sh
+#   bash lab/replay_disagg/run.sh
 #
 # About 10 minutes on 2 cores. Run it on a quiet machine: the simulated workers sleep in
 # real time, so a busy CPU stretches their steps.

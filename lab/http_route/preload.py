@@ -4,7 +4,7 @@
 Worker w holds the 6,000-token system prompts w and w + 8 and the first half of prompt
 (w + 1) % 16; token i of prompt p is 1000 * p + i (route.lua sends the same prompts).
 
-    python3 benches/http_route/preload.py http://127.0.0.1:8088
+    python3 lab/http_route/preload.py http://127.0.0.1:8088
 """
 import json
 import sys

@@ -2,7 +2,7 @@
 """Issue 29's hostile-client figures for one kvengine binary, so two binaries can be
 compared side by side on the same day (A B A B):
 
-    python3 benches/hostile/run.py BIN [BIN ...] --runs 5
+    python3 lab/hostile/run.py BIN [BIN ...] --runs 5
 
 For each run of each binary (interleaved), a fresh router (`--cores 2 --no-pin
 --sim-workers 2`) is started on a free port and, in order:

@@ -5,13 +5,11 @@ use engine::event::KvEvent;
 use engine::kv_index::KvIndex;
 use engine::sharding::choice::Sharding;
 use engine::{EngineHash, WorkerKey};
-use kvengine_benches::driver::kv_index::KvIndexUnderTest;
-use kvengine_benches::driver::sharded::ShardedUnderTest;
-use kvengine_benches::driver::{IndexerUnderTest, MixedPlan};
-use kvengine_benches::harness::{RunOptions, run};
-use kvengine_benches::workload::{
-    Plan, TraceAssign, TraceSpec, WorkloadKind, WorkloadSpec, trace::parse_trace,
-};
+use lab::driver::kv_index::KvIndexUnderTest;
+use lab::driver::sharded::ShardedUnderTest;
+use lab::driver::{IndexerUnderTest, MixedPlan};
+use lab::harness::{RunOptions, run};
+use lab::workload::{Plan, TraceAssign, TraceSpec, WorkloadKind, WorkloadSpec, trace::parse_trace};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -369,7 +367,7 @@ fn json_report_has_every_key() {
     assert!(v["store_blocks_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["query_p99_us"].as_f64().unwrap() > 0.0);
     let path = std::env::temp_dir().join(format!("kvengine-report-{}.json", std::process::id()));
-    kvengine_benches::write_json(&r, &path).unwrap();
+    lab::write_json(&r, &path).unwrap();
     let back: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let keys =

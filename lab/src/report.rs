@@ -334,7 +334,7 @@ pub struct Report {
 }
 
 /// The harness's version string (invariant 3).
-pub const VERSION: &str = concat!("kvengine-benches ", env!("CARGO_PKG_VERSION"));
+pub const VERSION: &str = concat!(env!("CARGO_PKG_NAME"), " ", env!("CARGO_PKG_VERSION"));
 
 /// Now, UTC, as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc_now() -> String {

@@ -1,9 +1,16 @@
-//! kvengine's end-to-end workload harness: `kvengine bench indexer`.
+//! kvengine's lab: the end-to-end harnesses behind `kvengine bench ...` and `kvengine demo`:
+//! the indexer bench, the ingest benches (ZMQ and QUIC), trace replay through the router
+//! onto simulated workers (and the demo built on it), the soak and chaos run, the snapshot
+//! bench, and the workloads they share. The `kvengine` CLI depends on this crate because
+//! those subcommands run it in process; the router itself (`kvengine` serving) uses none of
+//! it, except the simulated-worker engine choice `--sim-engine` parses
+//! ([`replay::parse_engine`]). Micro-benchmarks live next to the crates they measure
+//! (`engine/benches/`, `transport/benches/`).
 //!
-//! It generates indexer workloads defined exactly like NVIDIA Dynamo's indexer benchmark
-//! (issue 3), plus Mooncake trace replay, pre-generates every event and query, drives any
-//! indexer through the [`driver::IndexerUnderTest`] trait phase by phase, and writes the
-//! figures as JSON. The engine's micro-benchmarks live next to it, in `engine/benches/`.
+//! The indexer bench generates indexer workloads defined exactly like NVIDIA Dynamo's
+//! indexer benchmark (issue 3), plus Mooncake trace replay, pre-generates every event and
+//! query, drives any indexer through the [`driver::IndexerUnderTest`] trait phase by phase,
+//! and writes the figures as JSON.
 //!
 //! * [`workload`]: the workloads ([`workload::Plan::generate`]; the anchor-exact
 //!   `dynamo-w1` .. `dynamo-w4` with [`workload::anchor::AnchorPlan::generate`]).
@@ -16,6 +23,9 @@
 //! * [`report`]: the JSON report.
 //! * [`args`]: the command-line flags, for the CLI to flatten (`--anchor-size`,
 //!   `--anchor-queries` and `--repeat` apply to the anchor workloads only).
+//! * [`ingest`], [`ingest_zmq`], [`ingest_quic`]: end-to-end ingest throughput
+//!   (`kvengine bench ingest`): publishers on loopback into a real engine.
+//! * [`nats`]: a `nats-server` child process for replica runs and tests.
 //! * [`snapshot`]: warm restarts (`kvengine bench snapshot`): a big index cut, written,
 //!   read back and restored, phase by phase, against issue 12's 1 s per 10 M entries.
 //! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
@@ -25,9 +35,9 @@
 //!   caches.
 //!
 //! ```no_run
-//! use kvengine_benches::driver::kv_index::KvIndexUnderTest;
-//! use kvengine_benches::harness::{RunOptions, run};
-//! use kvengine_benches::workload::{Plan, WorkloadSpec};
+//! use lab::driver::kv_index::KvIndexUnderTest;
+//! use lab::harness::{RunOptions, run};
+//! use lab::workload::{Plan, WorkloadSpec};
 //!
 //! let plan = Plan::generate(&WorkloadSpec::default())?;
 //! let report = run(&mut KvIndexUnderTest::new(), &plan, &RunOptions::default())?;

@@ -2,16 +2,12 @@
 //! and a small replay end to end through the real router onto simulated workers.
 
 use engine::WorkerId;
-use kvengine_benches::replay::client::{ClientConfig, RequestResult, SseState, replay};
-use kvengine_benches::replay::cluster::{Cluster, ClusterConfig};
-use kvengine_benches::replay::replicas::SyncTotals;
-use kvengine_benches::replay::report::{
-    RunInfo, load_spread, percentile, sorted, summarize, sync_table, table,
-};
-use kvengine_benches::replay::trace::{
-    TraceOptions, chat_workload, expand, hit_rate_bound, parse_trace,
-};
-use kvengine_benches::replay::{ReplayConfig, ReplayRequest, RunMode, demo_chat_config, plot};
+use lab::replay::client::{ClientConfig, RequestResult, SseState, replay};
+use lab::replay::cluster::{Cluster, ClusterConfig};
+use lab::replay::replicas::SyncTotals;
+use lab::replay::report::{RunInfo, load_spread, percentile, sorted, summarize, sync_table, table};
+use lab::replay::trace::{TraceOptions, chat_workload, expand, hit_rate_bound, parse_trace};
+use lab::replay::{ReplayConfig, ReplayRequest, RunMode, demo_chat_config, plot};
 use sim::engine::EngineConfig;
 use std::sync::Arc;
 use std::time::Duration;
@@ -452,7 +448,7 @@ fn small_replay_end_to_end() {
 }
 
 /// A small chat workload and a 2-worker, 20x replay setup.
-fn small_chat(seed: u64, requests: usize) -> (kvengine_benches::replay::Workload, ReplayConfig) {
+fn small_chat(seed: u64, requests: usize) -> (lab::replay::Workload, ReplayConfig) {
     let workload = chat_workload(
         sim::workload::chat::ChatConfig {
             requests,
@@ -475,15 +471,15 @@ fn small_chat(seed: u64, requests: usize) -> (kvengine_benches::replay::Workload
 #[test]
 fn run_reports_every_mode() {
     let (workload, cfg) = small_chat(2, 12);
-    let reports = kvengine_benches::replay::run(&workload, &RunMode::ALL, &cfg).unwrap();
+    let reports = lab::replay::run(&workload, &RunMode::ALL, &cfg).unwrap();
     let modes: Vec<&str> = reports.iter().map(|r| r.mode.as_str()).collect();
     assert_eq!(modes, RunMode::ALL.map(RunMode::as_str));
     for r in &reports {
         assert_eq!((r.requests, r.errors, r.router_active_after), (12, 0, 0));
     }
     assert!(
-        kvengine_benches::replay::run(
-            &kvengine_benches::replay::Workload::new("empty".into(), vec![], 16),
+        lab::replay::run(
+            &lab::replay::Workload::new("empty".into(), vec![], 16),
             &[RunMode::Kv],
             &cfg
         )
@@ -493,7 +489,7 @@ fn run_reports_every_mode() {
         speedup: 0.0,
         ..cfg
     };
-    assert!(kvengine_benches::replay::run(&workload, &[RunMode::Kv], &bad).is_err());
+    assert!(lab::replay::run(&workload, &[RunMode::Kv], &bad).is_err());
     let _ = ReplayRequest {
         arrival_ms: 0.0,
         tokens: Arc::from(vec![1u32]),
@@ -580,7 +576,7 @@ fn the_description_warns_when_a_workers_cache_holds_the_whole_workload() {
         },
         ..cfg.clone()
     };
-    let text = kvengine_benches::replay::describe(&workload, &roomy);
+    let text = lab::replay::describe(&workload, &roomy);
     assert!(text.contains("holds the whole workload"), "{text}");
     let tight = ReplayConfig {
         engine: EngineConfig {
@@ -589,6 +585,6 @@ fn the_description_warns_when_a_workers_cache_holds_the_whole_workload() {
         },
         ..cfg
     };
-    let text = kvengine_benches::replay::describe(&workload, &tight);
+    let text = lab::replay::describe(&workload, &tight);
     assert!(!text.contains("holds the whole workload"), "{text}");
 }
