@@ -312,7 +312,7 @@ pub struct ReplayBench {
     /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
     #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_ENGINE",
           value_parser = replay::parse_engine)]
-    engine: sim::server::EventFormat,
+    engine: lab::workers::EventFormat,
     /// The router's engine cores (1 or 2).
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES",
           value_parser = clap::value_parser!(u8).range(1..=2))]

@@ -48,7 +48,7 @@ pub struct DemoArgs {
     /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
     #[arg(long, default_value = "vllm", env = "KVENGINE_ENGINE",
           value_parser = lab::replay::parse_engine)]
-    engine: sim::server::EventFormat,
+    engine: lab::workers::EventFormat,
     /// A Mooncake-format JSONL trace to replay instead of the built-in chat workload.
     #[arg(long, env = "KVENGINE_TRACE")]
     trace: Option<PathBuf>,

@@ -22,7 +22,7 @@ use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted_from};
 use engine::sched::{BusyThresholds, RouteMode, RouterCost, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
-use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
+use lab::workers::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -354,7 +354,7 @@ pub struct ServeArgs {
     /// tokens unless --kv-cache-block-size says otherwise).
     #[arg(long, env = "KVENGINE_SIM_ENGINE", default_value = "vllm",
           value_parser = lab::replay::parse_engine)]
-    pub sim_engine: sim::server::EventFormat,
+    pub sim_engine: lab::workers::EventFormat,
     /// KV-cache blocks of each simulated worker.
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]
     pub sim_kv_blocks: Option<u32>,

@@ -1,11 +1,11 @@
 //! kvengine's lab: the end-to-end harnesses behind `kvengine bench ...` and `kvengine demo`:
 //! the indexer bench, the ingest benches (ZMQ and QUIC), trace replay through the router
 //! onto simulated workers (and the demo built on it), the soak and chaos run, the snapshot
-//! bench, and the workloads they share. The `kvengine` CLI depends on this crate because
-//! those subcommands run it in process; the router itself (`kvengine` serving) uses none of
-//! it, except the simulated-worker engine choice `--sim-engine` parses
-//! ([`replay::parse_engine`]). Micro-benchmarks live next to the crates they measure
-//! (`engine/benches/`, `transport/benches/`).
+//! bench, and the workloads they share; and the simulated workers in real time
+//! ([`workers`]) they run, which `kvengine sim` and `kvengine --sim-workers` start too. The
+//! `kvengine` CLI depends on this crate because those subcommands run it in process; the
+//! router itself (`kvengine` serving real workers) uses none of it. Micro-benchmarks live
+//! next to the crates they measure (`engine/benches/`, `transport/benches/`).
 //!
 //! The indexer bench generates indexer workloads defined exactly like NVIDIA Dynamo's
 //! indexer benchmark (issue 3), plus Mooncake trace replay, pre-generates every event and
@@ -30,6 +30,9 @@
 //!   read back and restored, phase by phase, against issue 12's 1 s per 10 M entries.
 //! * [`replay`]: routing quality end to end (`kvengine bench replay`, `kvengine demo`):
 //!   a workload replayed open loop through the router onto simulated vLLM workers.
+//! * [`workers`]: simulated vLLM / TensorRT-LLM workers in (sped-up) real time: the
+//!   `sim` crate's engine behind an OpenAI HTTP server, its KV events over ZMQ or
+//!   TensorRT-LLM's endpoint, disaggregated hand-offs, and the fault hooks the soak uses.
 //! * [`soak`]: the soak and chaos harness (`kvengine bench soak`): the router as a child
 //!   process under traffic and injected faults, its index checked against the workers'
 //!   caches.
@@ -64,6 +67,7 @@ pub mod replay;
 pub mod report;
 pub mod snapshot;
 pub mod soak;
+pub mod workers;
 pub mod workload;
 
 use anyhow::{Context, Result};

@@ -22,11 +22,11 @@ use super::disagg::DisaggSpec;
 use super::replicas::{ReplicaSync, SyncTotals};
 use super::router::{Router, worker_ids};
 use super::{ReplayConfig, RunMode};
+use crate::workers::driver::Snapshot;
+use crate::workers::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use anyhow::{Context, Result, anyhow, bail};
 use engine::WorkerId;
 use sim::engine::EngineConfig;
-use sim::server::driver::Snapshot;
-use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,7 +61,7 @@ pub struct ClusterConfig {
     /// `P + D`).
     pub disagg: Option<DisaggSpec>,
     /// How the workers hand out their KV events (vLLM's ZMQ, or TensorRT-LLM's HTTP drain).
-    pub events: sim::server::EventFormat,
+    pub events: crate::workers::EventFormat,
 }
 
 impl ClusterConfig {

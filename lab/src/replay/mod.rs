@@ -2,7 +2,7 @@
 //!
 //! A workload (a Mooncake trace, or the built-in chat generator) is replayed open loop
 //! against the real router (engine, hub, HTTP edge and OpenAI proxy) in front of simulated
-//! vLLM workers ([`sim::server`]) that publish real KV events over ZMQ, all in one process.
+//! vLLM workers ([`crate::workers`]) that publish real KV events over ZMQ, all in one process.
 //! Each routing mode gets a fresh cluster; each request's TTFT, inter-token latencies,
 //! end-to-end latency, cached prompt tokens and serving worker are measured by the client,
 //! and summarised per mode ([`report::ModeReport`]).
@@ -252,7 +252,7 @@ pub struct ReplayConfig {
     pub share_load: bool,
     /// How the simulated workers hand out their KV events: vLLM's ZMQ stream, or
     /// TensorRT-LLM's `/kv_cache_events`, which the router polls.
-    pub events: sim::server::EventFormat,
+    pub events: crate::workers::EventFormat,
 }
 
 /// The most router replicas a replay starts (each is an engine, a hub and an HTTP edge in
@@ -277,23 +277,23 @@ impl Default for ReplayConfig {
             disagg: None,
             replicas: 1,
             share_load: true,
-            events: sim::server::EventFormat::Vllm,
+            events: crate::workers::EventFormat::Vllm,
         }
     }
 }
 
 /// `--engine`: which inference engine the simulated workers imitate, as the format of their
 /// KV events: `vllm` (ZMQ) or `trtllm` (TensorRT-LLM's polled `/kv_cache_events`).
-pub fn parse_engine(s: &str) -> Result<sim::server::EventFormat, String> {
+pub fn parse_engine(s: &str) -> Result<crate::workers::EventFormat, String> {
     match s {
-        "vllm" => Ok(sim::server::EventFormat::Vllm),
-        "trtllm" | "tensorrt-llm" => Ok(sim::server::EventFormat::trtllm()),
+        "vllm" => Ok(crate::workers::EventFormat::Vllm),
+        "trtllm" | "tensorrt-llm" => Ok(crate::workers::EventFormat::trtllm()),
         _ => Err(format!("{s:?}: expected vllm or trtllm")),
     }
 }
 
 /// The engine's default tokens per block: vLLM's 16, TensorRT-LLM's 32.
-pub fn default_block_size(events: sim::server::EventFormat) -> u32 {
+pub fn default_block_size(events: crate::workers::EventFormat) -> u32 {
     if events.is_trtllm() {
         transport::trtllm::DEFAULT_BLOCK_SIZE
     } else {

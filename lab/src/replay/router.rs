@@ -20,13 +20,13 @@
 //!    never stops them.
 
 use super::cluster::ClusterConfig;
+use crate::workers::SimWorkerHandle;
 use anyhow::{Context, Result, anyhow};
 use engine::WorkerId;
 use engine::approx::ApproxConfig;
 use engine::runtime::{Runtime, RuntimeConfig};
 use engine::sched::SchedulerConfig;
 use engine::sharding::choice::Sharding;
-use sim::server::SimWorkerHandle;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

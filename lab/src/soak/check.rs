@@ -141,6 +141,23 @@ pub async fn checkpoint(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
     r
 }
 
+/// Waits until every worker is idle (each asked in turn; a stopped worker is an error).
+async fn wait_for_idle(workers: &[SoakWorker]) -> Result<()> {
+    let began = Instant::now();
+    'wait: loop {
+        for w in workers {
+            if !w.idle().await? {
+                if began.elapsed() > QUIET_TIMEOUT {
+                    bail!("checkpoint: idle workers not reached within {QUIET_TIMEOUT:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue 'wait;
+            }
+        }
+        return Ok(());
+    }
+}
+
 async fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) -> Result<()> {
     let began = Instant::now();
     while !done() {
@@ -192,10 +209,7 @@ async fn run(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
         traffic.in_flight() == 0
     })
     .await?;
-    wait_for("idle workers", QUIET_TIMEOUT, || {
-        ctx.workers.iter().all(SoakWorker::idle)
-    })
-    .await?;
+    wait_for_idle(ctx.workers).await?;
     // A worker the router keeps out of routing is a finding, not a reason to stop.
     let healthy_by = Instant::now() + CONVERGE_TIMEOUT;
     let mut all_back = all_healthy(ctx).await;
@@ -206,7 +220,10 @@ async fn run(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
     let drained_in = began.elapsed();
 
     // Converge: heartbeats until the router's directories hold what the engines cache.
-    let reference: u64 = ctx.workers.iter().map(SoakWorker::cached_blocks).sum();
+    let mut reference = 0u64;
+    for w in ctx.workers {
+        reference += w.cached_blocks().await?;
+    }
     let converge = Instant::now();
     let mut directory = f64::NAN;
     let mut unchanged = 0;
@@ -234,11 +251,11 @@ async fn run(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
     for w in ctx.workers {
         let (leaves, model_len, inconsistencies) = w.leaf_paths();
         model_mismatches += inconsistencies;
-        if model_len as u64 != w.cached_blocks() {
+        if model_len as u64 != w.cached_blocks().await? {
             model_mismatches += 1;
         }
         for path in leaves {
-            if w.cached_prefix_blocks(&path) as usize != path.len() / bs {
+            if w.cached_prefix_blocks(&path).await? as usize != path.len() / bs {
                 model_mismatches += 1;
             }
             probes.insert(path);
@@ -261,7 +278,7 @@ async fn run(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
                 probe_errors += 1;
                 continue;
             };
-            if compare(ctx, &path, &got, &mut stale, &mut lost) {
+            if compare(ctx, &path, &got, &mut stale, &mut lost).await? {
                 wrong.push(path);
             }
         }
@@ -327,17 +344,17 @@ async fn run(ctx: &Ctx<'_>, index: usize) -> Result<Checkpoint> {
 
 /// Compares the router's overlaps `got` for `path` with every worker's engine; records the
 /// differing blocks. Whether anything differed.
-fn compare(
+async fn compare(
     ctx: &Ctx<'_>,
     path: &[u32],
     got: &BTreeMap<u64, u32>,
     stale: &mut HashSet<(u64, u64)>,
     lost: &mut HashSet<(u64, u64)>,
-) -> bool {
+) -> Result<bool> {
     let seqs = seq_hashes(path, ctx.block_size as usize, BASE_SEED);
     let mut differs = false;
     for w in ctx.workers {
-        let want = w.cached_prefix_blocks(path) as usize;
+        let want = w.cached_prefix_blocks(path).await? as usize;
         let have = got.get(&w.id()).copied().unwrap_or(0) as usize;
         let (lo, hi, into) = match have.cmp(&want) {
             std::cmp::Ordering::Equal => continue,
@@ -349,7 +366,7 @@ fn compare(
             into.insert((w.id(), s.0));
         }
     }
-    differs
+    Ok(differs)
 }
 
 /// The router's overlap per worker for each of `paths` (`None`: no usable answer).

@@ -2,8 +2,9 @@
 //!
 //! The router runs as a child process (`kvengine serve --state-dir DIR
 //! --snapshot-interval-s 2`), in front of simulated vLLM workers run in this process
-//! ([`worker`]: a `sim` engine with a small paged KV cache that evicts, vLLM-format ZMQ
-//! events with a replay socket, an OpenAI HTTP server), registered with `--worker
+//! ([`worker`]: the same [`crate::workers`] `kvengine sim` runs, a `sim` engine with a small
+//! paged KV cache that evicts, vLLM-format ZMQ events with a replay socket, an OpenAI HTTP
+//! server, broken through the workers' fault hooks), registered with `--worker
 //! id=N,url=...,zmq=...,replay=...`. Open-loop traffic ([`traffic`]) goes through the front
 //! door (`/v1/completions`, which churns the workers' caches) and probes `/v1/route`, while
 //! faults ([`faults`]) are injected one at a time: worker processes restarted, batches
@@ -698,7 +699,7 @@ async fn run_async(cfg: &SoakConfig, state: PathBuf, logs: PathBuf) -> Result<So
     h.scrape().await;
     let end_s = h.now_s();
     h.router.kill9();
-    for w in &mut h.workers {
+    for w in &h.workers {
         w.stop();
     }
     Ok(build_report(&h, warmup.as_secs_f64(), end_s))
@@ -776,7 +777,7 @@ fn build_report(h: &Harness<'_>, warmup: f64, end_s: f64) -> SoakReport {
         router: RouterTotals::of(&lock(&h.lives)),
         batches_published: sum(|c| c.published.load(Relaxed)),
         batches_withheld: sum(|c| c.withheld.load(Relaxed)),
-        synthetic_batches: sum(|c| c.synthetic.load(Relaxed)),
+        synthetic_batches: sum(|c| c.extra.load(Relaxed)),
         heartbeats: sum(|c| c.heartbeats.load(Relaxed)),
         worker_restarts: sum(|c| c.restarts.load(Relaxed)),
         router_restarts: h.router.generation,

@@ -20,14 +20,15 @@
 //!    ([`CacheModel::take_removed`]); reservoir sampling keeps it uniform over the removals.
 //!
 //! # Concurrency
-//! None: owned by one worker's shared state, under its mutex.
+//! None: shared by one worker's driver (which applies its batches) and the harness, under
+//! a mutex ([`super::worker`]).
 
 use engine::SeqHash;
 use engine::hash::{BASE_SEED, seq_hash, tokens_hash};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
-use transport::kv_events::{WireBatch, WireEvent};
+use wire::kv_events::{WireBatch, WireEvent};
 
 #[derive(Clone, Debug)]
 struct Block {

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use common::{SubscribedHub, call, ids, post_json};
+use lab::workers::tokens::token_text;
+use lab::workers::{SimRole, SimWorkerConfig, SimWorkerHandle, TransferModel, spawn_worker};
 use serde_json::{Value, json};
 use sim::engine::EngineConfig;
-use sim::server::tokens::token_text;
-use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, TransferModel, spawn_worker};
 
 const SPEEDUP: f64 = 50.0;
 
@@ -84,7 +84,7 @@ fn usage(prompt: u64, completion: u64, cached: u64) -> Value {
 }
 
 /// Waits until a worker has finished `n` requests and holds no pages.
-async fn settled(w: &SimWorkerHandle, n: u64) -> sim::server::driver::Snapshot {
+async fn settled(w: &SimWorkerHandle, n: u64) -> lab::workers::driver::Snapshot {
     let start = Instant::now();
     loop {
         let s = w.snapshot();

@@ -10,7 +10,7 @@
 //! A router only finds prefix hits on a simulated worker if it tokenizes prompts the same
 //! way: give kvengine the same `--tokenizer`, or neither.
 //!
-//! Output tokens are synthetic ids ([`crate::engine::output_token`]); each one is shown as
+//! Output tokens are synthetic ids ([`sim::engine::output_token`]); each one is shown as
 //! a short word followed by a space ([`token_text`]).
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Simulated TensorRT-LLM workers ([`sim::server::EventFormat::Trtllm`]): their KV events
+//! Simulated TensorRT-LLM workers ([`lab::workers::EventFormat::Trtllm`]): their KV events
 //! drained over HTTP (`POST /kv_cache_events`) as `trtllm-serve` answers them: `created`
 //! first, then the prompts' `stored` chains, consecutive ids, a destructive drain, a bounded
 //! buffer that drops the oldest; and a vLLM worker, which has no such route.
@@ -10,10 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::{call, ids, post_json};
+use lab::workers::trtllm::{WINDOW_SIZE, convert_batch};
+use lab::workers::{EventFormat, SimWorkerConfig, SimWorkerHandle, spawn_worker};
 use serde_json::json;
 use sim::engine::EngineConfig;
-use sim::server::trtllm::{WINDOW_SIZE, convert_batch};
-use sim::server::{EventFormat, SimWorkerConfig, SimWorkerHandle, spawn_worker};
 use wire::kv_events::{WireBatch, WireEvent};
 use wire::trtllm::{PageEntry, TrtData, TrtEvent, TrtToken, WireHash, decode_page};
 

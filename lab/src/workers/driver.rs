@@ -9,6 +9,10 @@
 //! granularity never slows the simulation down); after an idle spell the next step starts
 //! at the current simulated time.
 //!
+//! Commands are taken between steps, after the last step's events were handed on; the
+//! fault commands ([`super::faults`]: withholding batches, publishing batches that are not
+//! the engine's, restarting the worker, probing whether it is idle) run there too.
+//!
 //! # Invariants
 //! 1. A request's channel receives, in order, one [`Delivery::First`], then
 //!    [`Delivery::Token`]s, then [`Delivery::Finished`], unless it is aborted.
@@ -17,18 +21,25 @@
 //! 3. After every command and step the [`Snapshot`] is current.
 //! 4. The driver stops when told to or when every command sender is gone; dropping it drops
 //!    every request's channel (their clients see the stream end).
+//! 5. Every batch the engine produces is handed on in engine order, on the publisher of the
+//!    engine's life (a restart replaces both), before the driver takes its next command:
+//!    shown to the [`BatchObserver`] with the number the publisher gives it, then published
+//!    or, while batches are withheld, numbered and kept for replay only.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use engine::RequestId;
+use sim::engine::{EngineConfig, EngineStats, Load, NewRequest, Output, RemotePrefill, SimEngine};
 use tokio::sync::{mpsc, oneshot, watch};
 use transport::zmq::VllmPublisher;
+use wire::kv_events::WireBatch;
 
+use super::LOG_TARGET;
+use super::faults::{BatchObserver, Faults, Probe};
 use super::trtllm::TrtllmEvents;
-use crate::engine::{EngineStats, Load, NewRequest, Output, RemotePrefill, SimEngine};
-use crate::error::Result;
 
 /// What the driver is asked to do.
 #[derive(Debug)]
@@ -45,7 +56,7 @@ pub enum Command {
         /// Where its outputs go.
         out: mpsc::UnboundedSender<Delivery>,
         /// The id it got, or why it was refused.
-        ack: oneshot::Sender<Result<RequestId>>,
+        ack: oneshot::Sender<sim::Result<RequestId>>,
     },
     /// Drop a request (its client went away). Unknown ids are ignored.
     Abort(RequestId),
@@ -56,6 +67,40 @@ pub enum Command {
         prompt: Vec<u32>,
         /// The pages' indices.
         ack: oneshot::Sender<Vec<u32>>,
+    },
+    /// Withhold the engine's next `n` batches: numbered and kept for replay, not sent
+    /// (vLLM format).
+    Withhold {
+        /// Batches to withhold.
+        n: u64,
+        /// Done, or why not.
+        ack: oneshot::Sender<super::Result<()>>,
+    },
+    /// Publish batches that are not the engine's, back to back (not shown to the observer,
+    /// never withheld); `ack` gets how long that took.
+    PublishExtra {
+        /// The batches, as they are to be sent.
+        batches: Vec<WireBatch>,
+        /// The time taken, or why nothing was published.
+        ack: oneshot::Sender<super::Result<Duration>>,
+    },
+    /// End any withholding and publish an empty batch (so a trailing gap shows).
+    Heartbeat {
+        /// Done.
+        ack: oneshot::Sender<()>,
+    },
+    /// Kill the worker's "process" and start it again after `down` (see
+    /// [`super::SimWorkerHandle::restart`]).
+    Restart {
+        /// How long it stays down.
+        down: Duration,
+        /// Done, or why not.
+        ack: oneshot::Sender<super::Result<()>>,
+    },
+    /// Tell whether the worker is idle, and what its engine caches.
+    Probe {
+        /// The answer.
+        ack: oneshot::Sender<Probe>,
     },
 }
 
@@ -94,24 +139,46 @@ pub struct Snapshot {
 /// Where the driver hands the engine's KV events.
 pub(super) enum EventSink {
     /// vLLM's: published over ZMQ.
-    Zmq(VllmPublisher),
+    Zmq(ZmqSink),
     /// TensorRT-LLM's: buffered for `POST /kv_cache_events`.
     Trtllm(Arc<TrtllmEvents>),
+}
+
+/// A vLLM-format worker's publisher, and what it takes to bind it again after a restart.
+pub(super) struct ZmqSink {
+    /// `None` only while the worker is down for a restart.
+    pub(super) publisher: Option<VllmPublisher>,
+    /// The bound PUB endpoint (a restart binds the same one).
+    pub(super) endpoint: String,
+    /// The bound replay endpoint.
+    pub(super) replay: String,
+    /// Batches kept for replay.
+    pub(super) buffer: usize,
 }
 
 /// The driver's state.
 pub(super) struct Driver {
     pub(super) engine: SimEngine,
+    /// What the engine was built from (a restart builds a new one).
+    pub(super) engine_config: EngineConfig,
     pub(super) sink: EventSink,
     pub(super) speedup: f64,
     pub(super) commands: mpsc::Receiver<Command>,
     pub(super) snapshot: watch::Sender<Snapshot>,
     pub(super) shutdown: watch::Receiver<bool>,
-    /// Real time at simulated time zero.
+    /// Real time at simulated time zero (of this life).
     pub(super) epoch: Instant,
     pub(super) next_id: u64,
     pub(super) requests: HashMap<RequestId, mpsc::UnboundedSender<Delivery>>,
     pub(super) last_end: Duration,
+    /// Whether the engine has been stepping back to back since its last idle spell.
+    pub(super) busy: bool,
+    /// The engine's batches still to withhold.
+    pub(super) withhold: u64,
+    /// The fault state shared with the handle and the HTTP server.
+    pub(super) faults: Arc<Faults>,
+    /// Shown every engine batch before it is sent.
+    pub(super) observer: Option<Box<dyn BatchObserver>>,
 }
 
 impl Driver {
@@ -127,20 +194,19 @@ impl Driver {
         self.epoch.checked_add(real)
     }
 
-    fn stopping(&self) -> bool {
+    pub(super) fn stopping(&self) -> bool {
         *self.shutdown.borrow()
     }
 
     /// Runs until shut down or every command sender is gone.
     pub(super) async fn run(mut self) {
-        let mut busy = false;
         loop {
             if self.stopping() {
                 return;
             }
             loop {
                 match self.commands.try_recv() {
-                    Ok(cmd) => self.handle(cmd),
+                    Ok(cmd) => self.handle(cmd).await,
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => return,
                 }
@@ -148,10 +214,10 @@ impl Driver {
             self.reap_gone();
             self.publish_snapshot();
             if !self.engine.has_work() {
-                busy = false;
+                self.busy = false;
                 tokio::select! {
                     cmd = self.commands.recv() => match cmd {
-                        Some(cmd) => self.handle(cmd),
+                        Some(cmd) => self.handle(cmd).await,
                         None => return,
                     },
                     _ = self.shutdown.changed() => return,
@@ -159,8 +225,12 @@ impl Driver {
                 continue;
             }
             // Busy: the next step starts where the last one ended. After an idle spell: now.
-            let now = if busy { self.last_end } else { self.sim_now() };
-            busy = true;
+            let now = if self.busy {
+                self.last_end
+            } else {
+                self.sim_now()
+            };
+            self.busy = true;
             let Some(step) = self.engine.step(now) else {
                 continue;
             };
@@ -185,31 +255,50 @@ impl Driver {
             for output in step.outputs {
                 self.deliver(output);
             }
-            while let Some(mut batch) = self.engine.poll_events() {
-                let publisher = match &mut self.sink {
-                    EventSink::Zmq(publisher) => publisher,
-                    EventSink::Trtllm(events) => {
-                        events.push_batch(&batch);
-                        continue;
-                    }
-                };
-                // vLLM stamps batches with the wall clock (`time.time()`); routers measure
-                // ingest lag against it.
-                batch.ts = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .ok()
-                    .map(|d| d.as_secs_f64());
-                if let Err(e) = publisher.publish(&batch).await {
-                    tracing::warn!(
-                        endpoint = publisher.endpoint(),
-                        "cannot publish KV events: {e}"
-                    );
-                }
+            while let Some(batch) = self.engine.poll_events() {
+                self.engine_batch(batch).await;
             }
         }
     }
 
-    fn handle(&mut self, cmd: Command) {
+    /// Hands one engine batch on (invariant 5).
+    async fn engine_batch(&mut self, mut batch: WireBatch) {
+        let z = match &mut self.sink {
+            EventSink::Zmq(z) => z,
+            EventSink::Trtllm(events) => {
+                events.push_batch(&batch);
+                return;
+            }
+        };
+        // Only while down for a restart, when the engine has no work.
+        let Some(publisher) = z.publisher.as_mut() else {
+            return;
+        };
+        // vLLM stamps batches with the wall clock (`time.time()`); routers measure ingest
+        // lag against it.
+        batch.ts = wall_ts();
+        if let Some(observer) = &mut self.observer {
+            observer.batch(&batch, publisher.next_seq());
+        }
+        let counters = &self.faults.counters;
+        if self.withhold > 0 {
+            publisher.withhold(&batch);
+            self.withhold -= 1;
+            counters.withheld.fetch_add(1, Relaxed);
+            counters.withhold_pending.store(self.withhold, Relaxed);
+            return;
+        }
+        if let Err(e) = publisher.publish(&batch).await {
+            tracing::warn!(
+                target: LOG_TARGET,
+                endpoint = publisher.endpoint(),
+                "cannot publish KV events: {e}"
+            );
+        }
+        counters.published.fetch_add(1, Relaxed);
+    }
+
+    async fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Add {
                 prompt,
@@ -244,6 +333,25 @@ impl Driver {
                 // The asker may have gone away: nothing to undo.
                 let _ = ack.send(self.engine.cached_prefix_pages(&prompt, None));
             }
+            Command::Withhold { n, ack } => {
+                let _ = ack.send(self.start_withholding(n));
+            }
+            Command::PublishExtra { batches, ack } => {
+                let _ = ack.send(self.publish_extra(batches).await);
+            }
+            Command::Heartbeat { ack } => {
+                self.heartbeat().await;
+                let _ = ack.send(());
+            }
+            Command::Restart { down, ack } => {
+                let _ = ack.send(self.restart(down).await);
+            }
+            Command::Probe { ack } => {
+                let _ = ack.send(Probe {
+                    idle: self.requests.is_empty() && !self.engine.has_work(),
+                    cached_blocks: self.engine.stats().cached_blocks,
+                });
+            }
         }
     }
 
@@ -264,7 +372,7 @@ impl Driver {
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            tracing::debug!(request = id.0, "client went away: aborting");
+            tracing::debug!(target: LOG_TARGET, request = id.0, "client went away: aborting");
             self.abort(id);
         }
     }
@@ -299,11 +407,19 @@ impl Driver {
         }
     }
 
-    fn publish_snapshot(&self) {
+    pub(super) fn publish_snapshot(&self) {
         self.snapshot.send_replace(Snapshot {
             load: self.engine.load(),
             stats: self.engine.stats(),
             sim_time: self.last_end,
         });
     }
+}
+
+/// The wall clock in seconds since the epoch, as vLLM stamps its batches (`time.time()`).
+pub(super) fn wall_ts() -> Option<f64> {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs_f64())
 }

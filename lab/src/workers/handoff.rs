@@ -30,7 +30,7 @@ use super::driver::Command;
 use super::http::AppState;
 use super::openai::{OpenAiError, Parsed};
 use super::transfer::TransferModel;
-use crate::engine::RemotePrefill;
+use sim::engine::RemotePrefill;
 
 /// How much longer than its own bootstrap timeout a decode side waits for a prefill
 /// worker's bootstrap answer.

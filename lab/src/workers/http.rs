@@ -14,17 +14,24 @@
 //! side first receives its prompt's KV, a prefill side generates one token and its answer
 //! carries what the decode side needs.
 //!
+//! With [`super::SimWorkerConfig::vllm_metrics`], `GET /metrics` serves vLLM's load gauges
+//! (`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, labelled with the engine's
+//! data-parallel rank), from the driver's last snapshot. Outermost, the fault layer
+//! ([`super::faults`]) answers 500 to completions and health checks while the worker is
+//! made sick ([`super::HttpMode::Fail500`]) and counts completions answered 200.
+//!
 //! # Invariants
 //! 1. Every malformed request gets a 4xx OpenAI error (a 404 for an unknown model, in vLLM's
 //!    shape; a 401 for a missing key, vLLM's bare body); only a worker that is shutting down
-//!    answers 503, and only a decode side whose prefill cannot be reached answers 502
-//!    (before any token).
+//!    answers 503, only a decode side whose prefill cannot be reached answers 502 (before
+//!    any token), and only a worker made sick answers 500.
 //! 2. A request whose client goes away (its response future or stream dropped) is aborted in
 //!    the engine: its output channel closes and an abort command is sent.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -42,12 +49,13 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::bootstrap::{self, RoomGuard};
 use super::disagg::{Disagg, Side};
 use super::driver::{Command, Delivery, Snapshot};
+use super::faults::{Faults, HttpMode};
 use super::handoff::{self, Handoff};
 use super::openai::{Api, Envelope, OpenAiError, Usage, model_not_found, parse};
 use super::role::SimRole;
 use super::tokens::{Prompter, token_text};
 use super::trtllm::TrtllmEvents;
-use crate::error::SimError;
+use sim::SimError;
 
 /// What every handler shares.
 #[derive(Debug)]
@@ -63,10 +71,14 @@ pub(super) struct AppState {
     pub(super) prompter: Prompter,
     pub(super) role: SimRole,
     pub(super) handoff: Handoff,
+    /// The fault state (the mode the fault layer reads, the counters it adds to).
+    pub(super) faults: Arc<Faults>,
+    /// The engine's data-parallel rank (the `engine` label of `/metrics`).
+    pub(super) dp_rank: u32,
 }
 
 /// The worker's routes.
-pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize, vllm_metrics: bool) -> Router {
     let routes = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
@@ -74,6 +86,11 @@ pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/sim/bootstrap/{room}", get(bootstrap_room));
+    let routes = if vllm_metrics {
+        routes.route("/metrics", get(metrics))
+    } else {
+        routes
+    };
     // Only TensorRT-LLM serves its events over HTTP: elsewhere the path is unknown (404).
     let routes = if state.trtllm.is_some() {
         routes.route("/kv_cache_events", post(kv_cache_events))
@@ -88,7 +105,31 @@ pub(super) fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
     } else {
         routes
     };
+    // Outermost: a sick worker answers 500 before anything else looks at the request.
+    let routes = routes.layer(middleware::from_fn_with_state(state.clone(), fault_layer));
     routes.with_state(state)
+}
+
+/// [`HttpMode::Fail500`]'s 500s, and the completion counters (see the module docs).
+async fn fault_layer(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path();
+    let completion = req.method() == Method::POST
+        && (path == "/v1/completions" || path == "/v1/chat/completions");
+    let health = req.method() == Method::GET && path == "/health";
+    let counters = &s.faults.counters;
+    if s.faults.mode() == HttpMode::Fail500 && (completion || health) {
+        if completion {
+            counters.failed.fetch_add(1, Relaxed);
+        }
+        let body = json!({"error": {"message": "injected failure", "type": "server_error",
+                                    "code": 500}});
+        return (StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response();
+    }
+    let response = next.run(req).await;
+    if completion && response.status() == StatusCode::OK {
+        counters.completions.fetch_add(1, Relaxed);
+    }
+    response
 }
 
 /// vLLM's `--api-key` check: a request under `/v1` (other than a CORS preflight, which
@@ -156,6 +197,20 @@ async fn load(State(s): State<Arc<AppState>>) -> Json<Value> {
         "kv_blocks": st.kv_blocks,
         "stored_blocks": st.stored_blocks,
     }))
+}
+
+/// vLLM's load gauges, as its `/metrics` page names them (the router's load scrape reads
+/// these two).
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let load = s.snapshot.borrow().load;
+    let page = format!(
+        "vllm:num_requests_waiting{{engine=\"{rank}\"}} {}\n\
+         vllm:kv_cache_usage_perc{{engine=\"{rank}\"}} {}\n",
+        load.num_requests_waiting,
+        load.kv_usage,
+        rank = s.dp_rank
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], page).into_response()
 }
 
 /// `trtllm-serve`'s `POST /kv_cache_events`: every buffered event, oldest first (`[]`

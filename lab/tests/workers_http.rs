@@ -1,4 +1,4 @@
-//! Simulated workers over real sockets ([`sim::server`]): OpenAI answers and their usage,
+//! Simulated workers over real sockets ([`lab::workers`]): OpenAI answers and their usage,
 //! prefix-cache hits, streaming order, the fallback tokenizer, malformed requests, vLLM's
 //! API key (401) and unknown-model (404) answers, clients that go away, and the KV events
 //! reaching kvengine's index over ZMQ.
@@ -8,11 +8,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{SubscribedHub, call, call_with, get_json, ids, post_json, request_bytes};
+use lab::workers::{SimWorkerConfig, SimWorkerHandle, spawn_worker};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use sim::engine::EngineConfig;
-use sim::server::{SimWorkerConfig, SimWorkerHandle, spawn_worker};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use transport::openai::fallback;
