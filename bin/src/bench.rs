@@ -1,17 +1,17 @@
 //! `kvengine bench indexer`, `kvengine bench ingest`, `kvengine bench replay` and
 //! `kvengine bench snapshot`: the indexer benchmark, the end-to-end ingest benchmarks over
 //! ZMQ and QUIC, routing quality on simulated workers, and warm restarts (workloads,
-//! phases and reports live in the `kvengine-benches` crate; this is wiring).
+//! phases and reports live in the `kvengine-lab` crate; this is wiring).
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use kvengine_benches::anchor;
-use kvengine_benches::args::{Baseline, IndexerArgs};
-use kvengine_benches::harness::run;
-use kvengine_benches::replay::disagg::{self, DisaggSpec};
-use kvengine_benches::replay::{self, ReplayConfig, RunMode, plot, report, trace};
-use kvengine_benches::workload::Plan;
-use kvengine_benches::workload::anchor::{AnchorPlan, AnchorSpec};
+use lab::anchor;
+use lab::args::{Baseline, IndexerArgs};
+use lab::harness::run;
+use lab::replay::disagg::{self, DisaggSpec};
+use lab::replay::{self, ReplayConfig, RunMode, plot, report, trace};
+use lab::workload::Plan;
+use lab::workload::anchor::{AnchorPlan, AnchorSpec};
 use sim::engine::EngineConfig;
 use sim::workload::chat::ChatConfig;
 use std::path::PathBuf;
@@ -43,7 +43,7 @@ pub enum BenchCommand {
     /// router SIGKILL + restart); the index is checked against the workers' caches at
     /// checkpoints. Prints the headline figures; writes the report (--json) and an SVG of
     /// RSS and route p99 over time (--plot).
-    Soak(kvengine_benches::soak::args::SoakArgs),
+    Soak(lab::soak::args::SoakArgs),
     /// The machine's memory latency now (dependent random loads over 1, 4, 16 and 128 MB,
     /// ns per load), as JSON: recorded beside every figure, since it swings from day to day
     /// on a shared machine.
@@ -92,7 +92,7 @@ pub struct IngestBench {
 }
 
 fn run_ingest(b: &IngestBench) -> Result<()> {
-    use kvengine_benches::{ingest, ingest_quic, ingest_zmq};
+    use lab::{ingest, ingest_quic, ingest_zmq};
     let mut reports = Vec::with_capacity(b.repeat);
     for _ in 0..b.repeat.max(1) {
         let load = ingest::IngestConfig {
@@ -118,7 +118,7 @@ fn run_ingest(b: &IngestBench) -> Result<()> {
         reports.push(report);
     }
     if let Some(path) = &b.json {
-        kvengine_benches::write_json(&reports, path)?;
+        lab::write_json(&reports, path)?;
     }
     Ok(())
 }
@@ -151,7 +151,7 @@ pub struct SnapshotBench {
 }
 
 fn run_snapshot(b: &SnapshotBench) -> Result<()> {
-    use kvengine_benches::snapshot::{self, SnapshotConfig};
+    use lab::snapshot::{self, SnapshotConfig};
     let report = snapshot::run(&SnapshotConfig {
         entries: b.entries,
         cores: usize::from(b.cores),
@@ -164,7 +164,7 @@ fn run_snapshot(b: &SnapshotBench) -> Result<()> {
     })?;
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(path) = &b.json {
-        kvengine_benches::write_json(&report, path)?;
+        lab::write_json(&report, path)?;
     }
     if !report.problems().is_empty() {
         anyhow::bail!("self-checks failed: {}", report.problems().join("; "));
@@ -191,10 +191,10 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Snapshot(b) => return run_snapshot(b),
         BenchCommand::Soak(b) => {
             let exe = std::env::current_exe().context("locating the kvengine binary")?;
-            return kvengine_benches::soak::args::cli(b, exe);
+            return lab::soak::args::cli(b, exe);
         }
         BenchCommand::Memlat => {
-            let m = kvengine_benches::calibrate::mem_latency();
+            let m = lab::calibrate::mem_latency();
             println!("{}", serde_json::to_string(&m)?);
             return Ok(());
         }
@@ -209,7 +209,7 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
     drop(ix);
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(path) = &b.args.json {
-        kvengine_benches::write_json(&report, path)?;
+        lab::write_json(&report, path)?;
     }
     let problems = report.checks.problems();
     if !problems.is_empty() {
@@ -230,7 +230,7 @@ fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
     drop(plan);
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(path) = &args.json {
-        kvengine_benches::write_json(&report, path)?;
+        lab::write_json(&report, path)?;
     }
     if !report.checks_passed {
         anyhow::bail!("self-checks failed: {}", report.problems.join("; "));
@@ -312,7 +312,7 @@ pub struct ReplayBench {
     /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
     #[arg(long, default_value = "vllm", env = "KVENGINE_BENCH_ENGINE",
           value_parser = replay::parse_engine)]
-    engine: sim::server::EventFormat,
+    engine: lab::workers::EventFormat,
     /// The router's engine cores (1 or 2).
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_CORES",
           value_parser = clap::value_parser!(u8).range(1..=2))]
@@ -400,11 +400,11 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
         .map_err(anyhow::Error::msg)
         .context("--mode")?;
     // Fail before loading the workload: replicas cannot run without a NATS server.
-    if b.replicas > 1 && !b.unshared_replicas && kvengine_benches::nats::find_binary().is_none() {
+    if b.replicas > 1 && !b.unshared_replicas && lab::nats::find_binary().is_none() {
         anyhow::bail!(
             "--replicas {}: no nats-server found: {}",
             b.replicas,
-            kvengine_benches::nats::INSTALL_HINT
+            lab::nats::INSTALL_HINT
         );
     }
     let max = b
@@ -472,8 +472,8 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
     print!("{}", report::index_summary(&reports));
     if let Some(path) = &b.json {
         match reports.as_slice() {
-            [one] => kvengine_benches::write_json(one, path)?,
-            many => kvengine_benches::write_json(&many, path)?,
+            [one] => lab::write_json(one, path)?,
+            many => lab::write_json(&many, path)?,
         }
     }
     if let Some(path) = &b.plot {

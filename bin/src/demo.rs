@@ -5,13 +5,13 @@
 //! chat workload (or a Mooncake trace) is replayed open loop through the router's
 //! `/v1/completions` in each routing mode in turn, on fresh workers each time, and a table
 //! compares time to first token, the prefix-cache hit rate the workers reported, and how
-//! evenly prefill work was spread. The replay machinery is `kvengine_benches::replay`.
+//! evenly prefill work was spread. The replay machinery is `lab::replay`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvengine_benches::replay::{self, ReplayConfig, RunMode, report, trace};
+use lab::replay::{self, ReplayConfig, RunMode, report, trace};
 use sim::engine::EngineConfig;
 
 #[derive(Debug, Args)]
@@ -47,8 +47,8 @@ pub struct DemoArgs {
     /// The engine the simulated workers imitate: vllm (KV events over ZMQ) or trtllm
     /// (TensorRT-LLM: the router polls each worker's POST /kv_cache_events).
     #[arg(long, default_value = "vllm", env = "KVENGINE_ENGINE",
-          value_parser = kvengine_benches::replay::parse_engine)]
-    engine: sim::server::EventFormat,
+          value_parser = lab::replay::parse_engine)]
+    engine: lab::workers::EventFormat,
     /// A Mooncake-format JSONL trace to replay instead of the built-in chat workload.
     #[arg(long, env = "KVENGINE_TRACE")]
     trace: Option<PathBuf>,
@@ -156,7 +156,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
             "hit_rate_bound": workload.bound.hit_rate(),
             "modes": reports,
         });
-        kvengine_benches::write_json(&doc, path).context("--json")?;
+        lab::write_json(&doc, path).context("--json")?;
     }
     let errors: u64 = reports.iter().map(|r| r.errors).sum();
     if errors > 0 {

@@ -1,7 +1,7 @@
 //! `kvengine sim`: simulated vLLM or TensorRT-LLM workers you can run and talk to, no GPU
 //! needed.
 //!
-//! Starts `--workers N` simulated engines in this process (see `sim::server`): worker `i`
+//! Starts `--workers N` simulated engines in this process (see `lab::workers`): worker `i`
 //! answers OpenAI requests on HTTP port `--port + i` and publishes vLLM KV events on ZMQ port
 //! `--zmq-port + 2i` (replay on `+ 2i + 1`); port 0 means any free port. Prints each worker's
 //! URL and the `--zmq-worker` flag that points kvengine at it, then runs until SIGINT or
@@ -14,7 +14,7 @@
 //!
 //! `--role prefill|decode|aggregated` makes them the prefill or decode workers of a
 //! disaggregated deployment (vLLM, SGLang and TensorRT-LLM hand-offs; see
-//! `sim::server::disagg`), with the KV-transfer model `--kv-bytes-per-token`, `--link-gbps`
+//! `lab::workers::disagg`), with the KV-transfer model `--kv-bytes-per-token`, `--link-gbps`
 //! and `--transfer-latency-ms`. Run one `kvengine sim` per role.
 
 use std::net::{IpAddr, SocketAddr};
@@ -23,10 +23,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ::sim::engine::{EngineConfig, TimingModel};
-use ::sim::server::trtllm::DEFAULT_EVENT_BUFFER;
-use ::sim::server::{EventFormat, SimRole, SimWorkerConfig, TransferModel, spawn_cluster};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use lab::workers::trtllm::DEFAULT_EVENT_BUFFER;
+use lab::workers::{EventFormat, SimRole, SimWorkerConfig, TransferModel, spawn_cluster};
 use transport::openai::tokenize::PromptTokenizer;
 
 /// Which inference server the workers imitate (how they hand out their KV events).

@@ -31,7 +31,7 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
     );
     assert!(stdout.contains("2 workers"), "{stdout}");
     // Every mode `all` stands for has its row.
-    for mode in kvengine_benches::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
+    for mode in lab::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
         assert!(
             stdout.lines().any(|l| l.starts_with(&mode)),
             "no {mode}row:\n{stdout}"
@@ -46,7 +46,7 @@ fn demo_prints_a_row_per_mode_and_writes_json() {
     let _ = std::fs::remove_file(&json);
     assert_eq!(doc["workers"], 2);
     let modes = doc["modes"].as_array().unwrap();
-    assert_eq!(modes.len(), kvengine_benches::replay::RunMode::ALL.len());
+    assert_eq!(modes.len(), lab::replay::RunMode::ALL.len());
     for m in modes {
         assert_eq!(m["requests"], 40);
         assert_eq!(m["errors"], 0);

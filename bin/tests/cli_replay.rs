@@ -108,13 +108,13 @@ fn replay_all_modes_writes_json_array_and_svg() {
         ],
     );
     // Every mode `all` stands for has its row.
-    for mode in kvengine_benches::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
+    for mode in lab::replay::RunMode::ALL.map(|m| format!("{} ", m.as_str())) {
         assert!(stdout.lines().any(|l| l.starts_with(&mode)), "{stdout}");
     }
     assert!(stdout.contains("--router-cost dynamo"), "{stdout}");
     assert!(!stdout.contains("replica sync"), "{stdout}");
     let reports = doc.as_array().expect("several modes: an array");
-    assert_eq!(reports.len(), kvengine_benches::replay::RunMode::ALL.len());
+    assert_eq!(reports.len(), lab::replay::RunMode::ALL.len());
     for r in reports {
         for key in [
             "mode",
@@ -334,7 +334,7 @@ fn bad_disagg_flags_exit_non_zero_with_a_message() {
 /// `nats-server` unless `KVENGINE_NATS_REQUIRED=1`.
 #[test]
 fn replay_through_two_replicas_shares_their_load_over_nats() {
-    let Some(nats) = kvengine_benches::nats::binary_or_skip("the replica replay test") else {
+    let Some(nats) = lab::nats::binary_or_skip("the replica replay test") else {
         return;
     };
     let d = ReplayDir::new("replay-replicas");

@@ -4,13 +4,13 @@
 //! drop a dead replica's load within its timeout, and keep routing on its own load while
 //! NATS is down.
 //!
-//! Needs `nats-server` (see `kvengine_benches::nats`); without one the test says why and
+//! Needs `nats-server` (see `lab::nats`); without one the test says why and
 //! passes, unless `KVENGINE_NATS_REQUIRED=1` (CI installs it and sets that).
 
 mod common;
 
 use common::Router;
-use kvengine_benches::nats::{NatsServer, binary_or_skip};
+use lab::nats::{NatsServer, binary_or_skip};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,11 +1,12 @@
-//! Fuzzes TensorRT-LLM's `/kv_cache_events` page decoder and the per-rank conversion to
-//! engine events: neither may panic on any input.
+//! Fuzzes TensorRT-LLM's `/kv_cache_events` page decoder (`wire`) and the router's per-rank
+//! conversion to engine events (`transport`): neither may panic on any input.
 //! Run: `cd fuzz && cargo +nightly fuzz run trtllm_events`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use std::collections::BTreeMap;
-use transport::trtllm::{PageEntry, RankConverter, decode_page};
+use transport::trtllm::RankConverter;
+use wire::trtllm::{PageEntry, decode_page};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(page) = decode_page(data) else {

@@ -71,20 +71,6 @@ pub enum SimError {
     /// The routing engine refused a call.
     #[error("engine: {0}")]
     Engine(#[from] EngineError),
-    /// A transport (a simulated worker's ZMQ publisher) failed.
-    #[error("transport: {0}")]
-    Transport(#[from] transport::TransportError),
-    /// A simulated worker's socket failed.
-    #[error("{context}: {source}")]
-    Io {
-        /// What was being done.
-        context: &'static str,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// A simulated worker that has stopped (or is stopping) was asked something.
-    #[error("the simulated worker has stopped")]
-    Stopped,
 }
 
 /// `Result` with [`SimError`].

@@ -1,4 +1,5 @@
-//! Simulated GPU workers for kvengine: a stand-in cluster anyone can run without GPUs.
+//! Simulated GPU workers for kvengine, sans-IO: a stand-in cluster anyone can run without
+//! GPUs.
 //!
 //! A [`worker::SimWorker`] is one inference engine (one data-parallel rank) reduced to what a
 //! KV-aware router cares about: a vLLM-like paged KV cache with prefix caching and LRU
@@ -13,20 +14,21 @@
 //!   prefill, preemption, a timing model and KV events in vLLM's wire shape.
 //! * [`workload`]: request streams ([`workload::chat`], [`workload::mooncake`]).
 //! * [`cluster`]: the closed loop and its per-mode [`cluster::ModeReport`].
-//! * [`server`]: simulated vLLM workers you can run and talk to: an [`engine::SimEngine`]
-//!   driven in (scaled) real time behind an OpenAI-compatible HTTP server, publishing its KV
-//!   events over ZMQ as vLLM does, or serving them as TensorRT-LLM does
-//!   (`POST /kv_cache_events`); as aggregated, prefill or decode workers speaking vLLM's,
-//!   SGLang's and TensorRT-LLM's disaggregated hand-offs. The only part that reads a clock
-//!   and does I/O.
 //! * [`error`]: the crate's [`SimError`].
+//!
+//! The crate depends on `engine` and `wire` only (its events are `wire`'s batch types).
+//! Running these engines in real time, behind an OpenAI-compatible HTTP server, publishing
+//! their events over ZMQ or serving them as TensorRT-LLM does, with the faults a soak
+//! injects, is the lab crate's `workers` module (what `kvengine sim` and
+//! `kvengine --sim-workers` start).
 //!
 //! # Invariants
 //! 1. Deterministic: with the same configuration and seed, a run makes the same decisions
 //!    and counts the same hits; only measured wall times differ.
-//! 2. No clock drives behaviour: simulated time comes from the workload's arrival times.
-//!    The clock is read only to measure how long routing decisions take, and by
-//!    [`server`], whose workers run in (scaled) real time.
+//! 2. No clock drives behaviour: simulated time comes from the workload's arrival times (or
+//!    the caller's `now`). The clock is read only to measure how long routing decisions
+//!    take. No I/O: nothing here opens a socket or a file other than a trace the caller
+//!    names.
 //! 3. No input reaches a panic: configurations and trace files are validated into
 //!    [`SimError`]s.
 #![deny(clippy::unwrap_used, clippy::expect_used)]
@@ -36,7 +38,6 @@
 pub mod cluster;
 pub mod engine;
 pub mod error;
-pub mod server;
 pub mod worker;
 pub mod workload;
 

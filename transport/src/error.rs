@@ -141,6 +141,24 @@ pub enum TransportError {
     },
 }
 
+/// The `wire` crate's refusals, as the router names (and counts) them: the same variants
+/// and messages as before the decoders moved there.
+impl From<wire::WireError> for TransportError {
+    fn from(e: wire::WireError) -> Self {
+        match e {
+            wire::WireError::Oversized { what, got, limit } => {
+                TransportError::Oversized { what, got, limit }
+            }
+            wire::WireError::MalformedMsgpack { what, at } => {
+                TransportError::MalformedMsgpack(format!("{what} at byte {at}"))
+            }
+            wire::WireError::MalformedJson { what, source } => {
+                TransportError::MalformedJson(format!("{what}: {source}"))
+            }
+        }
+    }
+}
+
 /// `Result` with [`TransportError`].
 pub type Result<T> = std::result::Result<T, TransportError>;
 

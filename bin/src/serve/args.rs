@@ -314,8 +314,8 @@ pub struct ServeArgs {
     /// (TensorRT-LLM: the router polls each one's POST /kv_cache_events; blocks of 32
     /// tokens unless --kv-cache-block-size says otherwise).
     #[arg(long, env = "KVENGINE_SIM_ENGINE", default_value = "vllm",
-          value_parser = kvengine_benches::replay::parse_engine)]
-    pub sim_engine: sim::server::EventFormat,
+          value_parser = lab::replay::parse_engine)]
+    pub sim_engine: lab::workers::EventFormat,
     /// KV-cache blocks of each simulated worker.
     #[arg(long, env = "KVENGINE_SIM_KV_BLOCKS")]
     pub sim_kv_blocks: Option<u32>,

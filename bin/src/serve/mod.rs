@@ -23,7 +23,7 @@ use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted_from};
 use engine::sched::{BusyThresholds, RouteMode, RouterCost, SchedulerConfig};
 use engine::sharding::adaptive::Adaptive;
 use engine::sharding::choice::Sharding;
-use sim::server::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
+use lab::workers::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -22,7 +22,7 @@
 //! 3. A refused allocation changes nothing and publishes nothing.
 
 use engine::EngineHash;
-use transport::kv_events::WireEvent;
+use wire::kv_events::WireEvent;
 
 use crate::worker::hashing::engine_hash;
 use crate::worker::pool::{BlockId, BlockPool};

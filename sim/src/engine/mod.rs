@@ -73,7 +73,7 @@ use std::time::Duration;
 
 use engine::RequestId;
 use engine::hash::lora_seed;
-use transport::kv_events::WireBatch;
+use wire::kv_events::WireBatch;
 
 use crate::error::{Result, SimError};
 use request::Request;

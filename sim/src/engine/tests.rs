@@ -6,7 +6,7 @@ use super::*;
 use crate::worker::hashing::engine_hash;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use transport::kv_events::WireEvent;
+use wire::kv_events::WireEvent;
 
 fn engine(kv_blocks: u32, block_size: u32, max_num_seqs: u32, budget: u32) -> SimEngine {
     SimEngine::new(EngineConfig {

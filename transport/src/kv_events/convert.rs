@@ -4,11 +4,11 @@
 //! block hashes are kept only as opaque [`EngineHash`] ids. Nothing here fails: an event the
 //! router cannot apply is dropped and counted under its [`DropReason`].
 
-use super::decode::{WireBatch, WireEvent, WireExtraItem, WireExtraKeys};
 use crate::error::DropReason;
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{ExtraKey, fold_extras, lora_seed, tokens_hashes};
 use engine::{DpRank, EngineHash};
+use wire::kv_events::{WireBatch, WireEvent, WireExtraItem, WireExtraKeys};
 
 /// The router's settings that decide whether an event can be applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

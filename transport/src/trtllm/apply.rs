@@ -28,7 +28,7 @@
 //! 2. Nothing here panics on any page: every refusal is counted and logged.
 
 use super::convert::RankConverter;
-use super::wire::{PageEntry, TrtEvent};
+use super::{PageEntry, TrtEvent};
 use crate::error::DropReason;
 use crate::hub::Hub;
 use crate::stream::{Action, BatchId, ClearKind, EventStream, clear_keys, skip_duplicate};

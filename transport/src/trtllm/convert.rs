@@ -60,7 +60,7 @@
 //!    the poller calls [`RankConverter::reset`].
 //! 5. Only full blocks enter the index; a partial block is never stored nor removed.
 
-use super::wire::{TrtBlock, TrtData, WireHash};
+use super::{TrtBlock, TrtData, WireHash};
 use crate::error::DropReason;
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{lora_seed, tokens_hash_with_extras};
@@ -325,7 +325,7 @@ fn push_run(out: &mut Vec<KvEvent>, (parent, blocks): (Option<u64>, Vec<StoredBl
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trtllm::wire::{Diff, TrtToken};
+    use crate::trtllm::{Diff, TrtToken};
     use engine::hash::{BASE_SEED, tokens_hash};
 
     const BS: u32 = 4;

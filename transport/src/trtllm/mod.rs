@@ -1,6 +1,7 @@
 //! TensorRT-LLM workers: their KV-cache events, polled from `trtllm-serve`'s
 //! `POST /kv_cache_events` (a destructive drain: each call hands out the events since the
-//! last one), decoded ([`wire`]), fenced by `event_id` and applied ([`apply`]) with one
+//! last one), decoded ([`decode_page`]: the `wire` crate's decoder, `wire::trtllm`, whose
+//! types are re-exported here), fenced by `event_id` and applied ([`apply`]) with one
 //! converter per attention-DP rank ([`convert`]), by one poller task per worker
 //! ([`poller`]) that a finished request wakes ([`crate::hub::FinishWakeups`]).
 //!
@@ -16,12 +17,22 @@ pub mod apply;
 pub mod convert;
 pub mod poller;
 pub mod source;
-pub mod wire;
+
+use crate::error::TransportError;
 
 pub use apply::WorkerEvents;
 pub use convert::{Outcome, RankConverter};
 pub use poller::{spawn_poller, spawn_poller_on};
 pub use source::{DEFAULT_POLL_INTERVAL, TrtllmSource};
-pub use wire::{
-    Diff, MAX_PAGE_BYTES, PageEntry, TrtBlock, TrtData, TrtEvent, TrtToken, WireHash, decode_page,
+pub use wire::trtllm::{
+    Diff, MAX_PAGE_BYTES, PageEntry, TrtBlock, TrtData, TrtEvent, TrtToken, WireHash,
 };
+
+/// Decodes one `/kv_cache_events` answer ([`wire::trtllm::decode_page`]).
+///
+/// # Errors
+/// [`TransportError::Oversized`] above [`MAX_PAGE_BYTES`]; [`TransportError::MalformedJson`]
+/// when the body is not a JSON array. Bad elements are [`PageEntry::Unreadable`], not errors.
+pub fn decode_page(bytes: &[u8]) -> Result<Vec<PageEntry>, TransportError> {
+    wire::trtllm::decode_page(bytes).map_err(TransportError::from)
+}

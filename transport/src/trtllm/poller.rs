@@ -12,11 +12,11 @@
 //!    next page's ids reveal.
 //! 3. Nothing stops the task but aborting it; on abort the worker's wake-up is removed.
 
-use super::apply::WorkerEvents;
-use super::source::TrtllmSource;
 #[cfg(doc)]
-use super::wire::MAX_PAGE_BYTES;
-use super::wire::decode_page;
+use super::MAX_PAGE_BYTES;
+use super::apply::WorkerEvents;
+use super::decode_page;
+use super::source::TrtllmSource;
 use crate::hub::{Hub, StreamState};
 use crate::metrics::Metrics;
 use crate::outbound::body::BodyKind;
