@@ -33,7 +33,7 @@ import re
 import sys
 from collections import defaultdict
 
-CRATES = ["engine", "transport", "sim", "benches", "bin", "python"]
+CRATES = ["engine", "wire", "transport", "sim", "lab", "bin", "python"]
 
 # Comments, string/char literals: blanked out (newlines kept, so line numbers hold).
 TOKEN = re.compile(
