@@ -27,7 +27,7 @@ pub mod scrape;
 mod workers;
 
 use crate::error::{DropReason, TransportError};
-use crate::hub::{Hub, Registration};
+use crate::hub::Hub;
 use crate::stream::EventStream;
 use api_error::ApiError;
 use axum::Router;
@@ -65,25 +65,6 @@ const BODY_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Default [`HttpConfig::body_timeout`]: 30 s to send a body (64 MiB at 17 Mbit/s).
 pub const DEFAULT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Whether the addresses of `reg` (`url`, `zmq`, `replay`) are all allowed by `allowed`
-/// (`--worker-hosts`), checked as `POST /v1/workers` checks them; the reason if not. For
-/// registrations that come from elsewhere than the API (a snapshot's).
-pub(crate) fn check_registration_hosts(
-    allowed: &[String],
-    reg: &Registration,
-) -> Result<(), String> {
-    for (what, addr) in [
-        ("url", &reg.url),
-        ("zmq", &reg.zmq),
-        ("replay", &reg.replay),
-    ] {
-        if let Some(a) = addr {
-            workers::check_host(allowed, what, a).map_err(|e| e.message)?;
-        }
-    }
-    Ok(())
-}
 
 /// How the HTTP edge is set up.
 #[derive(Clone)]

@@ -36,8 +36,9 @@ use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
 use std::fmt;
 
-/// The largest `/kv_cache_events` answer [`decode_page`] accepts, in bytes (64 MiB).
-pub const MAX_PAGE_BYTES: usize = 64 * 1024 * 1024;
+/// The largest `/kv_cache_events` answer [`decode_page`] accepts, in bytes (64 MiB); the
+/// poller reads pages under the same cap ([`crate::worker_answers`]).
+pub use crate::worker_answers::MAX_PAGE_BYTES;
 
 /// TensorRT-LLM's id for a block (its `size_t` block hash).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
