@@ -2,7 +2,7 @@
 
 use super::api_error::{ApiError, json};
 use super::routing::path_param;
-use super::{AppState, RawBody, decode};
+use super::shared::{AppState, RawBody, decode};
 use crate::hub::{Registration, WorkerInfo};
 use crate::outbound::{self, AddrError, AddrRefusal, Host, WorkerUrl, ZmqEndpoint};
 use axum::extract::rejection::PathRejection;
