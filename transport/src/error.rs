@@ -175,7 +175,7 @@ pub enum WorkerCallError {
     #[error("{kind} answer over the cap of {cap} bytes")]
     TooLarge {
         /// What the answer was for.
-        kind: crate::outbound::body::BodyKind,
+        kind: crate::worker_answers::BodyKind,
         /// The cap.
         cap: usize,
     },
@@ -183,7 +183,7 @@ pub enum WorkerCallError {
     #[error("{kind} answer not whole within {deadline:?}")]
     TooSlow {
         /// What the answer was for.
-        kind: crate::outbound::body::BodyKind,
+        kind: crate::worker_answers::BodyKind,
         /// The deadline of the whole exchange.
         deadline: std::time::Duration,
     },

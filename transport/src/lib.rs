@@ -17,7 +17,9 @@ pub mod replicas;
 pub mod sources;
 pub mod state;
 pub mod stream;
+pub mod tls;
 pub mod trtllm;
+pub mod worker_answers;
 pub mod zmq;
 
 pub use error::{DropReason, Result, TransportError};

@@ -191,8 +191,8 @@ pub struct Metrics {
     pub disagg_local: AtomicU64,
     /// Prefill or decode halves that failed and were served elsewhere.
     pub disagg_fallbacks: AtomicU64,
-    /// Workers' answers refused for their size or slowness ([`crate::outbound::body`]).
-    pub worker_answers: crate::outbound::body::Refusals,
+    /// Workers' answers refused for their size or slowness ([`crate::worker_answers`]).
+    pub worker_answers: crate::worker_answers::Refusals,
     drops: [AtomicU64; TRANSPORT_DROPS.len()],
     decisions: [AtomicU64; RouteMode::ALL.len()],
     /// Routing decisions by why the chosen worker won ([`DecisionReason`]).

@@ -36,7 +36,8 @@ use serde::{Deserialize, Serialize, Serializer};
 use serde_json::value::RawValue;
 use std::fmt;
 
-/// The largest `/kv_cache_events` answer [`decode_page`] accepts, in bytes (64 MiB).
+/// The largest `/kv_cache_events` answer [`decode_page`] accepts, in bytes (64 MiB); the
+/// router's poller reads pages under the same cap.
 pub const MAX_PAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// TensorRT-LLM's id for a block (its `size_t` block hash).

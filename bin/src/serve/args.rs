@@ -1,6 +1,18 @@
 //! `kvengine serve`'s flags and what they turn into (settings, workers, tokenizers).
 
-use super::*;
+use crate::disagg_args::DisaggArgs;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use engine::sched::{BusyThresholds, RouteMode, RouterCost, SchedulerConfig};
+use engine::sharding::adaptive::Adaptive;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use transport::native::{IngestCredentials, ScopedToken};
+use transport::openai::tokenize::PromptTokenizer;
+use transport::trtllm::TrtllmSource;
+use transport::zmq::ZmqSource;
 
 /// Router settings.
 #[derive(Debug, Args)]

@@ -1,7 +1,15 @@
 //! The two process layouts: the edge on the cores (the default) and the comparison layout
 //! with HTTP threads of their own; the listeners and the edge's TLS.
 
-use super::*;
+use crate::serve::args::ServeArgs;
+use crate::serve::setup::{Startup, edge_tls, hub_for, print_pinning, serve};
+use anyhow::{Context, Result, bail};
+use engine::runtime::{CoreSummary, RuntimeConfig, start_hosted_from};
+use engine::sharding::choice::Sharding;
+use std::sync::Arc;
+use transport::cores::{self, Homes};
+use transport::http::conn::Edge;
+use transport::hub::{Hub, HubConfig, start_engine_from};
 
 /// The default layout: the edge on the cores. Each core thread runs a single-threaded
 /// runtime that accepts its share of HTTP connections (one `SO_REUSEPORT` listener per
@@ -135,19 +143,6 @@ pub(super) fn collect_handles(
     Homes::new(handles.context("a core's runtime is missing")?).context("no core runtimes")
 }
 
-/// The HTTP edge's TLS settings (`--tls-cert` / `--tls-key`), if it serves HTTPS.
-pub(super) fn edge_tls(args: &ServeArgs) -> Result<Option<EdgeTls>> {
-    match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Ok(Some(
-            transport::http::edge_tls::server_config(cert, key)
-                .context("--tls-cert / --tls-key")?,
-        )),
-        _ => Ok(None),
-    }
-}
-
-pub(super) type EdgeTls = Arc<transport::http::edge_tls::TlsServerConfig>;
-
 /// Another core's share of the HTTP edge: the edge core 0 built, on this core's listener.
 pub(super) async fn serve_share(
     listener: tokio::net::TcpListener,
@@ -167,22 +162,6 @@ pub(super) async fn serve_share(
     transport::http::conn::serve(listener, edge, shutdown)
         .await
         .context("HTTP edge")
-}
-
-/// What to warn about at start when the control plane (registering workers, KV events,
-/// load) is served without a token on an address others can reach: the loopback-only rule
-/// then stands between anyone on the network and the router's index, and any proxy or
-/// sidecar on this host that forwards traffic makes every client look local.
-pub(crate) fn control_plane_warning(args: &ServeArgs, addr: SocketAddr) -> Option<String> {
-    let token = args.admin_token.as_deref().is_some_and(|t| !t.is_empty());
-    (!token && !addr.ip().is_loopback()).then(|| {
-        format!(
-            "the control plane (POST /v1/workers, /v1/events, /v1/load) is served on {addr} \
-             without --admin-token: it is refused to other hosts, but every client behind a \
-             proxy or sidecar on this host arrives from 127.0.0.1 and passes; set \
-             --admin-token (KVENGINE_ADMIN_TOKEN) (docs/api.md \"Security\")"
-        )
-    })
 }
 
 /// `cores` listeners on one address with `SO_REUSEPORT`, so the kernel spreads connections

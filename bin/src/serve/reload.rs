@@ -1,9 +1,22 @@
 //! The config file's workers: registered at start, and again on SIGHUP or when the file
 //! changes (new ones added, changed ones updated, those gone removed).
 
-use super::*;
+use anyhow::Result;
+use engine::WorkerId;
+#[cfg(unix)]
+use engine::router::ModelSpec;
+use std::path::Path;
+#[cfg(unix)]
+use std::path::PathBuf;
+#[cfg(unix)]
+use std::sync::Arc;
+use std::time::Duration;
+#[cfg(unix)]
+use transport::cores::{self, Homes};
+use transport::hub::{Hub, Registration};
+use transport::sources::Sources;
+use transport::zmq::ZmqSource;
 
-/// The running subscriptions and pollers, by worker and source.
 /// Registers (or updates) the config file's workers and subscribes to their events. An
 /// update keeps the worker's indexed blocks; a changed publisher replaces its subscription.
 pub(super) fn register_file_workers(

@@ -22,8 +22,8 @@
 //! 2. Tokens are compared by digest, in constant time (no timing hint); refusals are counted
 //!    ([`crate::DropReason::Unauthorized`]) and logged without the presented secret.
 
-use super::AppState;
 use super::api_error::ApiError;
+use super::shared::AppState;
 use crate::error::{DropReason, TransportError};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};

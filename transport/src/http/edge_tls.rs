@@ -3,9 +3,10 @@
 //! way [`super::serve_http`] serves it over plain TCP.
 //!
 //! rustls is the one quinn uses (0.23, through `quinn::rustls`), with the *ring* provider
-//! only, like the native protocol ([`crate::native::quic_tls`], whose PEM loading this
-//! shares). TLS 1.2 and 1.3 are offered (HTTP clients and load balancers still speak 1.2);
-//! ALPN is `http/1.1` alone, since the edge's hyper is built with HTTP/1 only.
+//! only, like the native protocol ([`crate::native::quic_tls`]), whose PEM loading
+//! ([`crate::tls`]) this shares. TLS 1.2 and 1.3 are offered (HTTP clients and load
+//! balancers still speak 1.2); ALPN is `http/1.1` alone, since the edge's hyper is built
+//! with HTTP/1 only.
 //!
 //! # Invariants
 //! 1. Accepting never waits on a peer: each connection's handshake runs in its own task,
@@ -22,7 +23,7 @@
 //! [`TransportError`]: crate::error::TransportError
 
 use crate::error::Result;
-use crate::native::quic_tls::{load_pem_files, provider, tls_err};
+use crate::tls::{load_pem_files, provider, tls_err};
 use axum::Router;
 use quinn::rustls::ServerConfig;
 use std::future::Future;
@@ -32,7 +33,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 /// The ALPN protocol the edge negotiates (HTTP/1.1 only).
-pub const ALPN_HTTP11: &[u8] = b"http/1.1";
+pub use crate::tls::ALPN_HTTP11;
 
 /// The TLS settings [`serve_https`] takes (rustls's, with the ring provider), as
 /// [`server_config`] builds them.

@@ -14,7 +14,7 @@
 //! A batch consumes its number once it passes the fence, even if none of its events applied.
 
 use super::api_error::{ApiError, RejectedEvent, json};
-use super::{AppState, RawBody, malformed};
+use super::shared::{AppState, RawBody, malformed};
 use crate::cores::engine_call;
 use crate::error::{DropReason, TransportError};
 use crate::hub::Hub;

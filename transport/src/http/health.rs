@@ -23,8 +23,8 @@
 //! scheduler breaks ties with, and reads the cores' figures, which checks the index against
 //! its memory budget ([`crate::bounds`]).
 
-use super::AppState;
 use super::api_error::json;
+use super::shared::AppState;
 use crate::error::WorkerCallError;
 use crate::hub::{Hub, StreamState, WorkerInfo};
 use crate::metrics::Metrics;

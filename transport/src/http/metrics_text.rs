@@ -1,8 +1,8 @@
 //! `GET /metrics`: the hub's counters and the engine's figures as Prometheus text
 //! (OpenMetrics), rendered with `prometheus-client` from a registry built at scrape time.
 
-use super::AppState;
 use super::api_error::ApiError;
+use super::shared::AppState;
 use crate::hub::Hub;
 use crate::metrics::Histogram as HubHistogram;
 use axum::extract::State;

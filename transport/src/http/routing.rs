@@ -7,7 +7,7 @@
 
 use super::api_error::{ApiError, json};
 use super::route_body::{PromptFields, parse_prompt_capped};
-use super::{AppState, Peer, RawBody, malformed};
+use super::shared::{AppState, Peer, RawBody, malformed};
 use crate::hub::{Hub, RouteCall};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};

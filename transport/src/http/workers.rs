@@ -2,9 +2,9 @@
 
 use super::api_error::{ApiError, json};
 use super::routing::path_param;
-use super::{AppState, RawBody, decode};
+use super::shared::{AppState, RawBody, decode};
 use crate::hub::{Registration, WorkerInfo};
-use crate::outbound::{AddrError, Host, WorkerUrl, ZmqEndpoint, host_allowed};
+use crate::outbound::{self, AddrError, AddrRefusal, Host, WorkerUrl, ZmqEndpoint};
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -159,10 +159,9 @@ struct RegisterBody {
     poll_ms: Option<u64>,
 }
 
-/// `field`'s worker address, parsed ([`crate::outbound::addr`]): 400 naming the field if
-/// it is not a bare base address, 403 if its host is not in `--worker-hosts` (the router
-/// must not be pointed at hosts the operator did not name, even by an authenticated
-/// caller's mistake).
+/// `field`'s worker address, parsed and checked ([`crate::outbound::check_addr`]): 400
+/// naming the field if it is not a bare base address, 403 if its host is not in
+/// `--worker-hosts`.
 fn check_addr<T>(
     allowed: &[String],
     field: &str,
@@ -170,28 +169,12 @@ fn check_addr<T>(
     parse: impl Fn(&str) -> Result<T, AddrError>,
     host: impl Fn(&T) -> &Host,
 ) -> Result<T, ApiError> {
-    let addr = parse(text).map_err(|e| ApiError::invalid(format!("invalid {field}: {e}")))?;
-    if !host_allowed(allowed, host(&addr)) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "host_not_allowed",
-            format!(
-                "{field} {text:?}: its host {} is not in --worker-hosts",
-                host(&addr)
-            ),
-        ));
-    }
-    Ok(addr)
-}
-
-/// Checks a registration's address `addr` in field `what` (`url`, `zmq` or `replay`) as
-/// `POST /v1/workers` does: its shape, then its host against `--worker-hosts`. Used for
-/// registrations restored from snapshots (this router's or a peer replica's).
-pub(super) fn check_host(allowed: &[String], what: &str, addr: &str) -> Result<(), ApiError> {
-    match what {
-        "url" => check_addr(allowed, what, addr, WorkerUrl::parse, WorkerUrl::host).map(drop),
-        _ => check_addr(allowed, what, addr, ZmqEndpoint::parse, ZmqEndpoint::host).map(drop),
-    }
+    outbound::check_addr(allowed, field, text, parse, host).map_err(|refusal| match refusal {
+        AddrRefusal::Invalid(m) => ApiError::invalid(m),
+        AddrRefusal::HostNotAllowed(m) => {
+            ApiError::new(StatusCode::FORBIDDEN, "host_not_allowed", m)
+        }
+    })
 }
 
 pub(super) async fn register(

@@ -1,17 +1,19 @@
 //! TLS for the native protocol: the server's certificate (PEM files or self-signed), its
 //! SHA-256 fingerprint, and the publisher's trust (a pinned fingerprint or a CA bundle).
-//! rustls with the *ring* provider only, TLS 1.3 only, ALPN [`ALPN`].
+//! rustls with the *ring* provider only, TLS 1.3 only, ALPN [`ALPN`]. The provider and the
+//! PEM file loading are the crate's shared ones ([`crate::tls`], also the HTTPS edge's).
 
 use super::frame::{LEN_BYTES, MAX_HELLO_BYTES};
 use super::schema::ALPN;
 use crate::error::{Result, TransportError};
+use crate::tls::{load_pem_files, pem_err, provider, tls_err};
 use quinn::rustls;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,18 +43,6 @@ pub enum Trust {
     Fingerprint(String),
     /// A PEM bundle of CA certificates; the usual WebPKI checks, including the name.
     CaPem(PathBuf),
-}
-
-pub(crate) fn tls_err(context: &str, e: impl std::fmt::Display) -> TransportError {
-    TransportError::Invalid {
-        name: "tls",
-        reason: format!("{context}: {e}"),
-    }
-}
-
-/// The *ring* crypto provider.
-pub(crate) fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Lowercase hex SHA-256 of a DER certificate.
@@ -86,41 +76,6 @@ pub fn parse_fingerprint(text: &str) -> Result<[u8; 32]> {
         *o = u8::from_str_radix(s, 16).map_err(|_| bad())?;
     }
     Ok(out)
-}
-
-/// A PEM certificate chain (end-entity first) from `cert` and a PEM private key (PKCS#8,
-/// PKCS#1/RSA or SEC1) from `key`; shared by the QUIC server and the HTTPS edge
-/// ([`crate::http::edge_tls`]). Every error names the file: [`TransportError::Io`] when it
-/// cannot be read, [`TransportError::Invalid`] when it holds no usable PEM item.
-pub(crate) fn load_pem_files(
-    cert: &Path,
-    key: &Path,
-) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
-    let chain = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| pem_err(cert, "certificate", e))?
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| pem_err(cert, "certificate", e))?;
-    if chain.is_empty() {
-        return Err(pem_err(cert, "certificate", pem::Error::NoItemsFound));
-    }
-    let key = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| pem_err(key, "private key (PKCS#8, PKCS#1 or SEC1)", e))?;
-    Ok((chain, key))
-}
-
-/// Keeps an I/O failure an I/O error (missing file, permissions) and makes anything else
-/// (bad base64, an unterminated section, no item of the kind wanted) invalid input.
-pub(crate) fn pem_err(path: &Path, what: &str, e: pem::Error) -> TransportError {
-    match e {
-        pem::Error::Io(source) => TransportError::Io {
-            context: format!("reading {}", path.display()),
-            source,
-        },
-        pem::Error::NoItemsFound => {
-            tls_err(&path.display().to_string(), format!("no PEM {what} found"))
-        }
-        other => tls_err(&format!("parsing {}", path.display()), other),
-    }
 }
 
 /// The certificate chain and key of `source`.

@@ -5,7 +5,9 @@
 //! routed by the hub (it becomes active on the chosen worker), and its body forwarded
 //! unchanged to that worker's URL; the answer streams back chunk by chunk, with headers
 //! naming the request (`x-kvengine-request-id`) and the worker that served it
-//! (`x-kvengine-worker-id`, `x-kvengine-dp-rank`).
+//! (`x-kvengine-worker-id`, `x-kvengine-dp-rank`). This module holds the routes, reads and
+//! tokenizes requests and picks the path (aggregated, or [`super::disagg`]); the sending,
+//! the retry and the response are `openai::forward`'s, which both paths share.
 //!
 //! # Invariants
 //! 1. Every routed request is freed exactly once: when its answer ends, fails, or the client
@@ -17,102 +19,28 @@
 //!    mid-stream).
 //! 3. Malformed requests get OpenAI-style 400 errors and are never forwarded.
 
-use super::disagg::{self, DisaggConfig};
+pub use super::config::ProxyConfig;
+
+use super::disagg;
+use super::forward::{Outgoing, Proxy, route, send_or_retry};
 use super::headers::{Forwarded, X_REQUEST_ID};
 use super::openai_error::{OpenAiError, openai_error};
-use super::relay::{Active, Relay};
+use super::relay::Active;
 use super::request_prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
-use super::tokenize::PromptTokenizer;
-use super::usage::UsagePatch;
-use crate::hub::{Hub, RouteCall, Routed};
+use crate::hub::Hub;
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
-use engine::WorkerKey;
-use engine::sched::{Pool, RouteMode, RouteOverrides};
+use engine::sched::{Pool, RouteOverrides};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::outbound::WorkerUrl;
 use crate::outbound::body::BodyKind;
-use crate::outbound::{Outbound, WorkerClient, WorkerUrl};
-
-/// How the proxy is set up.
-#[derive(Clone, Debug)]
-pub struct ProxyConfig {
-    /// The tokenizer of models without one of their own (`--tokenizer`); without it the
-    /// built-in stand-in ([`super::fallback`]) is used.
-    pub tokenizer: Option<Arc<PromptTokenizer>>,
-    /// Per served model, its tokenizer (`[[models]] tokenizer`).
-    pub model_tokenizers: std::collections::HashMap<String, Arc<PromptTokenizer>>,
-    /// Bodies over this many bytes are refused with 413.
-    pub max_body_bytes: usize,
-    /// Longest wait for a worker's response headers.
-    pub upstream_timeout: Duration,
-    /// Disaggregated serving: used when both prefill and decode workers are registered.
-    pub disagg: DisaggConfig,
-    /// How long a client may take to send a request body once its headers arrived (408).
-    pub body_timeout: Duration,
-    /// Prompts of more tokens are refused (400 `context_length_exceeded`); `None`: each
-    /// model's tokenizer's `model_max_length`, else
-    /// [`crate::http::DEFAULT_MAX_PROMPT_TOKENS`].
-    pub max_prompt_tokens: Option<usize>,
-    /// How workers are reached (TLS trust for `https://` workers: [`crate::outbound`]).
-    pub outbound: Outbound,
-}
-
-impl Default for ProxyConfig {
-    fn default() -> Self {
-        Self {
-            tokenizer: None,
-            model_tokenizers: std::collections::HashMap::new(),
-            max_body_bytes: 64 << 20,
-            upstream_timeout: Duration::from_secs(600),
-            disagg: DisaggConfig::default(),
-            max_prompt_tokens: None,
-            body_timeout: crate::http::DEFAULT_BODY_TIMEOUT,
-            outbound: Outbound::default(),
-        }
-    }
-}
-
-impl ProxyConfig {
-    /// The tokenizer of `model`'s prompts: its own, else the router's.
-    pub fn tokenizer_for(&self, model: &str) -> Option<&PromptTokenizer> {
-        self.tokenizer_arc_for(model).map(|t| &**t)
-    }
-
-    fn tokenizer_arc_for(&self, model: &str) -> Option<&Arc<PromptTokenizer>> {
-        self.model_tokenizers.get(model).or(self.tokenizer.as_ref())
-    }
-
-    /// The most prompt tokens a request for `model` may carry.
-    pub fn prompt_cap(&self, model: &str) -> usize {
-        self.max_prompt_tokens.unwrap_or_else(|| {
-            self.tokenizer_for(model)
-                .and_then(PromptTokenizer::max_length)
-                .unwrap_or(crate::http::DEFAULT_MAX_PROMPT_TOKENS)
-        })
-    }
-
-    /// The cap applied while a body is read, before its model is known: the largest any
-    /// model allows.
-    fn scan_cap(&self) -> usize {
-        self.max_prompt_tokens.unwrap_or_else(|| {
-            self.model_tokenizers
-                .values()
-                .chain(self.tokenizer.as_ref())
-                .filter_map(|t| t.max_length())
-                .fold(crate::http::DEFAULT_MAX_PROMPT_TOKENS, usize::max)
-        })
-    }
-}
 
 /// Bodies above this many bytes are tokenized on the blocking pool, not on the core's event
 /// loop (a 16 MiB text takes the tokenizer seconds).
@@ -154,15 +82,6 @@ async fn tokenize(
 /// How long an idle connection to a worker is kept for reuse: under vLLM's (uvicorn's)
 /// default keep-alive of 5 s.
 const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
-
-#[derive(Debug)]
-pub(crate) struct Proxy {
-    pub(crate) hub: Arc<Hub>,
-    pub(crate) cfg: ProxyConfig,
-    pub(crate) client: WorkerClient,
-    /// When the proxy started (Unix seconds): the `created` of the models it lists.
-    pub(crate) started: u64,
-}
 
 /// The proxy's routes, to merge into the HTTP edge's router.
 pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
@@ -312,70 +231,6 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         .into_response()
 }
 
-/// Routes in `model`'s namespace, resolved already (with its `block_size`): the model is
-/// resolved once per request.
-pub(crate) async fn route(
-    hub: &Hub,
-    model: &str,
-    block_size: u32,
-    tokens: &[u32],
-    cache_salt: Option<&str>,
-    overrides: RouteOverrides,
-) -> Result<Routed, OpenAiError> {
-    let call = RouteCall {
-        request_id: None,
-        tokens,
-        lora_name: None,
-        cache_salt,
-        overrides,
-    };
-    hub.route_resolved_async(model, block_size, &call, Instant::now())
-        .await
-        .map_err(OpenAiError::from_routing)
-}
-
-/// The next-best candidate of `decision` other than `failed`, by cost.
-pub(crate) fn runner_up(routed: &Routed, failed: WorkerKey) -> Option<WorkerKey> {
-    routed
-        .decision
-        .candidates
-        .iter()
-        .filter(|c| c.key.worker != failed.worker)
-        .min_by(|a, b| a.logit.total_cmp(&b.logit))
-        .map(|c| c.key)
-}
-
-/// Posts `body` to `key`'s worker at `path`; a connection failure, a timeout before the
-/// response headers or a 5xx is an error (worth a retry elsewhere).
-pub(crate) async fn send(
-    p: &Proxy,
-    key: WorkerKey,
-    path: &str,
-    body: &Bytes,
-    fwd: &Forwarded,
-) -> Result<hyper::Response<Incoming>, String> {
-    let url = p
-        .hub
-        .registry()
-        .url(key.worker)
-        .ok_or_else(|| format!("worker {} has no url", key.worker))?;
-    let uri = WorkerUrl::parse(&url)
-        .and_then(|u| u.join(path))
-        .map_err(|e| e.to_string())?;
-    let mut req = hyper::Request::post(uri)
-        .body(Full::new(body.clone()))
-        .map_err(|e| e.to_string())?;
-    *req.headers_mut() = fwd.for_worker(p.hub.registry().api_key(key.worker).as_deref());
-    let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
-        .await
-        .map_err(|_| "no response in time".to_owned())?
-        .map_err(|e| crate::error::chain(&e))?;
-    if resp.status().is_server_error() {
-        return Err(format!("status {}", resp.status()));
-    }
-    Ok(resp)
-}
-
 async fn forward(
     p: Arc<Proxy>,
     path: &str,
@@ -455,130 +310,4 @@ async fn forward_with(
         cache_salt: salt,
     };
     send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
-}
-
-/// Forwards `body` to the worker `routed` chose (its request tracked by `active`); if that
-/// worker fails before answering, frees the request and tries [`retry_elsewhere`].
-pub(crate) async fn send_or_retry(
-    p: &Proxy,
-    out: Outgoing<'_>,
-    tokens: &[u32],
-    routed: &Routed,
-    mut active: Active,
-    pool: Pool,
-) -> Response {
-    let first = routed.decision.worker;
-    match send(p, first, out.path, out.body, out.fwd).await {
-        Ok(resp) => respond(resp, active, first, None, None, out.fwd),
-        Err(e) => {
-            tracing::warn!(worker = %first.worker, "forwarding failed, retrying once: {e}");
-            p.hub.metrics().upstream_errors.fetch_add(1, Relaxed);
-            active.finish();
-            retry_elsewhere(p, out, tokens, routed, pool, &e).await
-        }
-    }
-}
-
-/// What one client request sends to a worker: the path, the body and the headers.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Outgoing<'a> {
-    pub path: &'a str,
-    pub body: &'a Bytes,
-    pub fwd: &'a Forwarded,
-    /// The namespace the request routes in ([`engine::router::namespaces`]) ...
-    pub model: &'a str,
-    /// ... and its block size.
-    pub block_size: u32,
-    /// The request's non-empty `cache_salt` (part of its block hashes).
-    pub cache_salt: Option<&'a str>,
-}
-
-/// The whole request once more, on the next-best candidate (in `pool`) of `routed`'s
-/// decision, after its chosen worker failed with `first_error`; a second failure is the
-/// client's 502.
-pub(crate) async fn retry_elsewhere(
-    p: &Proxy,
-    out: Outgoing<'_>,
-    tokens: &[u32],
-    routed: &Routed,
-    pool: Pool,
-    first_error: &str,
-) -> Response {
-    let failed = routed.decision.worker;
-    let gateway = |msg: String| openai_error(StatusCode::BAD_GATEWAY, "upstream_error", &msg);
-    let Some(next) = runner_up(routed, failed) else {
-        return gateway(format!("worker {} failed: {first_error}", failed.worker));
-    };
-    let overrides = RouteOverrides {
-        pool,
-        mode: Some(RouteMode::Direct),
-        worker: Some(next.worker),
-        ..RouteOverrides::default()
-    };
-    let retry = match route(
-        &p.hub,
-        out.model,
-        out.block_size,
-        tokens,
-        out.cache_salt,
-        overrides,
-    )
-    .await
-    {
-        Ok(r) => r,
-        Err(e) => return e.into_response(),
-    };
-    let active = Active::new(p.hub.clone(), retry.ticket());
-    p.hub.metrics().retries.fetch_add(1, Relaxed);
-    match send(p, next, out.path, out.body, out.fwd).await {
-        Ok(resp) => respond(resp, active, next, None, None, out.fwd),
-        Err(e) => gateway(format!(
-            "workers {} and {} failed: {first_error}; {e}",
-            failed.worker, next.worker
-        )),
-    }
-}
-
-/// The client's response: the worker's status and body (relayed by a [`Relay`]), its content
-/// type, and headers naming the request and the workers that served it.
-pub(crate) fn respond(
-    resp: hyper::Response<Incoming>,
-    active: Active,
-    served_by: WorkerKey,
-    prefilled_by: Option<WorkerKey>,
-    cached_tokens: Option<u64>,
-    fwd: &Forwarded,
-) -> Response {
-    let (parts, incoming) = resp.into_parts();
-    let sse = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let mut headers = HeaderMap::new();
-    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
-        if let Some(v) = parts.headers.get(&name) {
-            headers.insert(name, v.clone());
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(active.id().unwrap_or_default()) {
-        headers.insert("x-kvengine-request-id", v);
-    }
-    headers.insert(
-        "x-kvengine-worker-id",
-        HeaderValue::from(served_by.worker.0),
-    );
-    headers.insert("x-kvengine-dp-rank", HeaderValue::from(served_by.dp_rank.0));
-    if let Some(p) = prefilled_by {
-        headers.insert(
-            "x-kvengine-prefill-worker-id",
-            HeaderValue::from(p.worker.0),
-        );
-    }
-    let patch = cached_tokens.map(|c| UsagePatch::new(c, sse));
-    let relay = Relay::new(incoming, active, sse, patch, fwd.received());
-    let mut out = Response::new(Body::new(relay));
-    *out.status_mut() = parts.status;
-    *out.headers_mut() = headers;
-    out
 }

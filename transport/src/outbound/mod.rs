@@ -10,8 +10,9 @@
 //! # Invariants
 //! 1. **Addresses.** A worker is only ever dialled at an address [`addr`] parsed: a bare
 //!    `http[s]://host[:port][/prefix]` or `tcp://host:port`, no userinfo, query, fragment or
-//!    escapes, its host checked as parsed (and against `--worker-hosts` for `POST
-//!    /v1/workers`). [`crate::hub::Hub::register`] refuses any other text, whoever calls it.
+//!    escapes, its host checked as parsed (and against `--worker-hosts` by [`check_addr`],
+//!    for `POST /v1/workers` and for registrations restored from a snapshot).
+//!    [`crate::hub::Hub::register`] refuses any other text, whoever calls it.
 //! 2. **One builder.** Every client that talks to workers comes from
 //!    [`Outbound::client`]: the same connector, TLS settings and bounds everywhere.
 //! 3. **TLS.** `https://` workers are verified against the Mozilla roots compiled in
@@ -49,7 +50,7 @@ pub mod body;
 pub mod connector;
 
 use crate::error::{Result, TransportError, WorkerCallError, chain};
-use crate::native::quic_tls::{pem_err, provider, tls_err};
+use crate::tls::{ALPN_HTTP11, pem_err, provider, tls_err};
 use body::{BodyKind, Overrun, ReadError, Refusals};
 use bytes::Bytes;
 use connector::Connector;
@@ -169,7 +170,7 @@ fn tls_connector(roots: rustls::RootCertStore) -> Result<TlsConnector> {
         .map_err(|e| tls_err("TLS versions", e))?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    cfg.alpn_protocols = vec![crate::http::edge_tls::ALPN_HTTP11.to_vec()];
+    cfg.alpn_protocols = vec![ALPN_HTTP11.to_vec()];
     Ok(TlsConnector::from(Arc::new(cfg)))
 }
 
@@ -245,6 +246,57 @@ pub(crate) fn canonical_endpoint(
                 .map_err(|err| invalid_addr(name, &err))
         })
         .transpose()
+}
+
+/// Why [`check_addr`] refused a worker address; each holds the message that says so.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AddrRefusal {
+    /// Not a bare base address.
+    Invalid(String),
+    /// Its host is not in `--worker-hosts`.
+    HostNotAllowed(String),
+}
+
+impl fmt::Display for AddrRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Invalid(m) | Self::HostNotAllowed(m) => f.write_str(m),
+        }
+    }
+}
+
+/// `field`'s worker address `text`, parsed by `parse` ([`addr`]), its host (`host`) checked
+/// against `allowed` (`--worker-hosts`, [`host_allowed`]): the check of invariant 1 that
+/// `POST /v1/workers` and restored registrations go through. The router must not be
+/// pointed at hosts the operator did not name, even by an authenticated caller's mistake.
+pub fn check_addr<T>(
+    allowed: &[String],
+    field: &str,
+    text: &str,
+    parse: impl Fn(&str) -> std::result::Result<T, AddrError>,
+    host: impl Fn(&T) -> &Host,
+) -> std::result::Result<T, AddrRefusal> {
+    let addr = parse(text).map_err(|e| AddrRefusal::Invalid(format!("invalid {field}: {e}")))?;
+    if !host_allowed(allowed, host(&addr)) {
+        return Err(AddrRefusal::HostNotAllowed(format!(
+            "{field} {text:?}: its host {} is not in --worker-hosts",
+            host(&addr)
+        )));
+    }
+    Ok(addr)
+}
+
+/// A registration's address `text` in field `field` (`url`: a [`WorkerUrl`]; `zmq` or
+/// `replay`: a [`ZmqEndpoint`]) checked as [`check_addr`] checks it.
+pub fn check_field(
+    allowed: &[String],
+    field: &str,
+    text: &str,
+) -> std::result::Result<(), AddrRefusal> {
+    match field {
+        "url" => check_addr(allowed, field, text, WorkerUrl::parse, WorkerUrl::host).map(drop),
+        _ => check_addr(allowed, field, text, ZmqEndpoint::parse, ZmqEndpoint::host).map(drop),
+    }
 }
 
 #[cfg(test)]

@@ -556,6 +556,25 @@ pub fn begin_restore(hub: &Hub, plan: &Plan) -> Result<Restored> {
     Ok(out)
 }
 
+/// Whether the addresses of `reg` (`url`, `zmq`, `replay`) are all allowed by `allowed`
+/// (`--worker-hosts`), checked as `POST /v1/workers` checks them
+/// ([`crate::outbound::check_field`]); the reason if not.
+fn check_registration_hosts(
+    allowed: &[String],
+    reg: &Registration,
+) -> std::result::Result<(), String> {
+    for (field, addr) in [
+        ("url", &reg.url),
+        ("zmq", &reg.zmq),
+        ("replay", &reg.replay),
+    ] {
+        if let Some(a) = addr {
+            crate::outbound::check_field(allowed, field, a).map_err(|r| r.to_string())?;
+        }
+    }
+    Ok(())
+}
+
 /// Second half, once the configured workers are registered and subscribed: the snapshot's
 /// API workers that the configuration does not name are registered again (`sources` start
 /// their event sources; they take their resume points), each checked first as
@@ -576,7 +595,7 @@ pub fn finish_restore(
             continue;
         }
         let checked = w.registration().and_then(|mut reg| {
-            crate::http::check_registration_hosts(worker_hosts, &reg).map_err(|reason| {
+            check_registration_hosts(worker_hosts, &reg).map_err(|reason| {
                 TransportError::Invalid {
                     name: "snapshot worker",
                     reason,

@@ -15,11 +15,11 @@
 use super::SGLANG_BOOTSTRAP_PORT;
 use super::handoff::{Body, Handoff, Pair};
 use crate::error::WorkerCallError;
-use crate::openai::headers::Forwarded;
-use crate::openai::openai_error::{OpenAiError, openai_error};
-use crate::openai::proxy::{
+use crate::openai::forward::{
     Outgoing, Proxy, respond, retry_elsewhere, route, runner_up, send, send_or_retry,
 };
+use crate::openai::headers::Forwarded;
+use crate::openai::openai_error::{OpenAiError, openai_error};
 use crate::openai::relay::Active;
 use crate::openai::sse::whole_answer_as_sse;
 use crate::openai::usage::cached_tokens;

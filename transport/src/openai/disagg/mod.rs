@@ -24,27 +24,16 @@ pub mod vllm;
 
 pub(crate) use flow::forward;
 
+pub use crate::openai::config::{DisaggConfig, Protocol};
+
 use crate::hub::Hub;
-use engine::sched::SplitConfig;
 use handoff::Handoff;
-use std::fmt;
-use std::str::FromStr;
 
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
 
-/// The engines' hand-off protocols.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Protocol {
-    /// vLLM's KV connectors (NIXL and friends): `kv_transfer_params`.
-    #[default]
-    Vllm,
-    /// SGLang's PD disaggregation: bootstrap host, port and room on both requests.
-    Sglang,
-    /// TensorRT-LLM's `trtllm-serve`: context-only, then generation-only requests.
-    Trtllm,
-}
-
+// Here rather than with `Protocol` (in `openai::config`, which the proxy's configuration
+// holds and which depends on nothing of the front door): the hand-offs are this module's.
 impl Protocol {
     /// The protocol's request rewriting.
     pub(crate) fn handoff(self) -> &'static dyn Handoff {
@@ -54,45 +43,6 @@ impl Protocol {
             Self::Trtllm => &trtllm::Trtllm,
         }
     }
-
-    /// The name used in flags.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::Trtllm => "trtllm",
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Protocol {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            "trtllm" | "tensorrt-llm" | "trt-llm" => Ok(Self::Trtllm),
-            _ => Err(format!(
-                "unknown disaggregation protocol {s:?} (expected vllm, sglang or trtllm)"
-            )),
-        }
-    }
-}
-
-/// How the front door disaggregates.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct DisaggConfig {
-    /// The workers' hand-off protocol.
-    pub protocol: Protocol,
-    /// When a prefill goes to a prefill worker.
-    pub split: SplitConfig,
 }
 
 /// Whether `model`'s requests are disaggregated now: it has healthy prefill and decode
