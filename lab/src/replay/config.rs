@@ -40,7 +40,7 @@ pub struct ReplayConfig {
     /// Show a progress bar on stderr (when it is a terminal).
     pub progress: bool,
     /// Disaggregated runs: each mode on `P` prefill and `D` decode workers, plus one
-    /// aggregated `kv` run ([`disagg::plan`]); `workers` must then be `P + D`.
+    /// aggregated `kv` run ([`disagg::plan`](super::disagg::plan)); `workers` must then be `P + D`.
     pub disagg: Option<DisaggSpec>,
     /// Router replicas per run (1..=[`MAX_REPLICAS`]); above 1 they share their load over
     /// a NATS server, which needs a `nats-server` binary ([`crate::nats`]).

@@ -31,6 +31,8 @@
 //!    RNG).
 //! 5. Every checked query's `expect_best` is the best overlap an exact index returns on the
 //!    live set the phase runs against (after build, before store).
+//!
+//! [`KvEvent`]: engine::event::KvEvent
 
 pub mod anchor;
 mod phase;
