@@ -4,7 +4,7 @@
 //! tracing target all of them log under.
 //!
 //! Only types: the driver ([`super::driver`]) acts on them, the handle and the HTTP server
-//! send them, and none of those depend on each other through this module.
+//! send them. They meet here, so the driver and the HTTP server need not know each other.
 
 use std::time::Duration;
 
