@@ -21,7 +21,7 @@
 //!    transport, an SSE error event, a missing usage chunk or `[DONE]`, a timeout) is
 //!    recorded in its `error`, never raised.
 
-use super::ReplayRequest;
+use super::spec::ReplayRequest;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;

@@ -18,92 +18,18 @@
 //! 3. With `replicas` 1 there is no NATS server and no replica link: the cluster is the
 //!    single router it always was.
 
-use super::disagg::DisaggSpec;
+pub use super::config::ClusterConfig;
+
 use super::replicas::{ReplicaSync, SyncTotals};
 use super::router::{Router, worker_ids};
-use super::{ReplayConfig, RunMode};
 use crate::workers::driver::Snapshot;
-use crate::workers::{SimRole, SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
+use crate::workers::{SimWorkerConfig, SimWorkerHandle, spawn_mixed_cluster};
 use anyhow::{Context, Result, anyhow, bail};
 use engine::WorkerId;
-use sim::engine::EngineConfig;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport::hub::Hub;
-
-/// What one cluster is started with.
-#[derive(Clone, Debug)]
-pub struct ClusterConfig {
-    /// Simulated workers.
-    pub workers: usize,
-    /// Router replicas in front of them (1: a single router, no NATS).
-    pub replicas: usize,
-    /// Whether the replicas share their load over NATS (false: independent routers).
-    pub share_load: bool,
-    /// The routing mode.
-    pub mode: RunMode,
-    /// Each worker's engine; its block size is also the router's.
-    pub engine: EngineConfig,
-    /// Simulated time runs this many times faster than real time.
-    pub speedup: f64,
-    /// Engine (shard) cores: 1 or 2.
-    pub cores: usize,
-    /// Scheduler seed.
-    pub seed: u64,
-    /// The scheduler's weight of prefill blocks against decode blocks.
-    pub overlap_weight: f64,
-    /// What kv modes minimise.
-    pub router_cost: engine::sched::RouterCost,
-    /// With the TTFT cost: the weight of the prefill stall on running requests.
-    pub stall_weight: f64,
-    /// Prefill and decode workers instead of `workers` aggregated ones (`workers` is then
-    /// `P + D`).
-    pub disagg: Option<DisaggSpec>,
-    /// How the workers hand out their KV events (vLLM's ZMQ, or TensorRT-LLM's HTTP drain).
-    pub events: crate::workers::EventFormat,
-}
-
-impl ClusterConfig {
-    /// The cluster of `mode` in a replay configured by `cfg`.
-    pub fn of(cfg: &ReplayConfig, mode: RunMode) -> Self {
-        Self {
-            workers: cfg.workers,
-            replicas: cfg.replicas,
-            share_load: cfg.share_load,
-            mode,
-            engine: cfg.engine.clone(),
-            speedup: cfg.speedup,
-            cores: cfg.cores,
-            seed: cfg.seed,
-            overlap_weight: cfg.overlap_weight,
-            router_cost: cfg.router_cost,
-            stall_weight: cfg.stall_weight,
-            disagg: None,
-            events: cfg.events,
-        }
-    }
-
-    /// The disaggregated cluster of `mode` in a replay configured by `cfg`: `spec.prefill`
-    /// prefill and `spec.decode` decode workers.
-    pub fn disaggregated(cfg: &ReplayConfig, mode: RunMode, spec: DisaggSpec) -> Self {
-        Self {
-            workers: spec.workers(),
-            disagg: Some(spec),
-            ..Self::of(cfg, mode)
-        }
-    }
-
-    /// Each worker's role, in worker order.
-    pub fn roles(&self) -> Vec<SimRole> {
-        match &self.disagg {
-            None => vec![SimRole::Aggregated; self.workers],
-            Some(d) => std::iter::repeat_n(SimRole::Prefill, d.prefill)
-                .chain(std::iter::repeat_n(SimRole::Decode, d.decode))
-                .collect(),
-        }
-    }
-}
 
 /// A running cluster. Stop it with [`Cluster::shutdown`].
 #[derive(Debug)]

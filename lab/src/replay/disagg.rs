@@ -11,7 +11,7 @@
 //! 1. A parsed spec has `P >= 1`, `D >= 1` and `P + D <= 256` ([`MAX_WORKERS`]).
 //! 2. [`plan`] without a spec is the requested modes, in order, all aggregated.
 
-use super::RunMode;
+use super::spec::RunMode;
 use engine::sched::SplitConfig;
 use std::fmt;
 use transport::openai::disagg::{DisaggConfig, Protocol};

@@ -12,8 +12,8 @@
 //!    the two sides can agree exactly.
 //! 2. Exact, not a bound: a worker's cache is prefix-closed, and so is a prompt's overlap.
 
-use super::ReplayRequest;
 use super::cluster::Cluster;
+use super::spec::ReplayRequest;
 use anyhow::{Context, Result};
 use engine::WorkerKey;
 use serde::Serialize;

@@ -7,7 +7,10 @@
 //! end-to-end latency, cached prompt tokens and serving worker are measured by the client,
 //! and summarised per mode ([`report::ModeReport`]).
 //!
-//! * [`trace`]: workloads and their infinite-cache bound.
+//! * [`ReplayRequest`] and [`RunMode`] (`spec.rs`), [`ReplayConfig`] and the cluster's
+//!   [`cluster::ClusterConfig`] (`config.rs`): what the other modules share, in leaf modules
+//!   re-exported here.
+//! * [`trace`]: workloads ([`Workload`]) and their infinite-cache bound.
 //! * [`cluster`]: the in-process router(s) plus workers, started and stopped per mode.
 //! * [`router`]: one in-process router (engine, hub, subscriptions, HTTP edge and proxy).
 //! * [`replicas`]: router replicas (`--replicas N`): N routers in front of the same workers,
@@ -17,6 +20,10 @@
 //! * [`plot`]: an SVG comparing modes.
 //! * [`disagg`]: disaggregated runs (`--disagg P:D`): prefill and decode workers, compared
 //!   with aggregated `kv` on as many workers.
+//! * [`index_check`]: after a run, one router's index compared with the workers' caches.
+//!
+//! This module runs them ([`run`], [`run_one`]) and describes a replay ([`describe`]); none
+//! of them uses it.
 //!
 //! # Time
 //! The workers run `speedup` times faster than real time, so arrivals are compressed by
@@ -50,324 +57,20 @@ pub mod report;
 pub mod router;
 pub mod trace;
 
+mod config;
+mod spec;
+
+pub use config::{MAX_REPLICAS, ReplayConfig, default_block_size, default_kv_blocks, parse_engine};
+pub use spec::{ReplayRequest, RunMode};
+pub use trace::Workload;
+
 use anyhow::{Context, Result, bail};
-use disagg::{DisaggSpec, Run};
-use engine::sched::{RouteMode, RouterCost};
+use disagg::Run;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use report::{ModeReport, RunInfo};
-use sim::engine::EngineConfig;
 use sim::workload::chat::ChatConfig;
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One request of a workload.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ReplayRequest {
-    /// Arrival, in simulated milliseconds since the workload started (non-decreasing).
-    pub arrival_ms: f64,
-    /// The prompt's token ids (not empty).
-    pub tokens: Arc<[u32]>,
-    /// Tokens to generate (`max_tokens`, at least 1).
-    pub output_tokens: u32,
-}
-
-/// A workload to replay.
-#[derive(Clone, Debug)]
-pub struct Workload {
-    /// What it is, for reports.
-    pub name: String,
-    /// The requests, by arrival.
-    pub requests: Vec<ReplayRequest>,
-    /// Its infinite-cache bound at the engines' block size.
-    pub bound: trace::Bound,
-}
-
-impl Workload {
-    /// A workload over `requests`, its bound computed with blocks of `block_size` tokens.
-    pub fn new(name: String, requests: Vec<ReplayRequest>, block_size: u32) -> Self {
-        let bound = trace::hit_rate_bound(&requests, block_size);
-        Self {
-            name,
-            requests,
-            bound,
-        }
-    }
-
-    /// The longest request's KV footprint, in blocks (prompt plus output).
-    pub fn max_blocks(&self, block_size: u32) -> u64 {
-        let bs = u64::from(block_size.max(1));
-        self.requests
-            .iter()
-            .map(|r| (r.tokens.len() as u64 + u64::from(r.output_tokens)).div_ceil(bs))
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Simulated seconds from the first arrival to the last.
-    pub fn span_s(&self) -> f64 {
-        self.requests.last().map_or(0.0, |r| r.arrival_ms / 1000.0)
-    }
-}
-
-/// How the router routes in one run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum RunMode {
-    /// KV-aware routing on the workers' KV events, minimising `--router-cost`.
-    Kv,
-    /// Round robin.
-    RoundRobin,
-    /// Uniformly random.
-    Random,
-    /// KV-aware routing without KV events: the router predicts the caches from its own
-    /// decisions (`--no-kv-events`).
-    KvNoEvents,
-    /// SGLang router's cache-aware policy ([`engine::sched::sglang`]).
-    Sglang,
-    /// llm-d's weighted prefix-cache and queue scorers ([`engine::sched::llmd`]).
-    LlmD,
-    /// Power of two choices on predicted TTFT ([`engine::sched::power_of_two`]).
-    PowerOfTwo,
-}
-
-impl RunMode {
-    /// Every mode, in the order `all` runs them.
-    pub const ALL: [RunMode; 7] = [
-        RunMode::Kv,
-        RunMode::RoundRobin,
-        RunMode::Random,
-        RunMode::KvNoEvents,
-        RunMode::Sglang,
-        RunMode::LlmD,
-        RunMode::PowerOfTwo,
-    ];
-
-    /// Its name on the command line and in reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunMode::Kv => "kv",
-            RunMode::RoundRobin => "round-robin",
-            RunMode::Random => "random",
-            RunMode::KvNoEvents => "kv-no-events",
-            RunMode::Sglang => "sglang",
-            RunMode::LlmD => "llm-d",
-            RunMode::PowerOfTwo => "power-of-two",
-        }
-    }
-
-    /// The scheduler's mode.
-    pub fn route_mode(self) -> RouteMode {
-        match self {
-            RunMode::Kv | RunMode::KvNoEvents => RouteMode::Kv,
-            RunMode::RoundRobin => RouteMode::RoundRobin,
-            RunMode::Random => RouteMode::Random,
-            RunMode::Sglang => RouteMode::Sglang,
-            RunMode::LlmD => RouteMode::LlmD,
-            RunMode::PowerOfTwo => RouteMode::PowerOfTwo,
-        }
-    }
-
-    /// Whether the router subscribes to the workers' KV events.
-    pub fn kv_events(self) -> bool {
-        self != RunMode::KvNoEvents
-    }
-
-    /// Parses a comma-separated list; `all` stands for every mode.
-    pub fn parse_list(s: &str) -> Result<Vec<RunMode>, String> {
-        let mut out = Vec::new();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            if part == "all" {
-                out.extend(RunMode::ALL);
-            } else {
-                out.push(part.parse()?);
-            }
-        }
-        if out.is_empty() {
-            return Err("no mode given".into());
-        }
-        Ok(out)
-    }
-}
-
-impl fmt::Display for RunMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for RunMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        RunMode::ALL
-            .into_iter()
-            .find(|m| m.as_str() == s)
-            .ok_or_else(|| {
-                format!(
-                    "unknown mode {s:?}: expected kv, round-robin, random, kv-no-events, \
-                     sglang, llm-d, power-of-two or all"
-                )
-            })
-    }
-}
-
-/// How a replay runs (the same for every mode).
-#[derive(Clone, Debug)]
-pub struct ReplayConfig {
-    /// Simulated workers.
-    pub workers: usize,
-    /// Simulated time runs this many times faster than real time.
-    pub speedup: f64,
-    /// Each worker's engine (KV cache size, block size, limits, timing). Its `block_size`
-    /// is also the router's.
-    pub engine: EngineConfig,
-    /// Engine (shard) cores of the router: 1 or 2.
-    pub cores: usize,
-    /// Tokio worker threads (router, workers and client share them).
-    pub tokio_threads: usize,
-    /// Seed of the router's scheduler (random mode, tie-breaking).
-    pub seed: u64,
-    /// The scheduler's weight of prefill blocks against decode blocks (kv modes with
-    /// `router_cost` Dynamo).
-    pub overlap_weight: f64,
-    /// What kv modes minimise.
-    pub router_cost: RouterCost,
-    /// With the TTFT cost: the weight of the prefill stall on running requests.
-    pub stall_weight: f64,
-    /// Longest wall time one request may take before it is counted as an error.
-    pub request_timeout: Duration,
-    /// The rate scale the workload was built with (reported only).
-    pub rate_scale: f64,
-    /// Show a progress bar on stderr (when it is a terminal).
-    pub progress: bool,
-    /// Disaggregated runs: each mode on `P` prefill and `D` decode workers, plus one
-    /// aggregated `kv` run ([`disagg::plan`]); `workers` must then be `P + D`.
-    pub disagg: Option<DisaggSpec>,
-    /// Router replicas per run (1..=[`MAX_REPLICAS`]); above 1 they share their load over
-    /// a NATS server, which needs a `nats-server` binary ([`crate::nats`]).
-    pub replicas: usize,
-    /// Whether replicas share their load (false: independent routers, the control that
-    /// shows what sharing buys; no NATS).
-    pub share_load: bool,
-    /// How the simulated workers hand out their KV events: vLLM's ZMQ stream, or
-    /// TensorRT-LLM's `/kv_cache_events`, which the router polls.
-    pub events: crate::workers::EventFormat,
-}
-
-/// The most router replicas a replay starts (each is an engine, a hub and an HTTP edge in
-/// this process).
-pub const MAX_REPLICAS: usize = 16;
-
-impl Default for ReplayConfig {
-    fn default() -> Self {
-        Self {
-            workers: 4,
-            speedup: 10.0,
-            engine: EngineConfig::default(),
-            cores: 1,
-            tokio_threads: 2,
-            seed: 0,
-            overlap_weight: 1.0,
-            router_cost: RouterCost::default(),
-            stall_weight: engine::sched::config::DEFAULT_STALL_WEIGHT,
-            request_timeout: Duration::from_secs(300),
-            rate_scale: 1.0,
-            progress: false,
-            disagg: None,
-            replicas: 1,
-            share_load: true,
-            events: crate::workers::EventFormat::Vllm,
-        }
-    }
-}
-
-/// `--engine`: which inference engine the simulated workers imitate, as the format of their
-/// KV events: `vllm` (ZMQ) or `trtllm` (TensorRT-LLM's polled `/kv_cache_events`).
-pub fn parse_engine(s: &str) -> Result<crate::workers::EventFormat, String> {
-    match s {
-        "vllm" => Ok(crate::workers::EventFormat::Vllm),
-        "trtllm" | "tensorrt-llm" => Ok(crate::workers::EventFormat::trtllm()),
-        _ => Err(format!("{s:?}: expected vllm or trtllm")),
-    }
-}
-
-/// The engine's default tokens per block: vLLM's 16, TensorRT-LLM's 32.
-pub fn default_block_size(events: crate::workers::EventFormat) -> u32 {
-    if events.is_trtllm() {
-        transport::trtllm::DEFAULT_BLOCK_SIZE
-    } else {
-        engine::hash::DEFAULT_BLOCK_SIZE as u32
-    }
-}
-
-/// KV blocks per worker when not given: `blocks_of_16` 16-token blocks' worth of tokens at
-/// `block_size` (the same GPU memory whatever the page size), at least 1.
-pub fn default_kv_blocks(blocks_of_16: u32, block_size: u32) -> u32 {
-    let tokens = u64::from(blocks_of_16) * 16;
-    u32::try_from(tokens / u64::from(block_size.max(1)))
-        .unwrap_or(u32::MAX)
-        .max(1)
-}
-
-impl ReplayConfig {
-    /// Rejects values outside their ranges.
-    pub fn validate(&self) -> Result<()> {
-        if self.events.is_trtllm() && self.replicas > 1 {
-            bail!(
-                "TensorRT-LLM workers hand each event out once (POST /kv_cache_events drains \
-                 it): several routers polling one worker would each miss the others' events"
-            );
-        }
-        if self.workers == 0 || self.workers > 256 {
-            bail!("workers must be within 1..=256, not {}", self.workers);
-        }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            bail!(
-                "speedup must be a finite number above 0, not {}",
-                self.speedup
-            );
-        }
-        if !(1..=2).contains(&self.cores) {
-            bail!("cores must be 1 or 2, not {}", self.cores);
-        }
-        if !(self.overlap_weight.is_finite() && self.overlap_weight >= 0.0) {
-            bail!("the overlap weight must be finite and not negative");
-        }
-        if self.tokio_threads == 0 {
-            bail!("tokio threads must be at least 1");
-        }
-        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
-            bail!(
-                "replicas must be within 1..={MAX_REPLICAS}, not {}",
-                self.replicas
-            );
-        }
-        if self.replicas > 1 && self.share_load && crate::nats::find_binary().is_none() {
-            bail!(
-                "{} router replicas share their load over NATS, and no nats-server was \
-                 found: {}",
-                self.replicas,
-                crate::nats::INSTALL_HINT
-            );
-        }
-        self.engine
-            .validate()
-            .map_err(|e| anyhow::anyhow!("worker engine: {e}"))?;
-        if let Some(d) = &self.disagg {
-            d.validate()
-                .map_err(|e| anyhow::anyhow!("disaggregation {d}: {e}"))?;
-            if d.workers() != self.workers {
-                bail!(
-                    "disaggregation {d} needs {} workers in all, not {}",
-                    d.workers(),
-                    self.workers
-                );
-            }
-        }
-        Ok(())
-    }
-}
 
 fn progress_bar(total: u64, show: bool) -> ProgressBar {
     if !show {

@@ -37,9 +37,9 @@
 //! # Invariants
 //! 1. Every figure is finite; an empty input gives 0.
 
-use super::RunMode;
 use super::client::RequestResult;
 use super::replicas::SyncTotals;
+use super::spec::RunMode;
 use crate::report::{Machine, utc_now};
 use engine::WorkerId;
 use serde::Serialize;

@@ -19,7 +19,7 @@
 //! 2. A failed start stops what it had started. The workers are not the router's: it
 //!    never stops them.
 
-use super::cluster::ClusterConfig;
+use super::config::ClusterConfig;
 use crate::workers::SimWorkerHandle;
 use anyhow::{Context, Result, anyhow};
 use engine::WorkerId;

@@ -1,5 +1,6 @@
-//! Workloads to replay: a Mooncake trace expanded into token ids, or the embedded chat
-//! generator, and the infinite-cache bound of a workload's prefix-cache hit rate.
+//! Workloads to replay ([`Workload`]): a Mooncake trace expanded into token ids, or the
+//! embedded chat generator, and the infinite-cache bound of a workload's prefix-cache hit
+//! rate.
 //!
 //! # Mooncake expansion
 //! Each `hash_ids` entry names one 512-token block; it is expanded into 512 token ids that
@@ -32,8 +33,7 @@
 //! 1. Deterministic: the same file and options give the same requests, token for token.
 //! 2. Arrivals are non-decreasing milliseconds from the first request (trace time divided
 //!    by the rate scale).
-
-use super::{ReplayRequest, Workload};
+use super::spec::ReplayRequest;
 use anyhow::{Context, Result, bail};
 use engine::SeqHash;
 use engine::hash::{lora_seed, seq_hashes};
@@ -85,6 +85,44 @@ impl Bound {
         } else {
             self.reusable_tokens as f64 / self.prompt_tokens as f64
         }
+    }
+}
+
+/// A workload to replay.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// What it is, for reports.
+    pub name: String,
+    /// The requests, by arrival.
+    pub requests: Vec<ReplayRequest>,
+    /// Its infinite-cache bound at the engines' block size.
+    pub bound: Bound,
+}
+
+impl Workload {
+    /// A workload over `requests`, its bound computed with blocks of `block_size` tokens.
+    pub fn new(name: String, requests: Vec<ReplayRequest>, block_size: u32) -> Self {
+        let bound = hit_rate_bound(&requests, block_size);
+        Self {
+            name,
+            requests,
+            bound,
+        }
+    }
+
+    /// The longest request's KV footprint, in blocks (prompt plus output).
+    pub fn max_blocks(&self, block_size: u32) -> u64 {
+        let bs = u64::from(block_size.max(1));
+        self.requests
+            .iter()
+            .map(|r| (r.tokens.len() as u64 + u64::from(r.output_tokens)).div_ceil(bs))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Simulated seconds from the first arrival to the last.
+    pub fn span_s(&self) -> f64 {
+        self.requests.last().map_or(0.0, |r| r.arrival_ms / 1000.0)
     }
 }
 

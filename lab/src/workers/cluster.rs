@@ -14,8 +14,8 @@ use transport::openai::tokenize::PromptTokenizer;
 
 use super::config::SimWorkerConfig;
 use super::error::{Result, WorkerError};
+use super::handle::{SimWorkerHandle, spawn_worker};
 use super::role::SimRole;
-use super::{SimWorkerHandle, spawn_worker};
 
 /// `port + by`, or 0 if `port` is 0 (any free port).
 fn offset_port(port: u16, by: usize, name: &'static str) -> Result<u16> {

@@ -25,8 +25,8 @@ use base64::engine::general_purpose::STANDARD;
 use std::net::SocketAddr;
 
 use serde_json::{Map, Value, json};
+use transport::openai::openai_error::OpenAiError;
 
-use super::openai::OpenAiError;
 use super::role::SimRole;
 
 /// The disaggregation fields of one request.

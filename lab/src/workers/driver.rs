@@ -13,6 +13,9 @@
 //! fault commands ([`super::faults`]: withholding batches, publishing batches that are not
 //! the engine's, restarting the worker, probing whether it is idle) run there too.
 //!
+//! What it is sent and sends ([`Command`], [`Delivery`], [`Snapshot`]) is defined in the
+//! leaf module both sides share (`command.rs`) and re-exported here.
+//!
 //! # Invariants
 //! 1. A request's channel receives, in order, one [`Delivery::First`], then
 //!    [`Delivery::Token`]s, then [`Delivery::Finished`], unless it is aborted.
@@ -32,109 +35,17 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use engine::RequestId;
-use sim::engine::{EngineConfig, EngineStats, Load, NewRequest, Output, RemotePrefill, SimEngine};
-use tokio::sync::{mpsc, oneshot, watch};
+use sim::engine::{EngineConfig, NewRequest, Output, SimEngine};
+use tokio::sync::{mpsc, watch};
 use transport::zmq::VllmPublisher;
 use wire::kv_events::WireBatch;
 
-use super::LOG_TARGET;
-use super::faults::{BatchObserver, Faults, Probe};
+pub use super::command::{Command, Delivery, Snapshot};
+
+use super::command::LOG_TARGET;
+use super::error::{Result, WorkerError};
+use super::faults::{BatchObserver, Faults, Probe, REBIND_FOR};
 use super::trtllm::TrtllmEvents;
-
-/// What the driver is asked to do.
-#[derive(Debug)]
-pub enum Command {
-    /// Queue a request (its id is assigned by the driver) and send its outputs to `out`;
-    /// `ack` gets the id, or the engine's refusal.
-    Add {
-        /// The prompt's token ids.
-        prompt: Vec<u32>,
-        /// Tokens to generate.
-        max_tokens: u32,
-        /// `Some`: its prompt was prefilled by another worker (disaggregated decode).
-        remote_prefill: Option<RemotePrefill>,
-        /// Where its outputs go.
-        out: mpsc::UnboundedSender<Delivery>,
-        /// The id it got, or why it was refused.
-        ack: oneshot::Sender<sim::Result<RequestId>>,
-    },
-    /// Drop a request (its client went away). Unknown ids are ignored.
-    Abort(RequestId),
-    /// Tell which pages hold the leading cached full blocks of `prompt` (base model), in
-    /// order ([`SimEngine::cached_prefix_pages`]).
-    Lookup {
-        /// The prompt's token ids.
-        prompt: Vec<u32>,
-        /// The pages' indices.
-        ack: oneshot::Sender<Vec<u32>>,
-    },
-    /// Withhold the engine's next `n` batches: numbered and kept for replay, not sent
-    /// (vLLM format).
-    Withhold {
-        /// Batches to withhold.
-        n: u64,
-        /// Done, or why not.
-        ack: oneshot::Sender<super::Result<()>>,
-    },
-    /// Publish batches that are not the engine's, back to back (not shown to the observer,
-    /// never withheld); `ack` gets how long that took.
-    PublishExtra {
-        /// The batches, as they are to be sent.
-        batches: Vec<WireBatch>,
-        /// The time taken, or why nothing was published.
-        ack: oneshot::Sender<super::Result<Duration>>,
-    },
-    /// End any withholding and publish an empty batch (so a trailing gap shows).
-    Heartbeat {
-        /// Done.
-        ack: oneshot::Sender<()>,
-    },
-    /// Kill the worker's "process" and start it again after `down` (see
-    /// [`super::SimWorkerHandle::restart`]).
-    Restart {
-        /// How long it stays down.
-        down: Duration,
-        /// Done, or why not.
-        ack: oneshot::Sender<super::Result<()>>,
-    },
-    /// Tell whether the worker is idle, and what its engine caches.
-    Probe {
-        /// The answer.
-        ack: oneshot::Sender<Probe>,
-    },
-}
-
-/// One output of one request, as its HTTP handler sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Delivery {
-    /// The first generated token: prefill is complete.
-    First {
-        /// The token id.
-        token: u32,
-        /// Tokens of the prompt.
-        prompt_tokens: u32,
-        /// Prompt tokens served from the prefix cache.
-        cached_tokens: u32,
-    },
-    /// A later token.
-    Token(u32),
-    /// The request is complete.
-    Finished {
-        /// Tokens generated.
-        output_tokens: u32,
-    },
-}
-
-/// The engine's state as `/load` shows it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Snapshot {
-    /// Queues and KV usage.
-    pub load: Load,
-    /// Counters.
-    pub stats: EngineStats,
-    /// Simulated time at the end of the last step.
-    pub sim_time: Duration,
-}
 
 /// Where the driver hands the engine's KV events.
 pub(super) enum EventSink {
@@ -413,6 +324,110 @@ impl Driver {
             stats: self.engine.stats(),
             sim_time: self.last_end,
         });
+    }
+}
+
+/// The driver's side of the faults ([`super::faults`]): the fault commands, run between
+/// steps (the faults' invariant 1).
+impl Driver {
+    pub(super) fn start_withholding(&mut self, n: u64) -> Result<()> {
+        if !matches!(self.sink, EventSink::Zmq(_)) {
+            return Err(WorkerError::Unsupported("withholding batches"));
+        }
+        self.withhold = n;
+        self.faults.counters.withhold_pending.store(n, Relaxed);
+        Ok(())
+    }
+
+    pub(super) async fn publish_extra(&mut self, batches: Vec<WireBatch>) -> Result<Duration> {
+        let began = Instant::now();
+        let n = batches.len() as u64;
+        match &mut self.sink {
+            EventSink::Trtllm(events) => batches.iter().for_each(|b| events.push_batch(b)),
+            EventSink::Zmq(z) => {
+                let Some(p) = z.publisher.as_mut() else {
+                    return Err(WorkerError::Stopped);
+                };
+                for b in &batches {
+                    if let Err(e) = p.publish(b).await {
+                        tracing::warn!(target: LOG_TARGET, endpoint = p.endpoint(),
+                                       "cannot publish an extra batch: {e}");
+                    }
+                }
+            }
+        }
+        self.faults.counters.extra.fetch_add(n, Relaxed);
+        Ok(began.elapsed())
+    }
+
+    pub(super) async fn heartbeat(&mut self) {
+        // A heartbeat closes any withholding that found no batch to withhold.
+        self.withhold = 0;
+        self.faults.counters.withhold_pending.store(0, Relaxed);
+        let EventSink::Zmq(z) = &mut self.sink else {
+            return;
+        };
+        let Some(p) = z.publisher.as_mut() else {
+            return;
+        };
+        let empty = WireBatch {
+            ts: wall_ts(),
+            dp_rank: Some(self.engine_config.dp_rank),
+            events: Vec::new(),
+            unknown_events: 0,
+        };
+        if let Err(e) = p.publish(&empty).await {
+            tracing::warn!(target: LOG_TARGET, endpoint = p.endpoint(),
+                           "cannot publish a heartbeat: {e}");
+        }
+        self.faults.counters.heartbeats.fetch_add(1, Relaxed);
+    }
+
+    /// See [`super::SimWorkerHandle::restart`] and the faults' invariant 3 ([`super::faults`]).
+    pub(super) async fn restart(&mut self, down: Duration) -> Result<()> {
+        let EventSink::Zmq(z) = &mut self.sink else {
+            return Err(WorkerError::Unsupported("a restart"));
+        };
+        z.publisher = None;
+        let (endpoint, replay, buffer) = (z.endpoint.clone(), z.replay.clone(), z.buffer);
+        self.faults.set_restarting(true);
+        self.withhold = 0;
+        let counters = &self.faults.counters;
+        counters.withhold_pending.store(0, Relaxed);
+        counters
+            .failed
+            .fetch_add(self.requests.len() as u64, Relaxed);
+        self.requests.clear();
+        tokio::select! {
+            () = tokio::time::sleep(down) => {}
+            _ = self.shutdown.changed() => return Err(WorkerError::Stopped),
+        }
+        // The configuration was validated when the worker started.
+        self.engine = SimEngine::new(self.engine_config.clone())?;
+        if let Some(observer) = &mut self.observer {
+            observer.restarted();
+        }
+        self.epoch = Instant::now();
+        self.busy = false;
+        self.last_end = Duration::ZERO;
+        self.publish_snapshot();
+        let began = Instant::now();
+        let publisher = loop {
+            match VllmPublisher::bind(&endpoint, Some(&replay), buffer).await {
+                Ok(p) => break p,
+                Err(_) if began.elapsed() < REBIND_FOR && !self.stopping() => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        if let EventSink::Zmq(z) = &mut self.sink {
+            z.publisher = Some(publisher);
+        }
+        self.faults.counters.restarts.fetch_add(1, Relaxed);
+        self.faults.set_restarting(false);
+        tracing::info!(target: LOG_TARGET, %endpoint, "simulated worker restarted");
+        Ok(())
     }
 }
 

@@ -8,6 +8,13 @@
 //!
 //! Workers nobody breaks pay for this with a few relaxed counters.
 //!
+//! This module holds what the faults' three parties share: the state ([`Counters`], the
+//! HTTP mode, whether the server is up), the observer and probe types. Each party's side
+//! lives with it: the handle's fault methods ([`SimWorkerHandle::withhold`],
+//! [`SimWorkerHandle::restart`], ..) in `handle.rs`, the driver's (the fault commands it
+//! runs) in [`super::driver`], the HTTP server's (500s, refusals) in `http.rs` and
+//! `listen.rs`.
+//!
 //! # Invariants
 //! 1. Faults run in the driver between steps, after the last step's batches were handed
 //!    on: a fault never splits a step's batches.
@@ -28,19 +35,17 @@
 //! `Faults` is shared by the driver, the HTTP server and the handle. Counters and the mode
 //! are relaxed atomics (read for reports and between requests, never to order other
 //! memory); whether the server is up is a `watch` the accept loop waits on.
+//!
+//! [`SimWorkerHandle::publish_extra`]: super::SimWorkerHandle::publish_extra
+//! [`SimWorkerHandle::withhold`]: super::SimWorkerHandle::withhold
+//! [`SimWorkerHandle::restart`]: super::SimWorkerHandle::restart
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use sim::engine::SimEngine;
-use tokio::sync::{oneshot, watch};
-use transport::zmq::VllmPublisher;
+use tokio::sync::watch;
 use wire::kv_events::WireBatch;
-
-use super::driver::{Command, Driver, EventSink, wall_ts};
-use super::error::{Result, WorkerError};
-use super::{LOG_TARGET, SimWorkerHandle};
 
 /// How long the re-bind of a restarted worker's ports is retried.
 pub(super) const REBIND_FOR: Duration = Duration::from_secs(10);
@@ -66,9 +71,11 @@ pub struct Counters {
     pub withheld: AtomicU64,
     /// Engine batches still to withhold.
     pub withhold_pending: AtomicU64,
-    /// Batches published through [`SimWorkerHandle::publish_extra`].
+    /// Batches published through
+    /// [`SimWorkerHandle::publish_extra`](super::SimWorkerHandle::publish_extra).
     pub extra: AtomicU64,
-    /// Empty batches published by [`SimWorkerHandle::heartbeat`].
+    /// Empty batches published by
+    /// [`SimWorkerHandle::heartbeat`](super::SimWorkerHandle::heartbeat).
     pub heartbeats: AtomicU64,
     /// Completions (`/v1/completions`, `/v1/chat/completions`) answered 200.
     pub completions: AtomicU64,
@@ -90,7 +97,7 @@ pub trait BatchObserver: Send + 'static {
     fn restarted(&mut self);
 }
 
-/// The answer to [`SimWorkerHandle::probe`].
+/// The answer to [`SimWorkerHandle::probe`](super::SimWorkerHandle::probe).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Probe {
     /// No request in flight and no engine work: no KV event can come until the next
@@ -128,12 +135,12 @@ impl Faults {
         }
     }
 
-    fn set_mode(&self, mode: HttpMode) {
+    pub(super) fn set_mode(&self, mode: HttpMode) {
         self.mode.store(mode as u8, Relaxed);
         self.refresh();
     }
 
-    fn set_restarting(&self, restarting: bool) {
+    pub(super) fn set_restarting(&self, restarting: bool) {
         self.restarting.store(restarting, Relaxed);
         self.refresh();
     }
@@ -146,181 +153,5 @@ impl Faults {
     /// Follows whether the HTTP server should be up.
     pub(super) fn watch_up(&self) -> watch::Receiver<bool> {
         self.up.subscribe()
-    }
-}
-
-impl SimWorkerHandle {
-    /// Its counters (over all its lives).
-    pub fn counters(&self) -> &Counters {
-        &self.faults.counters
-    }
-
-    /// Sets what its HTTP server does from now on.
-    pub fn set_http(&self, mode: HttpMode) {
-        self.faults.set_mode(mode);
-    }
-
-    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T> {
-        let (ack, answer) = oneshot::channel();
-        self.commands
-            .send(make(ack))
-            .await
-            .map_err(|_| WorkerError::Stopped)?;
-        answer.await.map_err(|_| WorkerError::Stopped)
-    }
-
-    /// Withholds the engine's next `n` batches: numbered and kept for replay, not sent (a
-    /// seq gap a subscriber sees at the next batch sent).
-    ///
-    /// # Errors
-    /// [`WorkerError::Stopped`]; [`WorkerError::Unsupported`] for a TensorRT-LLM-format
-    /// worker.
-    pub async fn withhold(&self, n: u64) -> Result<()> {
-        self.ask(|ack| Command::Withhold { n, ack }).await?
-    }
-
-    /// Publishes `batches` (not the engine's: a synthetic burst) back to back, after every
-    /// batch the engine produced so far; returns how long publishing took. A
-    /// TensorRT-LLM-format worker buffers their events instead.
-    ///
-    /// # Errors
-    /// [`WorkerError::Stopped`].
-    pub async fn publish_extra(&self, batches: Vec<WireBatch>) -> Result<Duration> {
-        self.ask(|ack| Command::PublishExtra { batches, ack })
-            .await?
-    }
-
-    /// Ends any withholding and publishes an empty batch, so that a gap left by the last
-    /// batches shows to a subscriber.
-    ///
-    /// # Errors
-    /// [`WorkerError::Stopped`].
-    pub async fn heartbeat(&self) -> Result<()> {
-        self.ask(|ack| Command::Heartbeat { ack }).await
-    }
-
-    /// Kills the worker's "process" (HTTP refused and its connections reset, requests in
-    /// flight dropped, publisher closed), waits `down`, and starts it again: an empty
-    /// cache, a new publisher on the same endpoints numbering from 0, HTTP on the same port
-    /// (unless [`HttpMode::Refuse`] is set). Returns once it is back.
-    ///
-    /// # Errors
-    /// [`WorkerError::Stopped`]; [`WorkerError::Unsupported`] for a TensorRT-LLM-format
-    /// worker; [`WorkerError::Transport`] when its ports could not be bound again within
-    /// 10 s (it then stays down).
-    pub async fn restart(&self, down: Duration) -> Result<()> {
-        self.ask(|ack| Command::Restart { down, ack }).await?
-    }
-
-    /// Whether the worker is idle, and what its engine caches, as of now (every command
-    /// sent before this one has been handled).
-    ///
-    /// # Errors
-    /// [`WorkerError::Stopped`].
-    pub async fn probe(&self) -> Result<Probe> {
-        self.ask(|ack| Command::Probe { ack }).await
-    }
-}
-
-/// The driver's side of the faults.
-impl Driver {
-    pub(super) fn start_withholding(&mut self, n: u64) -> Result<()> {
-        if !matches!(self.sink, EventSink::Zmq(_)) {
-            return Err(WorkerError::Unsupported("withholding batches"));
-        }
-        self.withhold = n;
-        self.faults.counters.withhold_pending.store(n, Relaxed);
-        Ok(())
-    }
-
-    pub(super) async fn publish_extra(&mut self, batches: Vec<WireBatch>) -> Result<Duration> {
-        let began = Instant::now();
-        let n = batches.len() as u64;
-        match &mut self.sink {
-            EventSink::Trtllm(events) => batches.iter().for_each(|b| events.push_batch(b)),
-            EventSink::Zmq(z) => {
-                let Some(p) = z.publisher.as_mut() else {
-                    return Err(WorkerError::Stopped);
-                };
-                for b in &batches {
-                    if let Err(e) = p.publish(b).await {
-                        tracing::warn!(target: LOG_TARGET, endpoint = p.endpoint(),
-                                       "cannot publish an extra batch: {e}");
-                    }
-                }
-            }
-        }
-        self.faults.counters.extra.fetch_add(n, Relaxed);
-        Ok(began.elapsed())
-    }
-
-    pub(super) async fn heartbeat(&mut self) {
-        // A heartbeat closes any withholding that found no batch to withhold.
-        self.withhold = 0;
-        self.faults.counters.withhold_pending.store(0, Relaxed);
-        let EventSink::Zmq(z) = &mut self.sink else {
-            return;
-        };
-        let Some(p) = z.publisher.as_mut() else {
-            return;
-        };
-        let empty = WireBatch {
-            ts: wall_ts(),
-            dp_rank: Some(self.engine_config.dp_rank),
-            events: Vec::new(),
-            unknown_events: 0,
-        };
-        if let Err(e) = p.publish(&empty).await {
-            tracing::warn!(target: LOG_TARGET, endpoint = p.endpoint(),
-                           "cannot publish a heartbeat: {e}");
-        }
-        self.faults.counters.heartbeats.fetch_add(1, Relaxed);
-    }
-
-    /// See [`SimWorkerHandle::restart`] and invariant 3.
-    pub(super) async fn restart(&mut self, down: Duration) -> Result<()> {
-        let EventSink::Zmq(z) = &mut self.sink else {
-            return Err(WorkerError::Unsupported("a restart"));
-        };
-        z.publisher = None;
-        let (endpoint, replay, buffer) = (z.endpoint.clone(), z.replay.clone(), z.buffer);
-        self.faults.set_restarting(true);
-        self.withhold = 0;
-        let counters = &self.faults.counters;
-        counters.withhold_pending.store(0, Relaxed);
-        counters
-            .failed
-            .fetch_add(self.requests.len() as u64, Relaxed);
-        self.requests.clear();
-        tokio::select! {
-            () = tokio::time::sleep(down) => {}
-            _ = self.shutdown.changed() => return Err(WorkerError::Stopped),
-        }
-        // The configuration was validated when the worker started.
-        self.engine = SimEngine::new(self.engine_config.clone())?;
-        if let Some(observer) = &mut self.observer {
-            observer.restarted();
-        }
-        self.epoch = Instant::now();
-        self.busy = false;
-        self.last_end = Duration::ZERO;
-        self.publish_snapshot();
-        let began = Instant::now();
-        let publisher = loop {
-            match VllmPublisher::bind(&endpoint, Some(&replay), buffer).await {
-                Ok(p) => break p,
-                Err(_) if began.elapsed() < REBIND_FOR && !self.stopping() => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        };
-        if let EventSink::Zmq(z) = &mut self.sink {
-            z.publisher = Some(publisher);
-        }
-        self.faults.counters.restarts.fetch_add(1, Relaxed);
-        self.faults.set_restarting(false);
-        tracing::info!(target: LOG_TARGET, %endpoint, "simulated worker restarted");
-        Ok(())
     }
 }

@@ -22,12 +22,11 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use engine::RequestId;
 use serde_json::Value;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::bootstrap::{self, HttpClient, Rooms};
+use super::command::Command;
 use super::disagg::{Disagg, trt_context_params, vllm_prefill_params};
-use super::driver::Command;
-use super::http::AppState;
 use super::openai::{OpenAiError, Parsed};
 use super::transfer::TransferModel;
 use sim::engine::RemotePrefill;
@@ -78,10 +77,14 @@ fn stopping() -> OpenAiError {
     OpenAiError::unavailable("the simulated worker is shutting down")
 }
 
-/// The pages holding the leading cached full blocks of `prompt` on this worker.
-async fn lookup(s: &AppState, prompt: Vec<u32>) -> Result<Vec<u32>, OpenAiError> {
+/// The pages holding the leading cached full blocks of `prompt` on this worker (its
+/// driver's `commands`).
+async fn lookup(
+    commands: &mpsc::Sender<Command>,
+    prompt: Vec<u32>,
+) -> Result<Vec<u32>, OpenAiError> {
     let (ack, answer) = oneshot::channel();
-    s.commands
+    commands
         .send(Command::Lookup { prompt, ack })
         .await
         .map_err(|_| stopping())?;
@@ -93,9 +96,13 @@ fn wall(d: Duration, speedup: f64) -> Duration {
     Duration::try_from_secs_f64(d.as_secs_f64() / speedup).unwrap_or(Duration::MAX)
 }
 
-/// Waits for the KV of a decode side's prompt (see the module docs).
-pub(super) async fn receive(s: &AppState, parsed: &Parsed) -> Result<RemotePrefill, OpenAiError> {
-    let h = &s.handoff;
+/// Waits for the KV of a decode side's prompt (see the module docs); `commands` reach this
+/// worker's driver.
+pub(super) async fn receive(
+    h: &Handoff,
+    commands: &mpsc::Sender<Command>,
+    parsed: &Parsed,
+) -> Result<RemotePrefill, OpenAiError> {
     if let Disagg::Sglang(b) = &parsed.disagg {
         let timeout = h.bootstrap_timeout.saturating_add(POLL_MARGIN);
         let prefilled = bootstrap::poll(&h.client, b, timeout)
@@ -112,7 +119,7 @@ pub(super) async fn receive(s: &AppState, parsed: &Parsed) -> Result<RemotePrefi
     }
     let tokens = parsed.prompt.len() as u64;
     let bs = u64::from(h.block_size.max(1));
-    let cached_blocks = lookup(s, parsed.prompt.clone()).await?.len() as u64;
+    let cached_blocks = lookup(commands, parsed.prompt.clone()).await?.len() as u64;
     // The engine never hits the block holding the last prompt token.
     let cached = cached_blocks.min(tokens.saturating_sub(1) / bs) * bs;
     let transfer = h.transfer.time(tokens - cached);
@@ -124,18 +131,19 @@ pub(super) async fn receive(s: &AppState, parsed: &Parsed) -> Result<RemotePrefi
     Ok(RemotePrefill { first_token })
 }
 
-/// Adds the prefill side's fields to a whole answer (see [`super::disagg`]).
+/// Adds the prefill side's fields to a whole answer (see [`super::disagg`]); `commands`
+/// reach this worker's driver.
 pub(super) async fn annotate(
-    s: &AppState,
+    h: &Handoff,
+    commands: &mpsc::Sender<Command>,
     disagg: &Disagg,
     done: Prefilled,
     answer: &mut Value,
 ) -> Result<(), OpenAiError> {
-    let h = &s.handoff;
     match disagg {
         Disagg::VllmPrefill => {
             let pages = match done.prompt {
-                Some(prompt) => lookup(s, prompt).await?,
+                Some(prompt) => lookup(commands, prompt).await?,
                 None => Vec::new(),
             };
             if let Some(m) = answer.as_object_mut() {

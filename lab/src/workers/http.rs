@@ -47,8 +47,8 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::bootstrap::{self, RoomGuard};
+use super::command::{Command, Delivery, Snapshot};
 use super::disagg::{Disagg, Side};
-use super::driver::{Command, Delivery, Snapshot};
 use super::faults::{Faults, HttpMode};
 use super::handoff::{self, Handoff};
 use super::openai::{Api, Envelope, OpenAiError, Usage, model_not_found, parse};
@@ -283,7 +283,7 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
     let side = parsed.disagg.side(s.role);
     // A decode side first receives the prompt's KV (502 if its prefill cannot be reached).
     let remote_prefill = match side {
-        Side::Decode => match handoff::receive(s, &parsed).await {
+        Side::Decode => match handoff::receive(&s.handoff, &s.commands, &parsed).await {
             Ok(r) => Some(r),
             Err(e) => return e.into_response(),
         },
@@ -350,7 +350,9 @@ async fn serve(s: &AppState, api: Api, body: &[u8]) -> Response {
         first_token: got.first_token,
         prompt,
     };
-    if let Err(e) = handoff::annotate(s, &parsed.disagg, done, &mut answer).await {
+    if let Err(e) =
+        handoff::annotate(&s.handoff, &s.commands, &parsed.disagg, done, &mut answer).await
+    {
         return e.into_response();
     }
     Json(answer).into_response()

@@ -23,7 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use super::LOG_TARGET;
+use super::command::LOG_TARGET;
 use super::faults::REBIND_FOR;
 
 /// Binds `addr` again after the server was down (invariant 2).

@@ -38,7 +38,10 @@
 //! 4. Everything is generated here, before any indexer exists (the harness measures
 //!    memory from the indexer's creation on).
 
-use super::{MAX_SIZE, Phase, PhaseBuilder, Query, Rng, WorkloadKind};
+use super::phase::{Phase, PhaseBuilder};
+use super::query::Query;
+use super::rng::Rng;
+use super::spec::{MAX_SIZE, WorkloadKind};
 use anyhow::{Result, bail};
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{BASE_SEED, seq_hash};

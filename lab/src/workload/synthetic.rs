@@ -33,10 +33,11 @@
 //! 2. Every (worker, group) prompt is stored exactly once and removed exactly once.
 //! 3. Mixed rounds run in pairs (out, back), which leave the live set as they found it.
 
-use super::{
-    CheckedQuery, MixedPhases, PhaseBuilder, Plan, PlanShape, Query, Rng, WorkloadSpec,
-    block_tokens, deal_queries, engine_hash_of, random_continuation,
-};
+use super::phase::PhaseBuilder;
+use super::plan::{MixedPhases, Plan, PlanShape};
+use super::query::{CheckedQuery, Query, deal_queries, random_continuation};
+use super::rng::{Rng, block_tokens, engine_hash_of};
+use super::spec::WorkloadSpec;
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{BASE_SEED, seq_hash, tokens_hash};
 use engine::{EngineHash, SeqHash, WorkerKey};

@@ -27,10 +27,11 @@
 //! 3. A block's tokens depend only on its hash id and position: prefix sharing in the
 //!    trace survives expansion exactly, at any block size dividing 512.
 
-use super::{
-    CheckedQuery, MixedPhases, PhaseBuilder, Plan, PlanShape, Query, Rng, TraceAssign,
-    WorkloadSpec, deal_queries, engine_hash_of, mix_all, mix64, random_continuation,
-};
+use super::phase::PhaseBuilder;
+use super::plan::{MixedPhases, Plan, PlanShape};
+use super::query::{CheckedQuery, Query, deal_queries, random_continuation};
+use super::rng::{Rng, engine_hash_of, mix_all, mix64};
+use super::spec::{TraceAssign, WorkloadSpec};
 use anyhow::{Context, Result, bail};
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{BASE_SEED, seq_hash, tokens_hashes};
@@ -447,10 +448,10 @@ mod tests {
 
     fn spec(workers: u64, capacity: usize) -> WorkloadSpec {
         WorkloadSpec {
-            kind: super::super::WorkloadKind::Trace,
+            kind: super::super::spec::WorkloadKind::Trace,
             workers,
             queries: 50,
-            trace: Some(super::super::TraceSpec {
+            trace: Some(super::super::spec::TraceSpec {
                 path: "inline".into(),
                 assign: TraceAssign::RoundRobin,
                 capacity: Some(capacity),
