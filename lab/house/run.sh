@@ -16,6 +16,7 @@ RUNS=${RUNS:-5}
 CONNS=${CONNS:-16}
 DURATION=${DURATION:-8s}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 echo "raw output in $OUT"
 "$B" bench memlat 2>&1 | tail -3 | sed 's/^/memlat before: /'
 
