@@ -889,15 +889,32 @@ async fn a_same_process_reconnection_loses_and_clears_nothing() {
     rig.stop(publisher).await;
 }
 
+/// A publisher with a replay socket, on free ports.
+async fn publisher_with_replay() -> VllmPublisher {
+    VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
+        .await
+        .unwrap()
+}
+
+/// Kills `publisher` (SIGKILL) behind its relays, cut off, and waits until the router's
+/// stream shows it connecting.
+async fn kill_behind_relays(hub: &Hub, publisher: VllmPublisher, live: &Relay, replay: &Relay) {
+    live.cut_off();
+    replay.cut_off();
+    drop(publisher);
+    wait_for("connecting", || {
+        stream_of(hub) == Some(StreamState::Connecting)
+    })
+    .await;
+}
+
 /// A worker killed and restarted while the router is cut off: the new process numbers from
 /// 0 again. On reconnection its replay does not hold the last batch applied, so the old
 /// blocks are cleared (a restart) before anything of the new process is trusted, and the
 /// new process's whole history (from 0) is replayed: the index is exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restarted_while_disconnected_is_cleared_before_its_new_blocks() {
-    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
-        .await
-        .unwrap();
+    let mut publisher = publisher_with_replay().await;
     let (rig, live, replay) = setup_relayed(32, &mut publisher).await;
     let hub = rig.hub.clone();
     publisher
@@ -910,21 +927,13 @@ async fn a_publisher_restarted_while_disconnected_is_cleared_before_its_new_bloc
         .unwrap();
     wait_for("prompt 2", || !overlap(&hub, 2, 2).is_empty()).await;
 
-    live.cut_off();
-    replay.cut_off();
-    drop(publisher); // SIGKILL
-    wait_for("connecting", || {
-        stream_of(&hub) == Some(StreamState::Connecting)
-    })
-    .await;
+    kill_behind_relays(&hub, publisher, &live, &replay).await;
     assert_eq!(
         overlap(&hub, 1, 2),
         vec![],
         "not routed on while unverified"
     );
-    let mut restarted = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
-        .await
-        .unwrap();
+    let mut restarted = publisher_with_replay().await;
     // Its first batches go out before the router is back.
     restarted
         .publish(&batch(0, vec![store(3, 1)]))
@@ -962,9 +971,7 @@ async fn a_publisher_restarted_while_disconnected_is_cleared_before_its_new_bloc
 /// timed out three times and resynced the worker in the soak).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_publisher_with_nothing_published_yet_replays_an_empty_history() {
-    let mut publisher = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
-        .await
-        .unwrap();
+    let mut publisher = publisher_with_replay().await;
     let (rig, live, replay) = setup_relayed(33, &mut publisher).await;
     let hub = rig.hub.clone();
     publisher
@@ -973,16 +980,8 @@ async fn a_restarted_publisher_with_nothing_published_yet_replays_an_empty_histo
         .unwrap();
     wait_for("prompt 1", || !overlap(&hub, 1, 2).is_empty()).await;
 
-    live.cut_off();
-    replay.cut_off();
-    drop(publisher); // SIGKILL
-    wait_for("connecting", || {
-        stream_of(&hub) == Some(StreamState::Connecting)
-    })
-    .await;
-    let mut restarted = VllmPublisher::bind("tcp://127.0.0.1:0", Some("tcp://127.0.0.1:0"), 64)
-        .await
-        .unwrap();
+    kill_behind_relays(&hub, publisher, &live, &replay).await;
+    let mut restarted = publisher_with_replay().await;
     replay.reopen(restarted.replay_endpoint().unwrap());
     live.reopen(restarted.endpoint());
     let m = hub.metrics();

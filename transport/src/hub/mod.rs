@@ -397,12 +397,16 @@ impl Hub {
     /// seen in the worker's events): a load report never creates a routing candidate.
     pub fn update_load(&self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
         load.validate()?;
-        match self.registry.check_rank(key)? {
-            RankCheck::Known => self.routing.update_load(key, load),
-            RankCheck::NewRank => Err(TransportError::UnknownRank {
-                worker: key.worker.0,
-                dp_rank: key.dp_rank.0,
-            }),
+        match self.registry.check_rank(key) {
+            Ok(RankCheck::Known) => self.routing.update_load(key, load),
+            // A rank the worker does not have is unknown, whether or not it could join.
+            Ok(RankCheck::NewRank) | Err(TransportError::TooManyRanks { .. }) => {
+                Err(TransportError::UnknownRank {
+                    worker: key.worker.0,
+                    dp_rank: key.dp_rank.0,
+                })
+            }
+            Err(e) => Err(e),
         }
     }
 }
