@@ -92,6 +92,14 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
           default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT)]
     pub router_stall_weight: f64,
+    /// Predict-on-route: each routing decision also counts as the chosen worker holding
+    /// the prompt's blocks for this many milliseconds (refreshed by each later decision for
+    /// them), so that requests sharing a prefix that arrive before the worker's KV events
+    /// find it there; a worker's overlap is the larger of its indexed and predicted ones.
+    /// 0: off. Ignored with --no-kv-events (where every overlap is predicted).
+    #[arg(long, env = "KVENGINE_PREDICT_ON_ROUTE_MS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub predict_on_route_ms: u64,
     /// Tokens per KV block; must equal the workers' page size (default 16, vLLM's and
     /// SGLang's; 32, TensorRT-LLM's `tokens_per_block`, when every worker with KV events is
     /// a TensorRT-LLM one).
@@ -406,6 +414,8 @@ impl ServeArgs {
             stall_weight: self.router_stall_weight,
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
+            predict_on_route: (self.predict_on_route_ms > 0)
+                .then(|| Duration::from_millis(self.predict_on_route_ms)),
         };
         config.validate().context(
             "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight, \

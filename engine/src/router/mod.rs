@@ -19,6 +19,11 @@
 //!    name can neither be finished locally nor block a local name). Its blocks count in
 //!    its worker's load exactly as a local request's would, so a block two replicas' requests
 //!    share counts once; in approximate mode it is a prediction too (invariant 3).
+//! 6. With predict-on-route ([`SchedulerConfig::predict_on_route`], exact mode only) every
+//!    decision, local or a peer's, is also recorded as a prediction that expires after the
+//!    configured time, and a key's overlap in a decision is the larger of its indexed and
+//!    its predicted overlap: the index is never overruled downwards, and a prediction
+//!    outlives neither its time nor its worker.
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -139,7 +144,13 @@ pub struct Router {
     remote_names: HashMap<RequestId, (ReplicaId, String)>,
     cached: HashMap<WorkerKey, u64>,
     approx: Option<ApproxIndex>,
+    /// Predict-on-route's predictions (exact mode only, invariant 6).
+    predicted: Option<ApproxIndex>,
 }
+
+/// Blocks predict-on-route keeps per worker key at most: predictions live for seconds, so
+/// this only bounds memory against a flood of distinct prompts (the earliest-expiring go).
+pub const MAX_PREDICTED_BLOCKS_PER_KEY: usize = 1 << 18;
 
 /// A request a peer replica routed ([`Router::add_remote`]).
 #[derive(Clone, Copy, Debug)]
@@ -175,7 +186,15 @@ pub struct LocalRequest {
 impl Router {
     /// A router with no workers; `approx`: route without KV events (approximate mode).
     pub fn new(config: SchedulerConfig, approx: Option<ApproxConfig>) -> Result<Self> {
+        let predicted = match (approx, config.predict_on_route) {
+            (None, Some(ttl)) => Some(ApproxIndex::new(ApproxConfig {
+                ttl,
+                max_blocks_per_worker: MAX_PREDICTED_BLOCKS_PER_KEY,
+            })?),
+            _ => None,
+        };
         Ok(Self {
+            predicted,
             scheduler: Scheduler::new(config)?,
             namespace: String::new(),
             ids: HashMap::new(),
@@ -210,6 +229,11 @@ impl Router {
     /// is gone rather than unhealthy).
     pub fn remove_worker(&mut self, worker: WorkerId, forget: bool) {
         self.scheduler.remove_worker(worker);
+        // A prediction outlives neither its time nor its worker (invariant 6), even an
+        // unhealthy one's: its cache may be gone when it comes back.
+        if let Some(p) = &mut self.predicted {
+            p.remove_worker(worker);
+        }
         let gone: Vec<RequestId> = self
             .names
             .keys()
@@ -310,6 +334,15 @@ impl Router {
             input_tokens: call.tokens.len() as u64,
             overrides: call.overrides,
         };
+        let merged;
+        let matches = match &mut self.predicted {
+            Some(p) => {
+                p.expire(now);
+                merged = matches.max_with(&p.find_matches(seqs));
+                &merged
+            }
+            None => matches,
+        };
         let cached = &self.cached;
         let decision = self
             .scheduler
@@ -324,7 +357,7 @@ impl Router {
         self.next_id += 1;
         self.ids.insert(name.clone(), id);
         self.names.insert(id, name.clone());
-        if let Some(a) = &mut self.approx {
+        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
             a.insert(now, decision.worker, seqs);
         }
         Ok(Routed {
@@ -403,8 +436,9 @@ impl Router {
         self.next_id += 1;
         self.remote.insert(scoped.clone(), id);
         self.remote_names.insert(id, scoped);
-        // In approximate mode a peer's decision predicts the worker's cache as ours would.
-        if let Some(a) = &mut self.approx {
+        // In approximate mode (and with predict-on-route) a peer's decision predicts the
+        // worker's cache as ours would.
+        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
             a.insert(now, request.key, request.blocks);
         }
         Ok(true)
@@ -795,5 +829,77 @@ mod tests {
         r.add_remote(now, &peer).unwrap();
         let m = r.predicted_matches(now, &theirs).unwrap();
         assert_eq!(m.overlap(WorkerKey::new(8, 0)), 3);
+    }
+
+    #[test]
+    fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
+        use std::time::Duration;
+        let ttl = Duration::from_secs(2);
+        let config = SchedulerConfig {
+            predict_on_route: Some(ttl),
+            ..SchedulerConfig::default()
+        };
+        let mut r = Router::new(config, None).unwrap();
+        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+        for k in [a, b] {
+            r.add_worker(k, WorkerRole::default()).unwrap();
+        }
+        let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
+        let tokens = [7u32; 128];
+        let call = |name: &str| RouteCall {
+            request_id: Some(name.into()),
+            tokens: &tokens,
+            ..RouteCall::default()
+        };
+        let t0 = Instant::now();
+        let first = r
+            .route(t0, &call("r1"), &seqs, &Matches::default())
+            .unwrap();
+        let warm = first.decision.worker;
+        let cold = if warm == a { b } else { a };
+        // Before any event: the prediction is the only overlap, and it wins the request.
+        let second = r
+            .route(t0 + ttl / 2, &call("r2"), &seqs, &Matches::default())
+            .unwrap();
+        assert_eq!(second.decision.worker, warm);
+        assert_eq!(second.decision.overlap_blocks, 8);
+        // The index is never overruled downwards: a deeper indexed overlap elsewhere counts.
+        let indexed = Matches::from_overlaps([(cold, 8)]);
+        let third = r.route(t0 + ttl / 2, &call("r3"), &seqs, &indexed).unwrap();
+        assert_eq!(third.decision.best_available_overlap_blocks, 8);
+        // Past its time (the r2/r3 refreshes included) the prediction is gone.
+        for n in ["r1", "r2", "r3"] {
+            r.finish(n).unwrap();
+        }
+        let late = r
+            .route(t0 + ttl * 3, &call("r4"), &seqs, &Matches::default())
+            .unwrap();
+        assert_eq!(late.decision.overlap_blocks, 0);
+        assert_eq!(late.decision.best_available_overlap_blocks, 0);
+        // A removed worker's predictions go with it.
+        let again = r
+            .route(t0 + ttl * 3, &call("r5"), &seqs, &Matches::default())
+            .unwrap();
+        r.remove_worker(again.decision.worker.worker, true);
+        let after = r
+            .route(t0 + ttl * 3, &call("r6"), &seqs, &Matches::default())
+            .unwrap();
+        assert_eq!(after.decision.overlap_blocks, 0);
+    }
+
+    #[test]
+    fn predict_on_route_off_leaves_overlaps_to_the_index() {
+        let mut r = router();
+        let seqs: Vec<SeqHash> = (1..=4).map(SeqHash).collect();
+        let now = Instant::now();
+        for name in ["x", "y"] {
+            let call = RouteCall {
+                request_id: Some(name.into()),
+                tokens: &[1; 64],
+                ..RouteCall::default()
+            };
+            let routed = r.route(now, &call, &seqs, &Matches::default()).unwrap();
+            assert_eq!(routed.decision.overlap_blocks, 0);
+        }
     }
 }
