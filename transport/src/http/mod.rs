@@ -19,6 +19,7 @@ pub mod conn;
 pub mod edge_tls;
 mod events;
 pub mod health;
+mod metrics_misses;
 pub mod metrics_text;
 pub mod process;
 pub mod route_body;

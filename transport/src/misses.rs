@@ -1,0 +1,279 @@
+//! Counters of miss attribution and shadow decisions, per model: what `/metrics` reports
+//! as `kvengine_cache_*` and `kvengine_shadow_*` (docs/api.md, "Why requests missed the
+//! cache"). The attribution itself is the engine's ([`engine::router::misses`]); the
+//! front door feeds it ([`crate::openai`]'s relay), and the hub feeds the shadow decisions.
+//!
+//! # Invariants
+//! 1. Models are the router's namespaces (configured or registered, never a client's
+//!    string), workers the registered ones: label cardinality is bounded by the
+//!    configuration.
+//! 2. Every request with a miss probe is counted exactly once: under an outcome (`hit` or a
+//!    cause) or under an unattributed reason.
+//!
+//! # Concurrency
+//! One mutex, held for one update or one scrape's copy; never across anything else.
+
+use engine::WorkerId;
+use engine::router::misses::{Attribution, MissCause, Outcome};
+use engine::sched::ShadowSpec;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// The request header naming the worker another router chose
+/// ([`Shadow::Header`]).
+pub const SHADOW_WORKER_HEADER: &str = "x-kvengine-shadow-worker";
+
+/// What the shadow decisions follow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shadow {
+    /// A policy (or a fixed worker), for every request.
+    Policy(ShadowSpec),
+    /// The worker each request's [`SHADOW_WORKER_HEADER`] names.
+    Header,
+}
+
+impl FromStr for Shadow {
+    type Err = engine::EngineError;
+
+    /// `header`, or a [`ShadowSpec`] (`MODE`, `MODE:COST`, `worker:ID`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "header" => Ok(Self::Header),
+            spec => spec.parse().map(Self::Policy),
+        }
+    }
+}
+
+impl fmt::Display for Shadow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Policy(spec) => spec.fmt(f),
+            Self::Header => f.write_str("header"),
+        }
+    }
+}
+
+/// Upper bounds of the per-request hit-ratio histogram (cached / prompt tokens).
+pub const HIT_RATIO_BUCKETS: [f64; 8] = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0];
+
+/// Why a request could not be attributed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Unattributed {
+    /// The answer ended without a usage object (a stream without
+    /// `stream_options.include_usage`).
+    NoUsage,
+    /// The usage had no `prompt_tokens_details.cached_tokens` (vLLM without
+    /// `--enable-prompt-tokens-details`, SGLang without `--enable-cache-report`).
+    NoCachedTokens,
+    /// The usage was malformed (not a count, or more cached tokens than the prompt has).
+    BadUsage,
+    /// The answer failed or was cut short (an error status, the worker failed mid-answer,
+    /// the client went away).
+    Failed,
+}
+
+impl Unattributed {
+    /// Every reason, in label order.
+    pub const ALL: [Unattributed; 4] = [
+        Self::NoUsage,
+        Self::NoCachedTokens,
+        Self::BadUsage,
+        Self::Failed,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoUsage => "no_usage",
+            Self::NoCachedTokens => "no_cached_tokens",
+            Self::BadUsage => "bad_usage",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// One model's figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ModelMisses {
+    /// Cacheable prompt tokens the workers reported cached.
+    pub hit_tokens: u64,
+    /// Cacheable prompt tokens missed, per [`MissCause::ALL`].
+    pub miss_tokens: [u64; 3],
+    /// Attributed requests by outcome: `hit`, then [`MissCause::ALL`].
+    pub requests: [u64; 4],
+    /// Unattributed requests per [`Unattributed::ALL`].
+    pub unattributed: [u64; 4],
+    /// Hit ratio per request: per bucket of [`HIT_RATIO_BUCKETS`] (not cumulative), then
+    /// the overflow (none: ratios are at most 1).
+    pub hit_ratio: [u64; HIT_RATIO_BUCKETS.len() + 1],
+    /// Sum of the hit ratios.
+    pub hit_ratio_sum: f64,
+    /// Shadowed requests: the shadow chose the same worker key, or another.
+    pub shadow_agreed: [u64; 2],
+    /// Predicted overlap tokens (capped at the cacheable ones) at route time: the active
+    /// decision's, the shadow's.
+    pub shadow_overlap_tokens: [u64; 2],
+    /// Over shadowed requests whose answers were attributed: the tokens the active route
+    /// really found cached, and the tokens the shadow's choice was predicted to hold.
+    pub shadow_realised_tokens: [u64; 2],
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub struct MissCounters {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    models: BTreeMap<String, ModelMisses>,
+    /// Stale tokens per worker (a worker whose events lag, or that evicts unannounced).
+    stale_by_worker: BTreeMap<WorkerId, u64>,
+    /// Shadow decisions that could not be taken (the shadow's worker unknown, ...).
+    shadow_failures: u64,
+}
+
+impl MissCounters {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Counts one attributed request of `model`, served by `worker`, that reported
+    /// `cached_tokens` of `prompt_tokens`; `shadow`: the shadow's predicted overlap tokens,
+    /// if the request was shadowed.
+    pub fn attributed(
+        &self,
+        model: &str,
+        worker: WorkerId,
+        a: &Attribution,
+        cached_tokens: u64,
+        prompt_tokens: u64,
+        shadow: Option<u64>,
+    ) {
+        let mut inner = self.lock();
+        let m = model_entry(&mut inner.models, model);
+        m.hit_tokens = m.hit_tokens.saturating_add(a.hit_tokens());
+        for (i, cause) in MissCause::ALL.into_iter().enumerate() {
+            if let Some(t) = m.miss_tokens.get_mut(i) {
+                *t = t.saturating_add(a.tokens(cause));
+            }
+        }
+        let slot = match a.outcome() {
+            Outcome::Hit => 0,
+            Outcome::Miss(c) => 1 + MissCause::ALL.iter().position(|&x| x == c).unwrap_or(2),
+        };
+        if let Some(n) = m.requests.get_mut(slot) {
+            *n += 1;
+        }
+        let ratio = match prompt_tokens {
+            0 => 1.0,
+            p => (cached_tokens as f64 / p as f64).clamp(0.0, 1.0),
+        };
+        let bucket = HIT_RATIO_BUCKETS.partition_point(|&b| b < ratio);
+        if let Some(n) = m.hit_ratio.get_mut(bucket) {
+            *n += 1;
+        }
+        m.hit_ratio_sum += ratio;
+        if let Some(predicted) = shadow {
+            let [active, other] = &mut m.shadow_realised_tokens;
+            *active = active.saturating_add(cached_tokens);
+            *other = other.saturating_add(predicted);
+        }
+        let stale = a.tokens(MissCause::Stale);
+        if stale > 0 {
+            let w = inner.stale_by_worker.entry(worker).or_insert(0);
+            *w = w.saturating_add(stale);
+        }
+    }
+
+    /// Counts one request of `model` that could not be attributed.
+    pub fn unattributed(&self, model: &str, why: Unattributed) {
+        let mut inner = self.lock();
+        let m = model_entry(&mut inner.models, model);
+        if let Some(n) = m.unattributed.get_mut(why as usize) {
+            *n += 1;
+        }
+    }
+
+    /// Counts one shadowed decision of `model`: whether the shadow agreed, and both
+    /// predicted overlaps in tokens.
+    pub fn shadowed(&self, model: &str, agreed: bool, active_tokens: u64, shadow_tokens: u64) {
+        let mut inner = self.lock();
+        let m = model_entry(&mut inner.models, model);
+        if let Some(n) = m.shadow_agreed.get_mut(usize::from(!agreed)) {
+            *n += 1;
+        }
+        let [a, s] = &mut m.shadow_overlap_tokens;
+        *a = a.saturating_add(active_tokens);
+        *s = s.saturating_add(shadow_tokens);
+    }
+
+    /// Counts a shadow decision that could not be taken.
+    pub fn shadow_failed(&self) {
+        self.lock().shadow_failures += 1;
+    }
+
+    /// A copy of every model's figures, the stale tokens per worker and the shadow
+    /// failures.
+    pub fn snapshot(&self) -> (Vec<(String, ModelMisses)>, Vec<(WorkerId, u64)>, u64) {
+        let inner = self.lock();
+        (
+            inner
+                .models
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            inner
+                .stale_by_worker
+                .iter()
+                .map(|(&w, &n)| (w, n))
+                .collect(),
+            inner.shadow_failures,
+        )
+    }
+}
+
+fn model_entry<'a>(
+    models: &'a mut BTreeMap<String, ModelMisses>,
+    model: &str,
+) -> &'a mut ModelMisses {
+    models.entry(model.to_owned()).or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use engine::router::misses::{Predicted, attribute};
+
+    #[test]
+    fn counts_add_up_per_model_and_worker() {
+        let c = MissCounters::default();
+        let p = Predicted {
+            block_size: 16,
+            prompt_tokens: 100,
+            chosen_blocks: 5,
+            best_blocks: 6,
+        };
+        let a = attribute(&p, 16).unwrap();
+        c.attributed("m", WorkerId(2), &a, 16, 100, Some(96));
+        c.unattributed("m", Unattributed::NoUsage);
+        c.shadowed("m", false, 80, 96);
+        let (models, stale, failures) = c.snapshot();
+        let (name, m) = &models[0];
+        assert_eq!(name, "m");
+        assert_eq!(m.hit_tokens, 16);
+        // 4 stale blocks (5 predicted, 1 had), 1 routing (6 elsewhere), 0 cold.
+        assert_eq!(m.miss_tokens, [16, 64, 0]);
+        assert_eq!(m.requests, [0, 0, 1, 0]);
+        assert_eq!(m.unattributed, [1, 0, 0, 0]);
+        assert_eq!(m.hit_ratio.iter().sum::<u64>(), 1);
+        assert_eq!(m.hit_ratio[2], 1, "0.16 is in the 0.25 bucket");
+        assert_eq!(m.shadow_agreed, [0, 1]);
+        assert_eq!(m.shadow_overlap_tokens, [80, 96]);
+        assert_eq!(m.shadow_realised_tokens, [16, 96]);
+        assert_eq!(stale, [(WorkerId(2), 64)]);
+        assert_eq!(failures, 0);
+    }
+}
