@@ -120,6 +120,17 @@ pub struct ModelMisses {
     pub shadow_realised_tokens: [u64; 2],
 }
 
+/// A copy of the counters ([`MissCounters::snapshot`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MissSnapshot {
+    /// Every model's figures, by name.
+    pub models: Vec<(String, ModelMisses)>,
+    /// Stale miss tokens per chosen worker.
+    pub stale_by_worker: Vec<(WorkerId, u64)>,
+    /// Shadow decisions that could not be taken.
+    pub shadow_failures: u64,
+}
+
 /// See the module docs.
 #[derive(Debug, Default)]
 pub struct MissCounters {
@@ -215,23 +226,22 @@ impl MissCounters {
         self.lock().shadow_failures += 1;
     }
 
-    /// A copy of every model's figures, the stale tokens per worker and the shadow
-    /// failures.
-    pub fn snapshot(&self) -> (Vec<(String, ModelMisses)>, Vec<(WorkerId, u64)>, u64) {
+    /// A copy of every figure.
+    pub fn snapshot(&self) -> MissSnapshot {
         let inner = self.lock();
-        (
-            inner
+        MissSnapshot {
+            models: inner
                 .models
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
-            inner
+            stale_by_worker: inner
                 .stale_by_worker
                 .iter()
                 .map(|(&w, &n)| (w, n))
                 .collect(),
-            inner.shadow_failures,
-        )
+            shadow_failures: inner.shadow_failures,
+        }
     }
 }
 
@@ -260,7 +270,11 @@ mod tests {
         c.attributed("m", WorkerId(2), &a, 16, 100, Some(96));
         c.unattributed("m", Unattributed::NoUsage);
         c.shadowed("m", false, 80, 96);
-        let (models, stale, failures) = c.snapshot();
+        let MissSnapshot {
+            models,
+            stale_by_worker: stale,
+            shadow_failures: failures,
+        } = c.snapshot();
         let (name, m) = &models[0];
         assert_eq!(name, "m");
         assert_eq!(m.hit_tokens, 16);

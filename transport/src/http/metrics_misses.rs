@@ -55,7 +55,11 @@ fn add(family: &Family<Labels2, Counter>, labels: [(&'static str, String); 2], v
 
 /// Registers the series in `reg`.
 pub(super) fn register(reg: &mut Registry, hub: &Hub) {
-    let (models, stale_by_worker, shadow_failures) = hub.metrics().misses.snapshot();
+    let crate::misses::MissSnapshot {
+        models,
+        stale_by_worker,
+        shadow_failures,
+    } = hub.metrics().misses.snapshot();
     let hits = Family::<Labels1, Counter>::default();
     let misses = Family::<Labels2, Counter>::default();
     let requests = Family::<Labels2, Counter>::default();
