@@ -203,6 +203,28 @@ fn phantom_blocks_are_stale_and_the_header_shadow_is_compared() {
         series(&r, "kvengine_cache_requests_total", &["outcome=\"stale\""]),
         1.0
     );
+    // The debug view has it, newest first.
+    let (status, text) = r.call("GET", "/v1/misses", "");
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["shadow"], "header", "{text}");
+    let last = &v["requests"][0];
+    assert_eq!(last["outcome"], "stale", "{text}");
+    assert_eq!(last["worker_id"], phantom, "{text}");
+    assert_eq!(
+        (
+            &last["predicted_blocks"],
+            &last["stale_blocks"],
+            &last["cold_blocks"]
+        ),
+        (
+            &serde_json::json!(4),
+            &serde_json::json!(4),
+            &serde_json::json!(2)
+        ),
+        "{text}"
+    );
+    assert_eq!(last["shadow_tokens"], 0, "{text}");
     // Beside the header's worker: it had nothing; kvengine predicted 64 and found none.
     assert_eq!(
         series(&r, "kvengine_shadow_decisions_total", &["agreed=\"false\""]),

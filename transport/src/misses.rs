@@ -13,10 +13,10 @@
 //! # Concurrency
 //! One mutex, held for one update or one scrape's copy; never across anything else.
 
-use engine::WorkerId;
-use engine::router::misses::{Attribution, MissCause, Outcome};
+use engine::router::misses::{Attribution, MissCause, Outcome, Predicted};
 use engine::sched::ShadowSpec;
-use std::collections::BTreeMap;
+use engine::{WorkerId, WorkerKey};
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -120,6 +120,61 @@ pub struct ModelMisses {
     pub shadow_realised_tokens: [u64; 2],
 }
 
+/// How many attributed requests [`MissCounters::recent`] keeps.
+pub const RECENT: usize = 256;
+
+/// One attributed request, as the front door hands it over.
+#[derive(Clone, Copy, Debug)]
+pub struct Attributed<'a> {
+    /// Its namespace.
+    pub model: &'a str,
+    /// The worker rank it was routed to.
+    pub worker: WorkerKey,
+    /// What the router predicted.
+    pub predicted: Predicted,
+    /// The split ([`engine::router::misses::attribute`]).
+    pub attribution: Attribution,
+    /// What the worker reported cached.
+    pub cached_tokens: u64,
+    /// The shadow's predicted overlap tokens, if the request was shadowed.
+    pub shadow_tokens: Option<u64>,
+}
+
+/// One of the last attributed requests (`GET /v1/misses`): no request id and no prompt.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RecentMiss {
+    /// Its namespace.
+    pub model: String,
+    /// The worker it was routed to.
+    pub worker_id: u64,
+    /// The worker's rank.
+    pub dp_rank: u32,
+    /// The model's block size.
+    pub block_size: u32,
+    /// Prompt tokens, as the router tokenized them.
+    pub prompt_tokens: u64,
+    /// What the worker reported cached.
+    pub cached_tokens: u64,
+    /// The chosen worker's overlap, by the index.
+    pub predicted_blocks: u32,
+    /// The best overlap of any candidate, by the index.
+    pub best_blocks: u32,
+    /// The split of the cacheable blocks.
+    pub cacheable_blocks: u64,
+    /// Hit blocks.
+    pub hit_blocks: u64,
+    /// Stale blocks.
+    pub stale_blocks: u64,
+    /// Routing blocks.
+    pub routing_blocks: u64,
+    /// Cold blocks.
+    pub cold_blocks: u64,
+    /// `hit` or the main cause.
+    pub outcome: &'static str,
+    /// The shadow's predicted overlap tokens, if shadowed.
+    pub shadow_tokens: Option<u64>,
+}
+
 /// A copy of the counters ([`MissCounters::snapshot`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MissSnapshot {
@@ -144,6 +199,8 @@ struct Inner {
     stale_by_worker: BTreeMap<WorkerId, u64>,
     /// Shadow decisions that could not be taken (the shadow's worker unknown, ...).
     shadow_failures: u64,
+    /// The last [`RECENT`] attributed requests, oldest first.
+    recent: VecDeque<RecentMiss>,
 }
 
 impl MissCounters {
@@ -151,20 +208,12 @@ impl MissCounters {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Counts one attributed request of `model`, served by `worker`, that reported
-    /// `cached_tokens` of `prompt_tokens`; `shadow`: the shadow's predicted overlap tokens,
-    /// if the request was shadowed.
-    pub fn attributed(
-        &self,
-        model: &str,
-        worker: WorkerId,
-        a: &Attribution,
-        cached_tokens: u64,
-        prompt_tokens: u64,
-        shadow: Option<u64>,
-    ) {
+    /// Counts one attributed request, and keeps it among the [`RECENT`] last.
+    pub fn attributed(&self, r: &Attributed<'_>) {
+        let a = &r.attribution;
+        let (cached_tokens, prompt_tokens) = (r.cached_tokens, r.predicted.prompt_tokens);
         let mut inner = self.lock();
-        let m = model_entry(&mut inner.models, model);
+        let m = model_entry(&mut inner.models, r.model);
         m.hit_tokens = m.hit_tokens.saturating_add(a.hit_tokens());
         for (i, cause) in MissCause::ALL.into_iter().enumerate() {
             if let Some(t) = m.miss_tokens.get_mut(i) {
@@ -187,11 +236,32 @@ impl MissCounters {
             *n += 1;
         }
         m.hit_ratio_sum += ratio;
-        if let Some(predicted) = shadow {
+        if let Some(predicted) = r.shadow_tokens {
             let [active, other] = &mut m.shadow_realised_tokens;
             *active = active.saturating_add(cached_tokens);
             *other = other.saturating_add(predicted);
         }
+        if inner.recent.len() >= RECENT {
+            inner.recent.pop_front();
+        }
+        inner.recent.push_back(RecentMiss {
+            model: r.model.to_owned(),
+            worker_id: r.worker.worker.0,
+            dp_rank: r.worker.dp_rank.0,
+            block_size: r.predicted.block_size,
+            prompt_tokens,
+            cached_tokens,
+            predicted_blocks: r.predicted.chosen_blocks,
+            best_blocks: r.predicted.best_blocks,
+            cacheable_blocks: a.cacheable_blocks,
+            hit_blocks: a.hit_blocks,
+            stale_blocks: a.stale_blocks,
+            routing_blocks: a.routing_blocks,
+            cold_blocks: a.cold_blocks,
+            outcome: a.outcome().as_str(),
+            shadow_tokens: r.shadow_tokens,
+        });
+        let worker = r.worker.worker;
         let stale = a.tokens(MissCause::Stale);
         if stale > 0 {
             let w = inner.stale_by_worker.entry(worker).or_insert(0);
@@ -224,6 +294,11 @@ impl MissCounters {
     /// Counts a shadow decision that could not be taken.
     pub fn shadow_failed(&self) {
         self.lock().shadow_failures += 1;
+    }
+
+    /// The last [`RECENT`] attributed requests, newest first.
+    pub fn recent(&self) -> Vec<RecentMiss> {
+        self.lock().recent.iter().rev().cloned().collect()
     }
 
     /// A copy of every figure.
@@ -267,7 +342,17 @@ mod tests {
             best_blocks: 6,
         };
         let a = attribute(&p, 16).unwrap();
-        c.attributed("m", WorkerId(2), &a, 16, 100, Some(96));
+        c.attributed(&Attributed {
+            model: "m",
+            worker: WorkerKey {
+                worker: WorkerId(2),
+                dp_rank: engine::DpRank(0),
+            },
+            predicted: p,
+            attribution: a,
+            cached_tokens: 16,
+            shadow_tokens: Some(96),
+        });
         c.unattributed("m", Unattributed::NoUsage);
         c.shadowed("m", false, 80, 96);
         let MissSnapshot {
@@ -289,5 +374,27 @@ mod tests {
         assert_eq!(m.shadow_realised_tokens, [16, 96]);
         assert_eq!(stale, [(WorkerId(2), 64)]);
         assert_eq!(failures, 0);
+        let recent = c.recent();
+        assert_eq!(recent.len(), 1);
+        assert_eq!((recent[0].outcome, recent[0].stale_blocks), ("stale", 4));
+        for _ in 0..RECENT + 5 {
+            c.attributed(&Attributed {
+                model: "m",
+                worker: WorkerKey {
+                    worker: WorkerId(3),
+                    dp_rank: engine::DpRank(0),
+                },
+                predicted: p,
+                attribution: a,
+                cached_tokens: 16,
+                shadow_tokens: None,
+            });
+        }
+        let recent = c.recent();
+        assert_eq!(recent.len(), RECENT, "bounded");
+        assert!(
+            recent.iter().all(|r| r.worker_id == 3),
+            "the oldest went first"
+        );
     }
 }

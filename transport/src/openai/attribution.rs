@@ -17,7 +17,7 @@
 //! 4. Nothing in an answer reaches a panic: bad usage is [`Unattributed::BadUsage`].
 
 use crate::hub::Hub;
-use crate::misses::Unattributed;
+use crate::misses::{Attributed, Unattributed};
 use engine::WorkerKey;
 use engine::router::Routed;
 use engine::router::misses::{Predicted, Unattributable, attribute};
@@ -115,14 +115,14 @@ impl MissTap {
         let misses = &self.hub.metrics().misses;
         let p = &self.probe;
         match outcome {
-            Ok((a, cached)) => misses.attributed(
-                &p.model,
-                p.worker.worker,
-                &a,
-                cached,
-                p.predicted.prompt_tokens,
-                p.shadow_tokens,
-            ),
+            Ok((attribution, cached_tokens)) => misses.attributed(&Attributed {
+                model: &p.model,
+                worker: p.worker,
+                predicted: p.predicted,
+                attribution,
+                cached_tokens,
+                shadow_tokens: p.shadow_tokens,
+            }),
             Err(why) => misses.unattributed(&p.model, why),
         }
         self.counted = true;

@@ -1,13 +1,20 @@
 //! The miss-attribution and shadow series of `GET /metrics` (`kvengine_cache_*`,
 //! `kvengine_worker_stale_tokens_total`, `kvengine_shadow_*`), from
-//! [`crate::misses::MissCounters`]; docs/api.md, "Why requests missed the cache".
+//! [`crate::misses::MissCounters`], and `GET /v1/misses`, the last attributed requests;
+//! docs/api.md, "Why requests missed the cache".
 //!
 //! # Invariants
 //! 1. Every model that has counted anything has every series of its family (zeros
 //!    included), so ratios between them never miss a term.
 
+use super::api_error::json;
+use super::shared::AppState;
 use crate::hub::Hub;
+use crate::misses::RecentMiss;
 use crate::misses::{HIT_RATIO_BUCKETS, ModelMisses, Unattributed};
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
 use engine::router::misses::MissCause;
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -172,4 +179,26 @@ pub(super) fn register(reg: &mut Registry, hub: &Hub) {
         "Shadow decisions that could not be taken (an unknown worker named, no candidate)",
         failures,
     );
+}
+
+/// `GET /v1/misses`' answer.
+#[derive(serde::Serialize)]
+struct Recent {
+    /// How many requests are kept.
+    capacity: usize,
+    /// The shadow policy, if any.
+    shadow: Option<String>,
+    /// The last attributed requests, newest first.
+    requests: Vec<RecentMiss>,
+}
+
+/// `GET /v1/misses`: the last [`crate::misses::RECENT`] attributed requests, newest
+/// first.
+pub(super) async fn recent(State(st): State<AppState>) -> Response {
+    let body = Recent {
+        capacity: crate::misses::RECENT,
+        shadow: st.hub.shadow().map(|s| s.to_string()),
+        requests: st.hub.metrics().misses.recent(),
+    };
+    json(StatusCode::OK, &body)
 }
