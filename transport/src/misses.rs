@@ -333,6 +333,17 @@ mod tests {
     use engine::router::misses::{Predicted, attribute};
 
     #[test]
+    fn shadows_parse() {
+        assert_eq!("header".parse::<Shadow>().unwrap(), Shadow::Header);
+        for text in ["kv", "kv:ttft", "worker:3", "round-robin"] {
+            let s: Shadow = text.parse().unwrap();
+            assert_eq!(s.to_string(), text);
+            assert!(matches!(s, Shadow::Policy(_)));
+        }
+        assert!("headers".parse::<Shadow>().is_err());
+    }
+
+    #[test]
     fn counts_add_up_per_model_and_worker() {
         let c = MissCounters::default();
         let p = Predicted {

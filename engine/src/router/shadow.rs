@@ -3,7 +3,9 @@
 //!
 //! # Invariants
 //! 1. Records nothing: no request id is interned or consumed, and the scheduler changes
-//!    only the shadow's own policy state (the scheduler's shadow invariant 1).
+//!    only the shadow's own policy state (the scheduler's shadow invariant 1). Requests
+//!    past their timeout are expired first, as the routing call that follows would do, so
+//!    both see the same load.
 
 use super::{RouteCall, RouteError, Router};
 use crate::ids::{RequestId, SeqHash};
@@ -22,6 +24,7 @@ impl Router {
         matches: &Matches,
         spec: &ShadowSpec,
     ) -> Result<ShadowDecision, RouteError> {
+        self.expire(now);
         let request = RouteRequest {
             // Not recorded: any id does.
             id: RequestId(self.next_id),

@@ -309,22 +309,37 @@ mod tests {
             depth_counts: vec![1, 1, 1],
         };
         let none = |_| 0;
-        // Two schedulers routing the same calls; one also takes shadow decisions.
-        let mut plain = scheduler(RouteMode::RoundRobin);
-        let mut shadowed = scheduler(RouteMode::RoundRobin);
         let kv = ShadowSpec::mode(RouteMode::Kv);
-        let rr = ShadowSpec::mode(RouteMode::RoundRobin);
         let t = Instant::now();
-        for id in 0..6 {
-            let r = request(id, &blocks);
-            let s = shadowed.shadow(t, &r, &matches, &none, &kv).unwrap();
-            assert_eq!((s.worker, s.overlap_blocks), (key(2), 3));
-            shadowed.shadow(t, &r, &matches, &none, &rr).unwrap();
-            let a = plain.route(t, &r, &matches, none).unwrap();
-            let b = shadowed.route(t, &r, &matches, none).unwrap();
-            assert_eq!(a, b, "call {id}");
+        // Two schedulers routing the same calls; one also takes shadow decisions, with
+        // every policy, in between. The cursor and the RNG modes must not notice.
+        for active in [
+            RouteMode::RoundRobin,
+            RouteMode::Random,
+            RouteMode::PowerOfTwo,
+        ] {
+            let mut plain = scheduler(active);
+            let mut shadowed = scheduler(active);
+            for id in 0..12 {
+                let r = request(id, &blocks);
+                let s = shadowed.shadow(t, &r, &matches, &none, &kv).unwrap();
+                assert_eq!((s.worker, s.overlap_blocks), (key(2), 3));
+                for mode in [RouteMode::RoundRobin, RouteMode::Random, RouteMode::LlmD] {
+                    let spec = ShadowSpec::mode(mode);
+                    shadowed.shadow(t, &r, &matches, &none, &spec).unwrap();
+                }
+                let a = plain.route(t, &r, &matches, none).unwrap();
+                let b = shadowed.route(t, &r, &matches, none).unwrap();
+                assert_eq!(a, b, "{active}: call {id}");
+            }
+            assert_eq!(plain.active_requests(), shadowed.active_requests());
         }
-        assert_eq!(plain.active_requests(), shadowed.active_requests());
+        let mut shadowed = scheduler(RouteMode::Kv);
+        for id in 0..6 {
+            shadowed
+                .route(t, &request(id, &blocks), &matches, none)
+                .unwrap();
+        }
         // Beside a given worker, and refusals.
         let w3 = ShadowSpec::worker(WorkerId(3));
         let s = shadowed
