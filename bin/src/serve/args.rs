@@ -87,6 +87,15 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_COST", default_value = "dynamo",
           value_parser = parse_cost)]
     pub router_cost: RouterCost,
+    /// Beside every routing decision, take the decision POLICY would have taken and
+    /// report in /metrics what it would have gained (`kvengine_shadow_*`), without
+    /// changing the route: a `--router-mode` (`round-robin`, `kv`, `sglang`, ...), optionally
+    /// with a `--router-cost` (`kv:ttft`), `worker:ID` (a fixed worker), or `header` (the
+    /// worker each request's `x-kvengine-shadow-worker` header names: another router's
+    /// choice, for mirrored traffic). docs/api.md, "Why requests missed the cache".
+    #[arg(long, env = "KVENGINE_SHADOW", value_name = "POLICY",
+          value_parser = parse_shadow)]
+    pub shadow: Option<transport::hub::Shadow>,
     /// With `--router-cost ttft`: what a millisecond of prefill stall on each of a worker's
     /// running requests costs against a millisecond of the new request's TTFT.
     #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
@@ -357,6 +366,10 @@ pub(super) fn parse_mode(s: &str) -> Result<RouteMode, String> {
 }
 
 pub(super) fn parse_cost(s: &str) -> Result<RouterCost, String> {
+    s.parse().map_err(|e: engine::EngineError| e.to_string())
+}
+
+pub(super) fn parse_shadow(s: &str) -> Result<transport::hub::Shadow, String> {
     s.parse().map_err(|e: engine::EngineError| e.to_string())
 }
 

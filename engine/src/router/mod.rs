@@ -41,8 +41,10 @@ use hashbrown::HashMap;
 use std::time::Instant;
 
 pub mod ids;
+pub mod misses;
 pub mod namespaces;
 pub mod reservations;
+mod shadow;
 
 pub use namespaces::{DEFAULT_MODEL, ModelError, ModelSpec, Namespace, Namespaces};
 pub use reservations::{AtCap, ClientId};
@@ -76,6 +78,9 @@ pub struct Routed {
     /// The namespace (model) it was routed in ([`namespaces::DEFAULT_MODEL`] for the
     /// default one).
     pub model: String,
+    /// What a shadow policy would have chosen instead ([`Router::shadow`]), when the
+    /// driver asked for one.
+    pub shadow: Option<crate::sched::ShadowDecision>,
 }
 
 impl Routed {
@@ -365,6 +370,7 @@ impl Router {
             decision,
             blocks: seqs.len(),
             model: self.namespace.clone(),
+            shadow: None,
         })
     }
 

@@ -21,8 +21,9 @@
 
 pub use super::config::ProxyConfig;
 
+use super::attribution::MissProbe;
 use super::disagg;
-use super::forward::{Outgoing, Proxy, route, send_or_retry};
+use super::forward::{Outgoing, Proxy, route_beside, send_or_retry};
 use super::headers::{Forwarded, X_REQUEST_ID};
 use super::openai_error::{OpenAiError, openai_error};
 use super::relay::Active;
@@ -240,7 +241,15 @@ async fn forward(
 ) -> Response {
     let fwd = Forwarded::from_client(client);
     let mut model = None;
-    let mut resp = forward_with(p.clone(), path, source, &fwd, body, &mut model).await;
+    // Read only in `--shadow header` mode (the hub's shadow invariant 2); a bad value is
+    // no shadow worker.
+    let beside = client
+        .get(crate::hub::SHADOW_WORKER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(engine::WorkerId);
+    let req = (path, source, beside);
+    let mut resp = forward_with(p.clone(), req, &fwd, body, &mut model).await;
     // Every answer names the request, errors included.
     resp.headers_mut()
         .insert(X_REQUEST_ID.clone(), fwd.request_id().clone());
@@ -253,8 +262,7 @@ async fn forward(
 
 async fn forward_with(
     p: Arc<Proxy>,
-    path: &str,
-    source: PromptSource,
+    (path, source, beside): (&str, PromptSource, Option<engine::WorkerId>),
     fwd: &Forwarded,
     body: Bytes,
     namespace: &mut Option<String>,
@@ -287,20 +295,21 @@ async fn forward_with(
         return disagg::forward(&p, path, &body, &tokens, salt, fwd, (&model, block_size)).await;
     }
     let salt = salt_owned.as_deref();
-    let routed = match route(
+    let routed = match route_beside(
         &p.hub,
-        &model,
-        block_size,
+        (&model, block_size),
         &tokens,
         salt,
         RouteOverrides::default(),
+        beside,
     )
     .await
     {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let active = Active::new(p.hub.clone(), routed.ticket());
+    let probe = MissProbe::of(&routed, block_size, tokens.len());
+    let active = Active::new(p.hub.clone(), routed.ticket()).probing(probe);
     let out = Outgoing {
         path,
         body: &body,
