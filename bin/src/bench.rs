@@ -3,17 +3,17 @@
 //! ZMQ and QUIC, routing quality on simulated workers, and warm restarts (workloads,
 //! phases and reports live in the `kvengine-lab` crate; this is wiring).
 
+use crate::workload_args::{load_workload, non_negative, positive};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use lab::anchor;
 use lab::args::{Baseline, IndexerArgs};
 use lab::harness::run;
 use lab::replay::disagg::{self, DisaggSpec};
-use lab::replay::{self, ReplayConfig, RunMode, plot, report, trace};
+use lab::replay::{self, ReplayConfig, RunMode, plot, report};
 use lab::workload::Plan;
 use lab::workload::anchor::{AnchorPlan, AnchorSpec};
 use sim::engine::EngineConfig;
-use sim::workload::chat::ChatConfig;
 use std::path::PathBuf;
 use transport::openai::disagg::Protocol;
 
@@ -365,52 +365,6 @@ fn parse_router_cost(s: &str) -> Result<engine::sched::RouterCost, String> {
 
 fn parse_protocol(s: &str) -> Result<Protocol, String> {
     s.parse()
-}
-
-pub(crate) fn positive(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("{s:?} is not a finite number above 0")),
-    }
-}
-
-fn non_negative(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
-        _ => Err(format!("{s:?} is not a finite non-negative number")),
-    }
-}
-
-/// The workload of a replay: the Mooncake trace at `trace`, else the built-in chat
-/// workload (`max` requests, default 400), at `rate_scale` times its rate.
-pub(crate) fn load_workload(
-    trace: Option<&std::path::Path>,
-    max: Option<usize>,
-    rate_scale: f64,
-    seed: u64,
-    block_size: u32,
-) -> Result<replay::Workload> {
-    Ok(match trace {
-        Some(path) => trace::load_trace(
-            path,
-            &trace::TraceOptions {
-                max_requests: max,
-                rate_scale,
-                block_size,
-            },
-        )
-        .context("--trace")?,
-        None => {
-            let base = replay::demo_chat_config(seed, max.unwrap_or(400));
-            trace::chat_workload(
-                ChatConfig {
-                    mean_gap_ms: base.mean_gap_ms / rate_scale,
-                    ..base
-                },
-                block_size,
-            )?
-        }
-    })
 }
 
 fn run_replay(b: &ReplayBench) -> Result<()> {

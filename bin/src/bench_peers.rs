@@ -1,6 +1,6 @@
 //! `kvengine bench peers`: flags and wiring; the comparison lives in `lab::peers`.
 
-use crate::bench::{load_workload, positive};
+use crate::workload_args::{load_workload, positive};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use lab::peers::venv::{self, Peer, PeerInstalls};
@@ -150,10 +150,11 @@ pub fn run(b: &PeersBench) -> Result<()> {
     };
     let mem_before = lab::calibrate::mem_latency();
     eprintln!(
-        "peers: {} ({} requests), {} workers x {} blocks of {block_size}, {}x real time, \
-         {} run(s) of: {}; logs in {}",
+        "peers: {} ({} requests; an infinite cache would hit {:.1}%), {} workers x {} blocks \
+         of {block_size}, {}x real time, {} run(s) of: {}; logs in {}",
         workload.name,
         workload.requests.len(),
+        workload.bound.hit_rate() * 100.0,
         cfg.workers,
         kv_blocks,
         cfg.speedup,
@@ -189,6 +190,15 @@ pub fn run(b: &PeersBench) -> Result<()> {
     } else {
         cfg.overhead_connections.clone()
     };
+    println!(
+        "{}: {} requests, {} workers x {kv_blocks} blocks, {}x real time; an infinite cache \
+         would hit {:.1}%",
+        workload.name,
+        workload.requests.len(),
+        cfg.workers,
+        cfg.speedup,
+        workload.bound.hit_rate() * 100.0
+    );
     print!("{}", peers::table(&figures, &connections));
     println!(
         "memory latency (ns per load, 1/4/16/128 MB): before {:.0}/{:.0}/{:.0}/{:.0}, \
@@ -209,6 +219,7 @@ pub fn run(b: &PeersBench) -> Result<()> {
                 "workers": cfg.workers,
                 "kv_blocks": kv_blocks,
                 "speedup": cfg.speedup,
+                "hit_rate_bound": workload.bound.hit_rate(),
                 "peers": wanted.iter().map(|p| p.requirement()).collect::<Vec<_>>(),
                 "mem_latency_before_ns": mem_before,
                 "mem_latency_after_ns": mem_after,

@@ -27,6 +27,7 @@ mod serve;
 mod signals;
 mod sim;
 mod warm;
+mod workload_args;
 
 use std::process::ExitCode;
 

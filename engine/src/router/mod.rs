@@ -339,15 +339,8 @@ impl Router {
             input_tokens: call.tokens.len() as u64,
             overrides: call.overrides,
         };
-        let merged;
-        let matches = match &mut self.predicted {
-            Some(p) => {
-                p.expire(now);
-                merged = matches.max_with(&p.find_matches(seqs));
-                &merged
-            }
-            None => matches,
-        };
+        let merged = self.with_predictions(now, seqs, matches);
+        let matches = merged.as_ref().unwrap_or(matches);
         let cached = &self.cached;
         let decision = self
             .scheduler
@@ -372,6 +365,20 @@ impl Router {
             model: self.namespace.clone(),
             shadow: None,
         })
+    }
+
+    /// With predict-on-route, `matches` with the live predictions for `seqs` merged in
+    /// (invariant 6); `None`: use `matches` as they are.
+    fn with_predictions(
+        &mut self,
+        now: Instant,
+        seqs: &[SeqHash],
+        matches: &Matches,
+    ) -> Option<Matches> {
+        let p = self.predicted.as_mut()?;
+        p.expire(now);
+        let predicted = p.find_matches(seqs);
+        (!predicted.overlaps.is_empty()).then(|| matches.max_with(&predicted))
     }
 
     fn id(&self, name: &str) -> std::result::Result<RequestId, RouteError> {

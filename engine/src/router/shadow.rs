@@ -25,6 +25,9 @@ impl Router {
         spec: &ShadowSpec,
     ) -> Result<ShadowDecision, RouteError> {
         self.expire(now);
+        // The real decision's overlaps, predictions included (router invariant 6).
+        let merged = self.with_predictions(now, seqs, matches);
+        let matches = merged.as_ref().unwrap_or(matches);
         let request = RouteRequest {
             // Not recorded: any id does.
             id: RequestId(self.next_id),

@@ -16,7 +16,7 @@
 use super::venv::{Peer, PeerInstalls};
 use anyhow::{Result, bail};
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// One router to compare.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,7 +114,7 @@ impl Contender {
     /// The command that starts it on `port` in front of `workers`.
     pub fn command(
         &self,
-        kvengine: &PathBuf,
+        kvengine: &Path,
         installs: &PeerInstalls,
         port: u16,
         workers: &[WorkerAddrs],
@@ -145,7 +145,7 @@ impl Contender {
                     ));
                 }
                 args.extend(flags.iter().cloned());
-                Ok((kvengine.clone(), args))
+                Ok((kvengine.to_owned(), args))
             }
             Contender::Peer(kind) => {
                 let Some(install) = installs.get(kind.package()) else {
