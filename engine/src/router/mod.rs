@@ -26,21 +26,24 @@
 
 use crate::approx::{ApproxConfig, ApproxIndex};
 use crate::error::{EngineError, Result};
-use crate::ids::{ReplicaId, RequestId, SeqHash, WorkerId, WorkerKey};
+use crate::ids::{ReplicaId, RequestId, SeqHash, SessionId, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::sched::{
-    ActiveLoad, Decision, Policy, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig,
-    WorkerLoad, WorkerRole,
+    ActiveLoad, Decision, KeyState, Policy, RouteOverrides, RouteRequest, Scheduler,
+    SchedulerConfig, WorkerLoad, WorkerRole,
 };
 use hashbrown::HashMap;
 use std::time::Instant;
 
+pub mod admission;
 pub mod ids;
 pub mod namespaces;
 pub mod reservations;
+pub mod sessions;
 
 pub use namespaces::{DEFAULT_MODEL, ModelError, ModelSpec, Namespace, Namespaces};
 pub use reservations::{AtCap, ClientId};
+pub use sessions::{MoveReason, SessionConfig, SessionRoute, SessionStats, Sessions};
 
 /// A request to route.
 #[derive(Clone, Debug, Default)]
@@ -57,6 +60,8 @@ pub struct RouteCall<'a> {
     pub cache_salt: Option<&'a str>,
     /// Per-call settings.
     pub overrides: RouteOverrides,
+    /// The client's session, if it named one ([`sessions`]).
+    pub session: Option<SessionId>,
 }
 
 /// A routed request.
@@ -71,6 +76,8 @@ pub struct Routed {
     /// The namespace (model) it was routed in ([`namespaces::DEFAULT_MODEL`] for the
     /// default one).
     pub model: String,
+    /// How its session routed it (`None`: no session, or sessions are off).
+    pub session: Option<SessionRoute>,
 }
 
 impl Routed {
@@ -139,6 +146,7 @@ pub struct Router {
     remote_names: HashMap<RequestId, (ReplicaId, String)>,
     cached: HashMap<WorkerKey, u64>,
     approx: Option<ApproxIndex>,
+    sessions: Sessions,
 }
 
 /// A request a peer replica routed ([`Router::add_remote`]).
@@ -185,12 +193,37 @@ impl Router {
             remote_names: HashMap::new(),
             cached: HashMap::new(),
             approx: approx.map(ApproxIndex::new).transpose()?,
+            sessions: Sessions::default(),
         })
     }
 
     /// Names the namespace this router serves (the namespaces name theirs).
     pub fn set_namespace(&mut self, name: &str) {
         name.clone_into(&mut self.namespace);
+    }
+
+    /// Keeps sessions as `config` says (off by default).
+    pub fn set_sessions(&mut self, config: SessionConfig) {
+        self.sessions.set_config(config);
+    }
+
+    /// The session table.
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// Records that a peer replica routed session `id` to `key` at `now` (ignored for a key
+    /// not in routing here).
+    pub fn assign_session(&mut self, now: Instant, id: SessionId, key: WorkerKey) {
+        if self.scheduler.key_state(key, crate::sched::Pool::Whole) != KeyState::Gone {
+            self.sessions.assign(now, id, key);
+        }
+    }
+
+    /// Whether a request of `pool` routed now would find a key neither busy nor full
+    /// (the admission queue's test of room).
+    pub fn has_room(&self, pool: crate::sched::Pool) -> bool {
+        self.scheduler.has_room(pool)
     }
 
     /// Whether overlaps come from routing predictions (approximate mode).
@@ -210,6 +243,9 @@ impl Router {
     /// is gone rather than unhealthy).
     pub fn remove_worker(&mut self, worker: WorkerId, forget: bool) {
         self.scheduler.remove_worker(worker);
+        if forget {
+            self.sessions.remove_worker(worker);
+        }
         let gone: Vec<RequestId> = self
             .names
             .keys()
@@ -310,6 +346,25 @@ impl Router {
             input_tokens: call.tokens.len() as u64,
             overrides: call.overrides,
         };
+        // A session sticks unless the call names its worker or policy.
+        let (session, stick) = match call.session {
+            Some(sid) if self.sessions.enabled() && call.overrides.worker.is_none() => {
+                let (r, k) = self
+                    .sessions
+                    .plan(now, sid, &self.scheduler, call.overrides.pool);
+                (Some(r), k)
+            }
+            _ => (None, None),
+        };
+        let mut sticky = stick.map(|key| sessions::Sticky {
+            key,
+            mode: call.overrides.mode.unwrap_or(self.scheduler.config().mode),
+        });
+        let custom: Option<&mut dyn Policy> = match (sticky.as_mut(), custom) {
+            (Some(s), _) => Some(s),
+            (None, Some(c)) => Some(&mut *c),
+            (None, None) => None,
+        };
         let cached = &self.cached;
         let decision = self
             .scheduler
@@ -321,6 +376,9 @@ impl Router {
                 custom,
             )
             .map_err(RouteError::Engine)?;
+        if let Some(sid) = call.session {
+            self.sessions.assign(now, sid, decision.worker);
+        }
         self.next_id += 1;
         self.ids.insert(name.clone(), id);
         self.names.insert(id, name.clone());
@@ -332,6 +390,7 @@ impl Router {
             decision,
             blocks: seqs.len(),
             model: self.namespace.clone(),
+            session,
         })
     }
 
