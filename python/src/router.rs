@@ -420,6 +420,7 @@ impl KvRouter {
                 lora_name: lora_name.as_deref(),
                 cache_salt: None,
                 overrides,
+                session: None,
             };
             let hub = shared.hub();
             match policy {

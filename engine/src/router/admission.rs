@@ -198,6 +198,16 @@ impl AdmissionQueue {
         }
     }
 
+    /// Whether `id` waits (queued, not admitted).
+    pub fn is_waiting(&self, id: WaiterId) -> bool {
+        self.by_id.contains_key(&id)
+    }
+
+    /// Whether `id` holds the pass.
+    pub fn pass_of(&self, id: WaiterId) -> bool {
+        self.pass == Some(id)
+    }
+
     /// Removes and returns every waiter whose deadline is at or before `now` (a driver
     /// without per-waiter timers calls this).
     pub fn expire(&mut self, now: Instant) -> Vec<WaiterId> {

@@ -57,6 +57,7 @@ pub(crate) async fn route(
         lora_name: None,
         cache_salt,
         overrides,
+        session: None,
     };
     hub.route_resolved_async(model, block_size, &call, Instant::now())
         .await
