@@ -12,7 +12,8 @@
 //!
 //! # Concurrency
 //! `senders` is a leaf lock outside the hub's order ([`super::lock_order`]): never held
-//! while another lock is taken, taken with the routing lock released.
+//! while another lock is taken. A waiter registers under the routing lock (so a pump
+//! that admits it finds its sender); wake-ups happen with the routing lock released.
 
 use engine::WaiterId;
 use std::collections::HashMap;
@@ -33,9 +34,13 @@ pub struct Waiters {
 }
 
 impl Waiters {
-    /// A new waiter: its id and what it awaits.
-    pub(crate) fn register(&self) -> (WaiterId, oneshot::Receiver<()>) {
-        let id = WaiterId(self.next.fetch_add(1, Relaxed));
+    /// A fresh waiter id (never reused).
+    pub(crate) fn next_id(&self) -> WaiterId {
+        WaiterId(self.next.fetch_add(1, Relaxed))
+    }
+
+    /// Registers waiter `id`: what it awaits.
+    pub(crate) fn register(&self, id: WaiterId) -> oneshot::Receiver<()> {
         let (tx, rx) = oneshot::channel();
         let mut s = self
             .senders
@@ -43,7 +48,7 @@ impl Waiters {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         s.insert(id, tx);
         self.live.store(s.len(), Relaxed);
-        (id, rx)
+        rx
     }
 
     /// Forgets `id`'s sender (it left).
@@ -84,8 +89,8 @@ mod tests {
     async fn a_woken_waiter_receives_once_and_a_gone_one_is_skipped() {
         let w = Waiters::default();
         assert!(w.idle());
-        let (a, rx_a) = w.register();
-        let (b, rx_b) = w.register();
+        let (a, b) = (w.next_id(), w.next_id());
+        let (rx_a, rx_b) = (w.register(a), w.register(b));
         assert_ne!(a, b);
         assert!(!w.idle());
         drop(rx_b);

@@ -106,7 +106,8 @@ impl Hub {
     /// busy thresholds ([`engine::router::admission`]; higher `priority` first). Refused
     /// with [`crate::TransportError::QueueFull`] when the queue is full and
     /// [`crate::TransportError::QueueTimeout`] after `--admission-timeout-ms`. Hold the
-    /// answer until the request is routed.
+    /// answer until the request is routed. Without a busy threshold nothing is ever busy:
+    /// no lock is taken and the request goes on at once.
     pub async fn admit_request(&self, model: &str, priority: i64) -> Result<Admission<'_>> {
         let begun = Instant::now();
         let counters = &self.metrics.admission;
@@ -117,6 +118,10 @@ impl Hub {
             waiter: None,
             admitted: false,
         };
+        // Nothing is ever busy without a threshold: no queue to consult.
+        if !self.config.scheduler.busy.any() {
+            return Ok(admission);
+        }
         let (id, rx, deadline) = match self.routing.enter(model, priority, begun) {
             Entry::Go => return Ok(admission),
             Entry::Full { capacity } => {

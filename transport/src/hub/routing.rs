@@ -195,7 +195,6 @@ impl Routing {
     /// A model with no queue, no routable worker (routing then answers why) or a free
     /// worker and nobody waiting routes now.
     pub(crate) fn enter(&self, model: &str, priority: i64, now: Instant) -> Entry {
-        let (id, rx) = self.waiters.register();
         let entry = {
             let mut routing = self.lock();
             let timeout = routing.admission_config().timeout;
@@ -206,24 +205,27 @@ impl Routing {
                         && (ns.admission.must_wait() || !ns.router.has_room(Pool::Whole)) =>
                 {
                     let deadline = now.checked_add(timeout).unwrap_or(now);
+                    let id = self.waiters.next_id();
                     match ns.admission.push(id, priority, deadline) {
-                        Ok(()) => Entry::Wait { id, rx, deadline },
+                        Ok(()) => {
+                            // Registered before the lock is released: a pump admitting it
+                            // finds its sender (the waiters' lock is a leaf).
+                            let rx = self.waiters.register(id);
+                            Entry::Wait { id, rx, deadline }
+                        }
                         Err(full) => Entry::Full {
                             capacity: full.capacity,
                         },
                     }
                 }
-                _ => Entry::Go,
+                _ => return Entry::Go,
             }
         };
         if matches!(entry, Entry::Wait { .. }) {
             self.tally.send_modify(|t| t.entered += 1);
-        } else {
-            self.waiters.forget(id);
+            // A pass may be free with room already (the test and the push raced an event).
+            self.pump();
         }
-        // Room may have appeared between the test and the push; and a newcomer behind an
-        // empty pass must not wait for an event that already happened.
-        self.pump();
         entry
     }
 
