@@ -212,12 +212,14 @@ impl Router {
         &self.sessions
     }
 
-    /// Records that a peer replica routed session `id` to `key` at `now` (ignored for a key
-    /// not in routing here).
-    pub fn assign_session(&mut self, now: Instant, id: SessionId, key: WorkerKey) {
-        if self.scheduler.key_state(key, crate::sched::Pool::Whole) != KeyState::Gone {
+    /// Records that a peer replica routed session `id` to `key` at `now`; false (nothing
+    /// recorded) for a key not in routing here, or with sessions off.
+    pub fn assign_session(&mut self, now: Instant, id: SessionId, key: WorkerKey) -> bool {
+        let known = self.scheduler.key_state(key, crate::sched::Pool::Whole) != KeyState::Gone;
+        if known && self.sessions.enabled() {
             self.sessions.assign(now, id, key);
         }
+        known && self.sessions.enabled()
     }
 
     /// Whether a request of `pool` routed now would find a key neither busy nor full

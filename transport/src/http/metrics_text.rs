@@ -733,6 +733,27 @@ fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
             &s.peers_expired,
         ),
         (
+            "kvengine_replica_sessions_sent",
+            "Session assignments published to peer replicas",
+            &s.sessions_sent,
+        ),
+        (
+            "kvengine_replica_sessions_dropped",
+            "Session assignments not published (NATS down or the queue full)",
+            &s.sessions_dropped,
+        ),
+        (
+            "kvengine_replica_sessions_applied",
+            "Peers' session assignments applied",
+            &s.sessions_applied,
+        ),
+        (
+            "kvengine_replica_sessions_ignored",
+            "Peers' session assignments for a model or worker not routed here, or with \
+             sessions off",
+            &s.sessions_ignored,
+        ),
+        (
             "kvengine_replica_snapshots_put",
             "Snapshots put in the replicas' object store",
             &s.snapshots_put,

@@ -494,6 +494,9 @@ impl Routing {
         // Under the lock (invariant 2).
         if let Some(sink) = self.replicas.get() {
             let d = &routed.decision;
+            if let (Some(_), Some(sid)) = (routed.session, call.session) {
+                sink.session(model, sid, d.worker);
+            }
             sink.added(
                 &routed.request_id,
                 d.worker,
