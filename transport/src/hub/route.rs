@@ -1,7 +1,7 @@
 //! The facade's routing stage: a request's prompt is hashed at its model's block size,
 //! its overlaps come from the index (through this thread's core when it is one, or the
 //! model's predictions in approximate mode) less the unverified keys, and the model's
-//! scheduler decides under the routing lock ([`Routing`](super::Routing)); prefilled and
+//! scheduler decides under the routing lock ([`Routing`]); prefilled and
 //! finish follow the request's id.
 
 use super::Hub;

@@ -17,9 +17,9 @@
 //!    other id is unknown to it.
 //! 5. Admission ([`engine::router::admission`]): a request of a model whose queue is on
 //!    waits when someone waits already or no worker of the model is free; waiters are
-//!    admitted one at a time ([`Routing::pump`], after every event that can free a
+//!    admitted one at a time (`Routing::pump`, after every event that can free a
 //!    worker: a finish, a load report, a pool change, a waiter leaving), woken after the
-//!    lock is released. Every waiter leaves through [`Routing::leave`] exactly once.
+//!    lock is released. Every waiter leaves through `Routing::leave` exactly once.
 //!
 //! # Concurrency
 //! One mutex (level 2 of [`super::lock_order`]), held for one decision; never across an
