@@ -5,8 +5,8 @@
 //!
 //! # Invariants
 //! 1. A [`SchedulerConfig`] accepted by [`SchedulerConfig::validate`] has `block_size > 0`, a
-//!    finite non-negative `overlap_weight` and `temperature`, and a `max_kv_usage` (if any)
-//!    in `0..=1`.
+//!    finite non-negative `overlap_weight` and `temperature`, a `max_kv_usage` (if any)
+//!    in `0..=1`, and a busy `max_active` (if any) above 0.
 //! 2. `Effective` values built by `resolve` satisfy the same ranges, and name a worker iff
 //!    the mode is [`RouteMode::Direct`].
 
@@ -283,6 +283,12 @@ impl SchedulerConfig {
             });
         }
         check_temperature(self.temperature)?;
+        if self.busy.max_active == Some(0) {
+            return Err(EngineError::InvalidArgument {
+                name: "busy_max_active",
+                reason: "must be positive (at 0 every worker is always busy)",
+            });
+        }
         if let Some(max) = self.busy.max_kv_usage
             && !(0.0..=1.0).contains(&max)
         {
@@ -445,6 +451,13 @@ mod tests {
             SchedulerConfig {
                 busy: BusyThresholds {
                     max_kv_usage: Some(1.5),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            SchedulerConfig {
+                busy: BusyThresholds {
+                    max_active: Some(0),
                     ..Default::default()
                 },
                 ..Default::default()

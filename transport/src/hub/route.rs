@@ -38,8 +38,9 @@ impl Drop for Admission<'_> {
         } else {
             Leave::Gone
         };
-        let had_pass = self.routing.leave(&self.model, id, how);
-        if !self.admitted && !had_pass {
+        self.routing.leave(&self.model, id, how);
+        if !self.admitted {
+            // Its client went away while it waited (or just as it was admitted).
             self.metrics.admission.cancelled.fetch_add(1, Relaxed);
         }
     }
