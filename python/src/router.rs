@@ -107,7 +107,7 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 15] = [
+const SETTINGS: [&str; 16] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
