@@ -56,7 +56,8 @@ pub(crate) fn from_engine(e: EngineError) -> PyErr {
         | EngineError::Timeout { .. }
         | EngineError::NoWorkers
         | EngineError::NoWorkersInPool { .. }
-        | EngineError::AtCapacity { .. } => KvEngineError::new_err(msg),
+        | EngineError::AtCapacity { .. }
+        | EngineError::QueueFull { .. } => KvEngineError::new_err(msg),
         EngineError::UnknownWorker { .. } => PyKeyError::new_err(msg),
         _ => PyValueError::new_err(msg),
     }

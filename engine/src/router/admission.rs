@@ -23,6 +23,7 @@
 //! # Concurrency
 //! None: plain data owned by a namespace, behind its driver's lock.
 
+use crate::error::{EngineError, Result};
 use crate::ids::WaiterId;
 use hashbrown::HashMap;
 use std::cmp::Reverse;
@@ -61,13 +62,6 @@ impl AdmissionConfig {
         capacity: 0,
         timeout: Duration::ZERO,
     };
-}
-
-/// The queue is at its capacity.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct QueueFull {
-    /// The capacity.
-    pub capacity: usize,
 }
 
 /// What [`AdmissionQueue::cancel`] found.
@@ -139,19 +133,15 @@ impl AdmissionQueue {
         self.pass.is_some()
     }
 
-    /// Queues `id` with `priority` (higher first) until `deadline`. Refused at capacity
-    /// (or with no queue); an id already queued keeps its place.
-    pub fn push(
-        &mut self,
-        id: WaiterId,
-        priority: i64,
-        deadline: Instant,
-    ) -> Result<(), QueueFull> {
+    /// Queues `id` with `priority` (higher first) until `deadline`. Refused with
+    /// [`EngineError::QueueFull`] at capacity (or with no queue); an id already queued
+    /// keeps its place.
+    pub fn push(&mut self, id: WaiterId, priority: i64, deadline: Instant) -> Result<()> {
         if self.by_id.contains_key(&id) || self.pass == Some(id) {
             return Ok(());
         }
         if self.waiting.len() >= self.capacity {
-            return Err(QueueFull {
+            return Err(EngineError::QueueFull {
                 capacity: self.capacity,
             });
         }
@@ -280,7 +270,10 @@ mod tests {
         q.push(w(1), 0, t).unwrap();
         q.push(w(2), 0, t).unwrap();
         q.push(w(1), 9, t).unwrap(); // already queued: keeps its place, no new entry
-        assert_eq!(q.push(w(3), 9, t), Err(QueueFull { capacity: 2 }));
+        assert_eq!(
+            q.push(w(3), 9, t),
+            Err(EngineError::QueueFull { capacity: 2 })
+        );
         assert_eq!(q.len(), 2);
         // The pass holder does not count: one more may wait.
         assert_eq!(q.admit_next(), Some(w(1)));

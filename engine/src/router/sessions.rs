@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 /// The default idle lifetime of a session (`--session-ttl-secs`).
 pub const DEFAULT_SESSION_TTL: Duration = Duration::from_secs(300);
 
-/// The default bound on sessions remembered per model (`--max-sessions`): at about 64
-/// bytes a session, 6.4 MB.
+/// The default bound on sessions remembered per model (`--max-sessions`): at about 100
+/// bytes a session (its hash-map entry and its place in the use order), 10 MB.
 pub const DEFAULT_MAX_SESSIONS: usize = 100_000;
 
 /// How sessions are kept.

@@ -116,6 +116,9 @@ impl From<EngineError> for ApiError {
             EngineError::AtCapacity { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "at_capacity", message)
             }
+            EngineError::QueueFull { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, QUEUE_FULL, message)
+            }
             EngineError::TooManyWorkers => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_workers", message)
             }

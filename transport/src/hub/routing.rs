@@ -213,9 +213,11 @@ impl Routing {
                             let rx = self.waiters.register(id);
                             Entry::Wait { id, rx, deadline }
                         }
-                        Err(full) => Entry::Full {
-                            capacity: full.capacity,
-                        },
+                        Err(engine::EngineError::QueueFull { capacity }) => {
+                            Entry::Full { capacity }
+                        }
+                        // `push` refuses nothing else; a queue that did is as good as full.
+                        Err(_) => Entry::Full { capacity: 0 },
                     }
                 }
                 _ => return Entry::Go,
