@@ -44,6 +44,12 @@ pub enum BenchCommand {
     /// checkpoints. Prints the headline figures; writes the report (--json) and an SVG of
     /// RSS and route p99 over time (--plot).
     Soak(lab::soak::args::SoakArgs),
+    /// kvengine side by side with the real peer routers (SMG, sglang-router, vllm-router,
+    /// from PyPI at pinned versions; --install-peers installs them): each in front of
+    /// fresh simulated vLLM workers, the same workload replayed open loop through its
+    /// OpenAI endpoint, interleaved runs; prints TTFT, end-to-end latency, the workers'
+    /// hit rate, errors, router CPU and proxy overhead, median [min-max].
+    Peers(crate::bench_peers::PeersBench),
     /// The machine's memory latency now (dependent random loads over 1, 4, 16 and 128 MB,
     /// ns per load), as JSON: recorded beside every figure, since it swings from day to day
     /// on a shared machine.
@@ -193,6 +199,7 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
             let exe = std::env::current_exe().context("locating the kvengine binary")?;
             return lab::soak::args::cli(b, exe);
         }
+        BenchCommand::Peers(b) => return crate::bench_peers::run(b),
         BenchCommand::Memlat => {
             let m = lab::calibrate::mem_latency();
             println!("{}", serde_json::to_string(&m)?);
@@ -360,7 +367,7 @@ fn parse_protocol(s: &str) -> Result<Protocol, String> {
     s.parse()
 }
 
-fn positive(s: &str) -> Result<f64, String> {
+pub(crate) fn positive(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         _ => Err(format!("{s:?} is not a finite number above 0")),
@@ -372,6 +379,38 @@ fn non_negative(s: &str) -> Result<f64, String> {
         Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
         _ => Err(format!("{s:?} is not a finite non-negative number")),
     }
+}
+
+/// The workload of a replay: the Mooncake trace at `trace`, else the built-in chat
+/// workload (`max` requests, default 400), at `rate_scale` times its rate.
+pub(crate) fn load_workload(
+    trace: Option<&std::path::Path>,
+    max: Option<usize>,
+    rate_scale: f64,
+    seed: u64,
+    block_size: u32,
+) -> Result<replay::Workload> {
+    Ok(match trace {
+        Some(path) => trace::load_trace(
+            path,
+            &trace::TraceOptions {
+                max_requests: max,
+                rate_scale,
+                block_size,
+            },
+        )
+        .context("--trace")?,
+        None => {
+            let base = replay::demo_chat_config(seed, max.unwrap_or(400));
+            trace::chat_workload(
+                ChatConfig {
+                    mean_gap_ms: base.mean_gap_ms / rate_scale,
+                    ..base
+                },
+                block_size,
+            )?
+        }
+    })
 }
 
 fn run_replay(b: &ReplayBench) -> Result<()> {
@@ -418,27 +457,7 @@ fn run_replay(b: &ReplayBench) -> Result<()> {
     let kv_blocks = b
         .kv_blocks
         .unwrap_or_else(|| replay::default_kv_blocks(28_000, block_size));
-    let workload = match &b.trace {
-        Some(path) => trace::load_trace(
-            path,
-            &trace::TraceOptions {
-                max_requests: max,
-                rate_scale: b.rate_scale,
-                block_size,
-            },
-        )
-        .context("--trace")?,
-        None => {
-            let base = replay::demo_chat_config(b.seed, max.unwrap_or(400));
-            trace::chat_workload(
-                ChatConfig {
-                    mean_gap_ms: base.mean_gap_ms / b.rate_scale,
-                    ..base
-                },
-                block_size,
-            )?
-        }
-    };
+    let workload = load_workload(b.trace.as_deref(), max, b.rate_scale, b.seed, block_size)?;
     let cfg = ReplayConfig {
         workers,
         speedup: b.speedup,

@@ -13,6 +13,7 @@
 //! 2. A bad flag exits non-zero with a message naming it.
 
 mod bench;
+mod bench_peers;
 mod config_file;
 mod demo;
 mod disagg_args;

@@ -307,15 +307,30 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let workers = spawn_cluster(usize::from(args.workers), base, tokenizer)
             .await
             .context("cannot start the simulated workers")?;
+        let mut command = String::from("kvengine");
+        if !has_tokenizer {
+            command.push_str(" --tokenizer stand-in");
+        }
         for (i, w) in workers.iter().enumerate() {
             let id = args.first_worker_id.saturating_add(i as u64);
             let (flag, value) = w.router_flag(id);
             println!("kvengine sim: worker {id}: {}  {flag} {value}", w.url());
+            if w.is_trtllm() {
+                command.push_str(&format!(" {flag} {value}"));
+            } else {
+                command.push_str(&format!(
+                    " --worker id={id},url={},zmq={},replay={}",
+                    w.url(),
+                    w.zmq_endpoint(),
+                    w.replay_endpoint()
+                ));
+            }
         }
+        println!("kvengine sim: route to them with: {command}");
         let tokenization = if has_tokenizer {
             "the model's tokenizer (give kvengine the same --tokenizer)"
         } else {
-            "the built-in stand-in (run kvengine without --tokenizer)"
+            "the built-in stand-in (give kvengine --tokenizer stand-in)"
         };
         println!(
             "kvengine sim: {} {} {} worker(s) of model {:?}, {}x real time, block size {}; \

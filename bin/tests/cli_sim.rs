@@ -6,7 +6,7 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use transport::zmq::ZmqSource;
 
@@ -181,6 +181,7 @@ fn trtllm_workers_print_their_http_flag_and_serve_kv_cache_events() {
     assert!(text.contains("block size 32"), "{text}");
     let flags: Vec<&str> = text
         .lines()
+        .filter(|l| l.starts_with("kvengine sim: worker "))
         .filter_map(|l| l.split("--trtllm-worker ").nth(1))
         .map(str::trim)
         .collect();
@@ -276,6 +277,50 @@ fn a_trtllm_worker_registered_over_http_is_polled() {
     assert_eq!(v["workers"][0]["stream"], "subscribed", "{body}");
     assert_eq!(v["workers"][0]["event_source"], "trtllm", "{body}");
     drop(r);
+    let (rest, ok) = stop(child, out, "-TERM");
+    assert!(ok, "{text}{rest}");
+}
+
+/// The command `kvengine sim` prints starts a router that finds the workers' caches: its
+/// stand-in tokenizer agrees with theirs (the issue: the old hint, "run kvengine without
+/// --tokenizer", left kv routing refusing to start with real-looking workers).
+#[test]
+fn the_printed_router_command_routes_text_prompts_onto_the_cache() {
+    let (child, out, text) = start(&["--workers", "2", "--port", "0", "--speedup", "1000"], &[]);
+    let line = text
+        .lines()
+        .find_map(|l| l.split("route to them with: kvengine ").nth(1))
+        .unwrap_or_else(|| panic!("no router command: {text}"));
+    let args: Vec<&str> = line.split_whitespace().collect();
+    assert!(args.contains(&"stand-in"), "{line}");
+    let router = common::Router::start(&args);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while router.try_call("GET", "/ready", "").map(|r| r.0) != Some(200) {
+        assert!(Instant::now() < deadline, "never ready: {}", router.out);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // 64 words: four 16-token blocks. Once the first answer's KV events reached the router,
+    // the same prompt is routed onto those blocks (the overlap metric counts them).
+    let words: Vec<String> = (0..64).map(|i| format!("w{i}")).collect();
+    let body =
+        serde_json::json!({"model": "kvengine-sim", "prompt": words.join(" "), "max_tokens": 2})
+            .to_string();
+    let mut cached = 0;
+    while router.metric_sum("kvengine_route_overlap_blocks_sum") < 3.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the router never found the prompt's blocks ({cached} cached tokens last): {}",
+            router.out
+        );
+        let (status, answer) = router.call("POST", "/v1/completions", &body);
+        assert_eq!(status, 200, "{answer}");
+        let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 64, "{answer}");
+        cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+    }
+    drop(router);
     let (rest, ok) = stop(child, out, "-TERM");
     assert!(ok, "{text}{rest}");
 }

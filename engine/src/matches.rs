@@ -52,6 +52,21 @@ impl Matches {
             .map_or(0, |&(_, o)| o)
     }
 
+    /// Per worker key, the larger of its overlaps in `self` and in `other`.
+    pub fn max_with(&self, other: &Matches) -> Matches {
+        if other.overlaps.is_empty() {
+            return self.clone();
+        }
+        let mut pairs = self.overlaps.clone();
+        for &(key, o) in &other.overlaps {
+            match pairs.iter_mut().find(|(k, _)| *k == key) {
+                Some(p) => p.1 = p.1.max(o),
+                None => pairs.push((key, o)),
+            }
+        }
+        Matches::from_overlaps(pairs)
+    }
+
     /// The largest overlap of any worker key.
     pub fn best(&self) -> u32 {
         self.depth_counts.len() as u32
@@ -72,5 +87,20 @@ mod tests {
         assert_eq!(m.overlap(k(2)), 1);
         assert_eq!(m.overlap(k(3)), 0);
         assert_eq!(Matches::from_overlaps([]), Matches::default());
+    }
+
+    #[test]
+    fn max_with_takes_each_keys_larger_overlap() {
+        let k = |w| WorkerKey::new(w, 0);
+        let indexed = Matches::from_overlaps([(k(1), 3), (k(2), 1)]);
+        let predicted = Matches::from_overlaps([(k(2), 4), (k(3), 2), (k(1), 1)]);
+        let both = indexed.max_with(&predicted);
+        assert_eq!(
+            both,
+            Matches::from_overlaps([(k(1), 3), (k(2), 4), (k(3), 2)])
+        );
+        assert_eq!(both, predicted.max_with(&indexed));
+        assert_eq!(indexed.max_with(&Matches::default()), indexed);
+        assert_eq!(Matches::default().max_with(&indexed), indexed);
     }
 }

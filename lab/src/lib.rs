@@ -63,6 +63,7 @@ pub mod ingest;
 pub mod ingest_quic;
 pub mod ingest_zmq;
 pub mod nats;
+pub mod peers;
 pub mod replay;
 pub mod report;
 pub mod snapshot;

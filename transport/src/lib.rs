@@ -10,6 +10,7 @@ pub mod hub;
 pub mod json_events;
 pub mod kv_events;
 pub mod metrics;
+pub mod misses;
 pub mod native;
 pub mod openai;
 pub mod outbound;

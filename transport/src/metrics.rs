@@ -273,6 +273,8 @@ pub struct Metrics {
     pub chosen_overlap: Histogram,
     /// Best overlap, in blocks, any worker had for each routed request.
     pub best_overlap: Histogram,
+    /// Why requests missed the cache, and what a shadow policy would have had.
+    pub misses: crate::misses::MissCounters,
     /// When a drop was last logged, per reason, to rate-limit the log lines.
     last_logged: Mutex<[Option<std::time::Instant>; TRANSPORT_DROPS.len()]>,
 }
@@ -310,6 +312,7 @@ impl Default for Metrics {
             ingest_lag: Histogram::new(&LAG_BUCKETS),
             chosen_overlap: Histogram::new(&OVERLAP_BUCKETS),
             best_overlap: Histogram::new(&OVERLAP_BUCKETS),
+            misses: Default::default(),
             last_logged: Mutex::new([None; TRANSPORT_DROPS.len()]),
         }
     }

@@ -87,11 +87,28 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_COST", default_value = "dynamo",
           value_parser = parse_cost)]
     pub router_cost: RouterCost,
+    /// Beside every routing decision, take the decision POLICY would have taken and
+    /// report in /metrics what it would have gained (`kvengine_shadow_*`), without
+    /// changing the route: a `--router-mode` (`round-robin`, `kv`, `sglang`, ...), optionally
+    /// with a `--router-cost` (`kv:ttft`), `worker:ID` (a fixed worker), or `header` (the
+    /// worker each request's `x-kvengine-shadow-worker` header names: another router's
+    /// choice, for mirrored traffic). docs/api.md, "Why requests missed the cache".
+    #[arg(long, env = "KVENGINE_SHADOW", value_name = "POLICY",
+          value_parser = parse_shadow)]
+    pub shadow: Option<transport::hub::Shadow>,
     /// With `--router-cost ttft`: what a millisecond of prefill stall on each of a worker's
     /// running requests costs against a millisecond of the new request's TTFT.
     #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
           default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT)]
     pub router_stall_weight: f64,
+    /// Predict-on-route: each routing decision also counts as the chosen worker holding
+    /// the prompt's blocks for this many milliseconds (refreshed by each later decision for
+    /// them), so that requests sharing a prefix that arrive before the worker's KV events
+    /// find it there; a worker's overlap is the larger of its indexed and predicted ones.
+    /// 0: off. Ignored with --no-kv-events (where every overlap is predicted).
+    #[arg(long, env = "KVENGINE_PREDICT_ON_ROUTE_MS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub predict_on_route_ms: u64,
     /// Tokens per KV block; must equal the workers' page size (default 16, vLLM's and
     /// SGLang's; 32, TensorRT-LLM's `tokens_per_block`, when every worker with KV events is
     /// a TensorRT-LLM one).
@@ -381,6 +398,10 @@ pub(super) fn parse_cost(s: &str) -> Result<RouterCost, String> {
     s.parse().map_err(|e: engine::EngineError| e.to_string())
 }
 
+pub(super) fn parse_shadow(s: &str) -> Result<transport::hub::Shadow, String> {
+    s.parse().map_err(|e: engine::EngineError| e.to_string())
+}
+
 pub(super) fn parse_trtllm(s: &str) -> Result<TrtllmSource, String> {
     s.parse()
         .map_err(|e: transport::TransportError| e.to_string())
@@ -436,6 +457,8 @@ impl ServeArgs {
             stall_weight: self.router_stall_weight,
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
+            predict_on_route: (self.predict_on_route_ms > 0)
+                .then(|| Duration::from_millis(self.predict_on_route_ms)),
         };
         config.validate().context(
             "--router-temperature, --kv-overlap-score-weight, --decode-overlap-weight, \

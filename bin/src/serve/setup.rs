@@ -47,7 +47,7 @@ pub(super) fn print_pinning(no_pin: bool, pinned: &[Option<usize>]) {
 
 /// The hub with the router's bounds, and without KV events where `--no-kv-events` says so.
 pub(super) fn hub_for(args: &ServeArgs, hub: Hub) -> Result<Arc<Hub>> {
-    let hub = hub.with_limits(args.limits());
+    let hub = hub.with_limits(args.limits()).with_shadow(args.shadow);
     Ok(Arc::new(if args.approximate() {
         hub.without_kv_events(ApproxConfig::default())?
     } else {

@@ -19,6 +19,11 @@
 //!    name can neither be finished locally nor block a local name). Its blocks count in
 //!    its worker's load exactly as a local request's would, so a block two replicas' requests
 //!    share counts once; in approximate mode it is a prediction too (invariant 3).
+//! 6. With predict-on-route ([`SchedulerConfig::predict_on_route`], exact mode only) every
+//!    decision, local or a peer's, is also recorded as a prediction that expires after the
+//!    configured time, and a key's overlap in a decision is the larger of its indexed and
+//!    its predicted overlap: the index is never overruled downwards, and a prediction
+//!    outlives neither its time nor its worker.
 //!
 //! # Concurrency
 //! Plain data, `Send`; its driver decides who may touch it (the hub keeps it under one
@@ -37,9 +42,11 @@ use std::time::Instant;
 
 pub mod admission;
 pub mod ids;
+pub mod misses;
 pub mod namespaces;
 pub mod reservations;
 pub mod sessions;
+mod shadow;
 
 pub use namespaces::{DEFAULT_MODEL, ModelError, ModelSpec, Namespace, Namespaces};
 pub use reservations::{AtCap, ClientId};
@@ -78,6 +85,9 @@ pub struct Routed {
     pub model: String,
     /// How its session routed it (`None`: no session, or sessions are off).
     pub session: Option<SessionRoute>,
+    /// What a shadow policy would have chosen instead ([`Router::shadow`]), when the
+    /// driver asked for one.
+    pub shadow: Option<crate::sched::ShadowDecision>,
 }
 
 impl Routed {
@@ -147,7 +157,13 @@ pub struct Router {
     cached: HashMap<WorkerKey, u64>,
     approx: Option<ApproxIndex>,
     sessions: Sessions,
+    /// Predict-on-route's predictions (exact mode only, invariant 6).
+    predicted: Option<ApproxIndex>,
 }
+
+/// Blocks predict-on-route keeps per worker key at most: predictions live for seconds, so
+/// this only bounds memory against a flood of distinct prompts (the earliest-expiring go).
+pub const MAX_PREDICTED_BLOCKS_PER_KEY: usize = 1 << 18;
 
 /// A request a peer replica routed ([`Router::add_remote`]).
 #[derive(Clone, Copy, Debug)]
@@ -183,7 +199,15 @@ pub struct LocalRequest {
 impl Router {
     /// A router with no workers; `approx`: route without KV events (approximate mode).
     pub fn new(config: SchedulerConfig, approx: Option<ApproxConfig>) -> Result<Self> {
+        let predicted = match (approx, config.predict_on_route) {
+            (None, Some(ttl)) => Some(ApproxIndex::new(ApproxConfig {
+                ttl,
+                max_blocks_per_worker: MAX_PREDICTED_BLOCKS_PER_KEY,
+            })?),
+            _ => None,
+        };
         Ok(Self {
+            predicted,
             scheduler: Scheduler::new(config)?,
             namespace: String::new(),
             ids: HashMap::new(),
@@ -247,6 +271,11 @@ impl Router {
         self.scheduler.remove_worker(worker);
         if forget {
             self.sessions.remove_worker(worker);
+        }
+        // A prediction outlives neither its time nor its worker (invariant 6), even an
+        // unhealthy one's: its cache may be gone when it comes back.
+        if let Some(p) = &mut self.predicted {
+            p.remove_worker(worker);
         }
         let gone: Vec<RequestId> = self
             .names
@@ -367,6 +396,15 @@ impl Router {
             (None, Some(c)) => Some(&mut *c),
             (None, None) => None,
         };
+        let merged;
+        let matches = match &mut self.predicted {
+            Some(p) => {
+                p.expire(now);
+                merged = matches.max_with(&p.find_matches(seqs));
+                &merged
+            }
+            None => matches,
+        };
         let cached = &self.cached;
         let decision = self
             .scheduler
@@ -384,7 +422,7 @@ impl Router {
         self.next_id += 1;
         self.ids.insert(name.clone(), id);
         self.names.insert(id, name.clone());
-        if let Some(a) = &mut self.approx {
+        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
             a.insert(now, decision.worker, seqs);
         }
         Ok(Routed {
@@ -393,6 +431,7 @@ impl Router {
             blocks: seqs.len(),
             model: self.namespace.clone(),
             session,
+            shadow: None,
         })
     }
 
@@ -464,8 +503,9 @@ impl Router {
         self.next_id += 1;
         self.remote.insert(scoped.clone(), id);
         self.remote_names.insert(id, scoped);
-        // In approximate mode a peer's decision predicts the worker's cache as ours would.
-        if let Some(a) = &mut self.approx {
+        // In approximate mode (and with predict-on-route) a peer's decision predicts the
+        // worker's cache as ours would.
+        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
             a.insert(now, request.key, request.blocks);
         }
         Ok(true)

@@ -1,4 +1,4 @@
-//! Tests of [`super::Router`]: names, workers, remote requests.
+//! Tests of [`super::Router`]: names, workers, remote requests, predictions.
 
 use super::*;
 use crate::sched::{RouteMode, WorkerRole};
@@ -247,4 +247,76 @@ fn approximate_mode_predicts_what_it_routed() {
     r.add_remote(now, &peer).unwrap();
     let m = r.predicted_matches(now, &theirs).unwrap();
     assert_eq!(m.overlap(WorkerKey::new(8, 0)), 3);
+}
+
+#[test]
+fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
+    use std::time::Duration;
+    let ttl = Duration::from_secs(2);
+    let config = SchedulerConfig {
+        predict_on_route: Some(ttl),
+        ..SchedulerConfig::default()
+    };
+    let mut r = Router::new(config, None).unwrap();
+    let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
+    for k in [a, b] {
+        r.add_worker(k, WorkerRole::default()).unwrap();
+    }
+    let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
+    let tokens = [7u32; 128];
+    let call = |name: &str| RouteCall {
+        request_id: Some(name.into()),
+        tokens: &tokens,
+        ..RouteCall::default()
+    };
+    let t0 = Instant::now();
+    let first = r
+        .route(t0, &call("r1"), &seqs, &Matches::default())
+        .unwrap();
+    let warm = first.decision.worker;
+    let cold = if warm == a { b } else { a };
+    // Before any event: the prediction is the only overlap, and it wins the request.
+    let second = r
+        .route(t0 + ttl / 2, &call("r2"), &seqs, &Matches::default())
+        .unwrap();
+    assert_eq!(second.decision.worker, warm);
+    assert_eq!(second.decision.overlap_blocks, 8);
+    // The index is never overruled downwards: a deeper indexed overlap elsewhere counts.
+    let indexed = Matches::from_overlaps([(cold, 8)]);
+    let third = r.route(t0 + ttl / 2, &call("r3"), &seqs, &indexed).unwrap();
+    assert_eq!(third.decision.best_available_overlap_blocks, 8);
+    // Past its time (the r2/r3 refreshes included) the prediction is gone.
+    for n in ["r1", "r2", "r3"] {
+        r.finish(n).unwrap();
+    }
+    let late = r
+        .route(t0 + ttl * 3, &call("r4"), &seqs, &Matches::default())
+        .unwrap();
+    assert_eq!(late.decision.overlap_blocks, 0);
+    assert_eq!(late.decision.best_available_overlap_blocks, 0);
+    // A removed worker's predictions go with it.
+    let again = r
+        .route(t0 + ttl * 3, &call("r5"), &seqs, &Matches::default())
+        .unwrap();
+    r.remove_worker(again.decision.worker.worker, true);
+    let after = r
+        .route(t0 + ttl * 3, &call("r6"), &seqs, &Matches::default())
+        .unwrap();
+    assert_eq!(after.decision.overlap_blocks, 0);
+}
+
+#[test]
+fn predict_on_route_off_leaves_overlaps_to_the_index() {
+    let mut r = router();
+    let seqs: Vec<SeqHash> = (1..=4).map(SeqHash).collect();
+    let now = Instant::now();
+    for name in ["x", "y"] {
+        let call = RouteCall {
+            request_id: Some(name.into()),
+            tokens: &[1; 64],
+            ..RouteCall::default()
+        };
+        let routed = r.route(now, &call, &seqs, &Matches::default()).unwrap();
+        assert_eq!(routed.decision.overlap_blocks, 0);
+    }
 }

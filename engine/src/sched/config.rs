@@ -233,6 +233,13 @@ pub struct SchedulerConfig {
     /// limit. The default keeps a runaway client (or requests never freed) from piling
     /// work on a worker without bound.
     pub max_active_per_key: Option<u64>,
+    /// Predict-on-route: each decision is also taken as a prediction that the chosen key
+    /// will hold the request's blocks, for this long after the decision (refreshed by each
+    /// later decision for the same blocks), so that requests sharing a prefix that arrive
+    /// before the worker's KV events find it. A key's overlap is the larger of its indexed
+    /// and predicted ones (see [`crate::router`]). `None`: overlaps come from the index
+    /// alone. Ignored in approximate mode, where every overlap is a prediction.
+    pub predict_on_route: Option<Duration>,
 }
 
 /// The default [`SchedulerConfig::stall_weight`]: a running request's stalled token counts
@@ -261,6 +268,7 @@ impl Default for SchedulerConfig {
             cost: RouterCost::default(),
             stall_weight: DEFAULT_STALL_WEIGHT,
             max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
+            predict_on_route: None,
         }
     }
 }
@@ -287,6 +295,12 @@ impl SchedulerConfig {
             return Err(EngineError::InvalidArgument {
                 name: "busy_max_active",
                 reason: "must be positive (at 0 every worker is always busy)",
+            });
+        }
+        if self.predict_on_route.is_some_and(|ttl| ttl.is_zero()) {
+            return Err(EngineError::InvalidArgument {
+                name: "predict_on_route",
+                reason: "must be positive (None turns it off)",
             });
         }
         if let Some(max) = self.busy.max_kv_usage

@@ -40,6 +40,9 @@ use crate::sched::sglang::CacheAware;
 use crate::sched::ttft::{Prefill, TtftFit};
 use crate::sched::workers::{WorkerSlot, WorkerTable};
 
+mod shadow;
+pub use shadow::{ShadowDecision, ShadowSpec};
+
 /// One request to route.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteRequest<'a> {
@@ -150,6 +153,8 @@ pub struct Scheduler {
     fits: Vec<TtftFit>,
     /// Each slot's prefill queue clock ([`crate::sched::drain`]), likewise.
     clocks: Vec<DrainClock>,
+    /// The shadow policy's own cursors and RNG ([`Scheduler::shadow`]).
+    shadow: shadow::ShadowState,
 }
 
 impl Scheduler {
@@ -165,6 +170,7 @@ impl Scheduler {
             scratch: CandidateScratch::default(),
             fits: Vec::new(),
             clocks: Vec::new(),
+            shadow: shadow::ShadowState::new(config.seed),
         })
     }
 
@@ -272,6 +278,7 @@ impl Scheduler {
             scratch,
             fits,
             clocks,
+            shadow: _,
         } = self;
 
         let mut kv = KvPolicy;

@@ -11,9 +11,12 @@
 //!    the best-overlap key.
 //! 3. Else the key caching the fewest blocks (SGLang: the smallest tree, most free room).
 //!
-//! Ties go to the lower load, then uniformly at random. The thresholds are sgl-router's
-//! defaults (`--cache-threshold 0.5`, `--balance-abs-threshold 32`,
-//! `--balance-rel-threshold 1.0001`).
+//! Ties go to the lower load, then uniformly at random. The thresholds are the shipped
+//! defaults of sglang-router 0.3.2 and SMG 1.13 (`--cache-threshold 0.3`,
+//! `--balance-abs-threshold 64`, `--balance-rel-threshold 1.5`, as their `launch --help`
+//! prints them). It is an approximation of those routers, not a stand-in: it leaves out
+//! their text radix trees, SMG's spill-margin cap and KV-usage gates, and their own load
+//! counting. `kvengine bench peers` runs the real ones.
 //!
 //! # Invariants
 //! 1. Returns a candidate's key (policy invariant 1); randomness only on ties.
@@ -28,11 +31,11 @@ use crate::sched::cost::CandidateScore;
 use crate::sched::policy::{Policy, SelectionInput};
 
 /// Share of the request's blocks the best overlap must exceed to decide.
-pub const CACHE_THRESHOLD: f64 = 0.5;
+pub const CACHE_THRESHOLD: f64 = 0.3;
 /// Load difference (requests) above which the load counts as imbalanced...
-pub const BALANCE_ABS: u64 = 32;
+pub const BALANCE_ABS: u64 = 64;
 /// ...if the busiest key also carries more than this many times the idlest's.
-pub const BALANCE_REL: f64 = 1.0001;
+pub const BALANCE_REL: f64 = 1.5;
 
 /// The `sglang` policy.
 #[derive(Clone, Copy, Debug)]
@@ -143,11 +146,16 @@ mod tests {
         let c = [cand(1, 8), cand(2, 2), cand(3, 0)];
         // Balanced, 8 of 10 blocks cached on worker 1: the cache decides.
         assert_eq!(choose(&c, 10, [5, 0, 0], [100, 50, 10]), 1);
-        // Only 8 of 20 (40%): the key caching least.
-        assert_eq!(choose(&c, 20, [5, 0, 0], [100, 50, 10]), 3);
-        // Imbalanced (40 against 2): the least loaded, whatever the cache.
-        assert_eq!(choose(&c, 10, [40, 2, 3], [100, 50, 10]), 2);
-        // 40 against 10 is over the absolute threshold only with a difference above 32.
+        // 8 of 20 (40%) is over the 30% threshold; 8 of 30 (27%) is not: the key caching
+        // least.
+        assert_eq!(choose(&c, 20, [5, 0, 0], [100, 50, 10]), 1);
+        assert_eq!(choose(&c, 30, [5, 0, 0], [100, 50, 10]), 3);
+        // Imbalanced (80 against 2: more than 64 apart and over 1.5x): the least loaded,
+        // whatever the cache.
+        assert_eq!(choose(&c, 10, [80, 2, 3], [100, 50, 10]), 2);
+        // 40 against 10 is over 1.5x but not 64 apart: still the cache.
         assert_eq!(choose(&c, 10, [40, 10, 10], [100, 50, 10]), 1);
+        // 140 against 100 is not 1.5x: the cache.
+        assert_eq!(choose(&c, 10, [140, 100, 100], [100, 50, 10]), 1);
     }
 }

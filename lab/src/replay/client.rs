@@ -3,7 +3,8 @@
 //! With several routers ([`replay_over`], router replicas) request `i` goes to router
 //! `i % N`, as a round-robin load balancer in front of the replicas would send it.
 //!
-//! A request is `POST /v1/completions` with the prompt as token ids, `max_tokens`,
+//! A request is `POST /v1/completions` with the prompt as token ids (or one word per id,
+//! [`PromptForm::Words`], for routers that route on text), `max_tokens`,
 //! `stream: true` and `stream_options.include_usage`. Per request, in simulated time (wall
 //! time times the speedup), measured from the moment it is sent:
 //! * TTFT: until the first SSE data event that carries generated text;
@@ -41,6 +42,8 @@ pub struct ClientConfig {
     pub speedup: f64,
     /// Longest wall time one request may take.
     pub request_timeout: Duration,
+    /// How prompts are written in the request body.
+    pub prompt: PromptForm,
 }
 
 impl Default for ClientConfig {
@@ -48,8 +51,22 @@ impl Default for ClientConfig {
         Self {
             speedup: 1.0,
             request_timeout: Duration::from_secs(300),
+            prompt: PromptForm::TokenIds,
         }
     }
+}
+
+/// How a request's prompt is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PromptForm {
+    /// `"prompt": [ids]`: what kvengine and the simulated workers take as they are.
+    #[default]
+    TokenIds,
+    /// `"prompt": "t17 t4096 ..."`: one word per token id (`t` and the id), for routers that
+    /// route on text (SGLang's and vLLM's cache-aware policies). The simulated workers and
+    /// kvengine (`--tokenizer stand-in`) turn each word into one token, so the blocks, and
+    /// hence the prefixes two requests share, are those of the ids.
+    Words,
 }
 
 /// What happened to one request. Times are simulated milliseconds.
@@ -88,19 +105,37 @@ impl RequestResult {
     }
 }
 
-/// The JSON body of `r`.
+/// The JSON body of `r`, its prompt as token ids.
 pub fn body(r: &ReplayRequest) -> String {
-    let mut s = String::with_capacity(r.tokens.len() * 6 + 128);
-    s.push_str(r#"{"model":"kvengine-sim","prompt":["#);
+    body_as(r, PromptForm::TokenIds)
+}
+
+/// The JSON body of `r`, its prompt written as `form` says.
+pub fn body_as(r: &ReplayRequest, form: PromptForm) -> String {
+    let mut s = String::with_capacity(r.tokens.len() * 8 + 128);
+    s.push_str(r#"{"model":"kvengine-sim","prompt":"#);
+    let (open, sep, close) = match form {
+        PromptForm::TokenIds => ('[', ',', ']'),
+        PromptForm::Words => ('"', ' ', '"'),
+    };
+    s.push(open);
     for (i, t) in r.tokens.iter().enumerate() {
         if i > 0 {
-            s.push(',');
+            s.push(sep);
         }
-        let _ = write!(s, "{t}");
+        match form {
+            PromptForm::TokenIds => {
+                let _ = write!(s, "{t}");
+            }
+            PromptForm::Words => {
+                let _ = write!(s, "t{t}");
+            }
+        }
     }
+    s.push(close);
     let _ = write!(
         s,
-        r#"],"max_tokens":{},"stream":true,"stream_options":{{"include_usage":true}}}}"#,
+        r#","max_tokens":{},"stream":true,"stream_options":{{"include_usage":true}}}}"#,
         r.output_tokens
     );
     s
@@ -155,7 +190,7 @@ pub async fn replay_over(
         let due = start + at;
         tokio::time::sleep_until(due.into()).await;
         let (client, url, done, r) = (client.clone(), url.clone(), done.clone(), r.clone());
-        let timeout = cfg.request_timeout;
+        let (timeout, form) = (cfg.request_timeout, cfg.prompt);
         tasks.push(tokio::spawn(async move {
             let sent = Instant::now();
             let mut result = RequestResult {
@@ -164,7 +199,7 @@ pub async fn replay_over(
                 lag_ms: sim_ms(sent.saturating_duration_since(due), speedup),
                 ..RequestResult::default()
             };
-            let run = one(&client, &url, &r, speedup, sent, &mut result);
+            let run = one(&client, &url, &r, form, speedup, sent, &mut result);
             if tokio::time::timeout(timeout, run).await.is_err() {
                 result.error = Some(format!("no complete answer within {timeout:?}"));
             }
@@ -192,13 +227,14 @@ async fn one(
     client: &HttpClient,
     url: &str,
     r: &ReplayRequest,
+    form: PromptForm,
     speedup: f64,
     sent: Instant,
     out: &mut RequestResult,
 ) {
     let req = match hyper::Request::post(url)
         .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body(r))))
+        .body(Full::new(Bytes::from(body_as(r, form))))
     {
         Ok(req) => req,
         Err(e) => {

@@ -176,6 +176,7 @@ async fn replay_one(
         &client::ClientConfig {
             speedup: cfg.speedup,
             request_timeout: cfg.request_timeout,
+            prompt: client::PromptForm::TokenIds,
         },
         tick,
     )

@@ -435,7 +435,17 @@ pub fn legend(reports: &[ModeReport]) -> String {
          their caches; cap bnd: what one LRU cache of the whole cluster's blocks would hit; \
          inf bnd: an infinite cache; regret: prompt share cached on some worker at routing \
          time that the chosen one lacked; load spread: the busiest worker's share of prefill \
-         work over an even share, minus 1\n"
+         work over an even share, minus 1\n{}",
+        if reports
+            .iter()
+            .any(|r| matches!(r.mode.as_str(), "sglang" | "llm-d"))
+        {
+            "sglang, llm-d: approximations of those routers' decision rules on kvengine's \
+             exact overlaps, not the routers themselves (`kvengine bench peers` runs the real \
+             SMG, sglang-router and vllm-router)\n"
+        } else {
+            ""
+        }
     )
 }
 

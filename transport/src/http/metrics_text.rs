@@ -281,6 +281,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         counter(m.retries.load(Relaxed)),
     );
 
+    super::misses::register(&mut reg, hub);
     reg.register(
         "kvengine_route_overlap_blocks",
         "Overlap, in blocks, of each routed request with the worker chosen",

@@ -20,6 +20,7 @@ pub mod edge_tls;
 mod events;
 pub mod health;
 pub mod metrics_text;
+mod misses;
 pub mod process;
 pub mod route_body;
 mod routing;
@@ -85,6 +86,7 @@ pub fn router(hub: Arc<Hub>, cfg: HttpConfig) -> Router {
             delete(workers::remove).route_layer(admin.clone()),
         )
         .route("/v1/load", post(workers::load).route_layer(admin))
+        .route("/v1/misses", get(misses::recent))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(limit))

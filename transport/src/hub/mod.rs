@@ -51,8 +51,10 @@ pub mod registry;
 pub mod replica_sink;
 pub mod route;
 pub mod routing;
+pub mod shadow;
 pub mod wakeups;
 
+pub use crate::misses::{SHADOW_WORKER_HEADER, Shadow};
 pub use engine_link::{Batch, EngineAccess, Hosted, Threads, start_engine, start_engine_from};
 pub use entropy::SystemEntropy;
 pub use gate::IngestGate;
@@ -98,6 +100,8 @@ pub struct Hub {
     approximate: bool,
     persisted: Persisted,
     limits: Limits,
+    /// `--shadow`: what the shadow decisions follow ([`shadow`]).
+    shadow: Option<Shadow>,
 }
 
 fn key(worker: WorkerId, dp_rank: DpRank) -> WorkerKey {
@@ -135,6 +139,7 @@ impl Hub {
             approximate: false,
             persisted: Persisted::default(),
             limits: Limits::default(),
+            shadow: None,
         })
     }
 

@@ -10,7 +10,7 @@ use crate::cores;
 use crate::error::Result;
 use engine::hash::{lora_seed, seq_hashes, seq_hashes_salted};
 use engine::router::{ClientId, DEFAULT_MODEL, RouteCall, Routed, Ticket};
-use engine::sched::Policy;
+use engine::sched::{Policy, ShadowSpec};
 use engine::{Matches, SeqHash, WaiterId};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
@@ -152,7 +152,11 @@ impl Hub {
     pub fn route(&self, model: Option<&str>, call: &RouteCall<'_>, now: Instant) -> Result<Routed> {
         let (model, seqs) = self.prepare(model, call)?;
         let matches = self.find_matches(&model, &seqs, now)?;
-        self.decide(&model, call, &seqs, &matches, now, Decide::default())
+        let how = Decide {
+            shadow: self.shadow_spec(None),
+            ..Decide::default()
+        };
+        self.decide(&model, call, &seqs, &matches, now, how)
     }
 
     /// [`Hub::route`] with `custom` choosing the worker among the scored candidates (the
@@ -169,6 +173,7 @@ impl Hub {
         let how = Decide {
             custom: Some(custom),
             client: None,
+            shadow: self.shadow_spec(None),
         };
         self.decide(&model, call, &seqs, &matches, now, how)
     }
@@ -208,8 +213,23 @@ impl Hub {
         call: &RouteCall<'_>,
         now: Instant,
     ) -> Result<Routed> {
+        self.route_resolved_beside_async(model, block_size, call, now, None)
+            .await
+    }
+
+    /// [`Hub::route_resolved_async`] for a request whose `x-kvengine-shadow-worker` header
+    /// named `beside` (the worker another router chose: [`super::Shadow::Header`]).
+    pub async fn route_resolved_beside_async(
+        &self,
+        model: &str,
+        block_size: u32,
+        call: &RouteCall<'_>,
+        now: Instant,
+        beside: Option<engine::WorkerId>,
+    ) -> Result<Routed> {
         let seqs = hash_call(call, block_size);
-        self.route_hashed(model.to_owned(), seqs, call, now, None)
+        let shadow = self.shadow_spec(beside);
+        self.route_hashed(model.to_owned(), seqs, call, now, (None, shadow))
             .await
     }
 
@@ -221,7 +241,9 @@ impl Hub {
         client: Option<ClientId>,
     ) -> Result<Routed> {
         let (model, seqs) = self.prepare(model, call)?;
-        self.route_hashed(model, seqs, call, now, client).await
+        let shadow = self.shadow_spec(None);
+        self.route_hashed(model, seqs, call, now, (client, shadow))
+            .await
     }
 
     async fn route_hashed(
@@ -230,7 +252,7 @@ impl Hub {
         seqs: Vec<SeqHash>,
         call: &RouteCall<'_>,
         now: Instant,
-        client: Option<ClientId>,
+        (client, shadow): (Option<ClientId>, Option<ShadowSpec>),
     ) -> Result<Routed> {
         let matches = match self.engine.hosted() && !self.approximate {
             true => match cores::find_matches(&seqs).await {
@@ -242,6 +264,7 @@ impl Hub {
         let how = Decide {
             custom: None,
             client,
+            shadow,
         };
         self.decide(&model, call, &seqs, &matches, now, how)
     }
@@ -269,6 +292,7 @@ impl Hub {
             .unwrap_or(engine::router::reservations::DEFAULT_RESERVATION_TIMEOUT);
         let lifetime = (lifetime < self.config.scheduler.request_timeout).then_some(lifetime);
         let m = &self.metrics;
+        let shadowing = how.shadow.is_some();
         let routed = self
             .routing
             .decide(model, call, seqs, matches, now, how, &self.limits, lifetime)
@@ -295,6 +319,7 @@ impl Hub {
         m.chosen_overlap.observe(f64::from(decision.overlap_blocks));
         m.best_overlap
             .observe(f64::from(decision.best_available_overlap_blocks));
+        self.count_shadow(&routed, shadowing, call.tokens.len() as u64);
         Ok(routed)
     }
 

@@ -39,7 +39,7 @@ use engine::router::{
     Routed, Router, Ticket, check_request_id,
 };
 use engine::sched::Pool;
-use engine::sched::{ActiveLoad, Policy, SchedulerConfig, WorkerLoad, WorkerRole};
+use engine::sched::{ActiveLoad, Policy, SchedulerConfig, ShadowSpec, WorkerLoad, WorkerRole};
 use engine::{Matches, SeqHash, WaiterId, WorkerKey};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -114,6 +114,8 @@ pub(crate) struct Decide<'a> {
     pub custom: Option<&'a mut dyn Policy>,
     /// The caller of the routing API whose reservation this is.
     pub client: Option<ClientId>,
+    /// A shadow decision to take beside the real one ([`super::shadow`]).
+    pub shadow: Option<ShadowSpec>,
 }
 
 /// Which routed request a prefill or finish is about.
@@ -482,10 +484,15 @@ impl Routing {
         let Some(ns) = routing.get_mut(model) else {
             return Err((None, TransportError::UnknownModel(model.to_owned())));
         };
-        let routed = ns
+        // Before the real decision, on the same state (the shadow's invariant 1).
+        let shadow = how
+            .shadow
+            .and_then(|spec| ns.router.shadow(now, call, seqs, matches, &spec).ok());
+        let mut routed = ns
             .router
             .route_with(now, call, seqs, matches, how.custom)
             .map_err(|e| (None, refused(e)))?;
+        routed.shadow = shadow;
         if let Some(client) = how.client {
             if let Some(deadline) = lifetime.and_then(|l| now.checked_add(l)) {
                 // The request was routed just now: it is active.

@@ -12,6 +12,7 @@
 //!    5xx) is retried once, on the next-best worker of the same decision; a second failure
 //!    is the client's 502.
 
+use super::attribution::MissProbe;
 use super::config::ProxyConfig;
 use super::headers::Forwarded;
 use super::openai_error::{OpenAiError, openai_error};
@@ -51,6 +52,27 @@ pub(crate) async fn route(
     cache_salt: Option<&str>,
     overrides: RouteOverrides,
 ) -> Result<Routed, OpenAiError> {
+    route_beside(
+        hub,
+        (model, block_size),
+        tokens,
+        cache_salt,
+        overrides,
+        None,
+    )
+    .await
+}
+
+/// [`route`] for a request whose `x-kvengine-shadow-worker` header named `beside`
+/// ([`crate::hub::Shadow::Header`]).
+pub(crate) async fn route_beside(
+    hub: &Hub,
+    (model, block_size): (&str, u32),
+    tokens: &[u32],
+    cache_salt: Option<&str>,
+    overrides: RouteOverrides,
+    beside: Option<engine::WorkerId>,
+) -> Result<Routed, OpenAiError> {
     let call = RouteCall {
         request_id: None,
         tokens,
@@ -59,7 +81,7 @@ pub(crate) async fn route(
         overrides,
         session: None,
     };
-    hub.route_resolved_async(model, block_size, &call, Instant::now())
+    hub.route_resolved_beside_async(model, block_size, &call, Instant::now(), beside)
         .await
         .map_err(OpenAiError::from_routing)
 }
@@ -177,7 +199,8 @@ pub(crate) async fn retry_elsewhere(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let active = Active::new(p.hub.clone(), retry.ticket());
+    let probe = MissProbe::of(&retry, out.block_size, tokens.len());
+    let active = Active::new(p.hub.clone(), retry.ticket()).probing(probe);
     p.hub.metrics().retries.fetch_add(1, Relaxed);
     match send(p, next, out.path, out.body, out.fwd).await {
         Ok(resp) => respond(resp, active, next, None, None, out.fwd),
@@ -225,7 +248,10 @@ pub(crate) fn respond(
         );
     }
     let patch = cached_tokens.map(|c| UsagePatch::new(c, sse));
-    let relay = Relay::new(incoming, active, sse, patch, fwd.received());
+    let mut active = active;
+    // An error answer is no cache outcome: its tap is dropped, counted as failed.
+    let tap = active.tap().filter(|_| parts.status.is_success());
+    let relay = Relay::new(incoming, active, sse, (patch, tap), fwd.received());
     let mut out = Response::new(Body::new(relay));
     *out.status_mut() = parts.status;
     *out.headers_mut() = headers;

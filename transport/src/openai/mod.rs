@@ -12,6 +12,7 @@
 //! which both use), above `config` (the settings, public as
 //! [`proxy::ProxyConfig`] and [`disagg::DisaggConfig`]).
 
+mod attribution;
 mod config;
 pub mod disagg;
 pub mod fallback;

@@ -21,6 +21,7 @@
 
 pub use super::config::ProxyConfig;
 
+use super::attribution::MissProbe;
 use super::disagg;
 use super::forward::{Outgoing, Proxy, send_or_retry};
 use super::headers::{Forwarded, Steering, SteeringError, X_REQUEST_ID};
@@ -241,8 +242,16 @@ async fn forward(
 ) -> Response {
     let fwd = Forwarded::from_client(client);
     let mut model = None;
+    // Read only in `--shadow header` mode (the hub's shadow invariant 2); a bad value is
+    // no shadow worker.
+    let beside = client
+        .get(crate::hub::SHADOW_WORKER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(engine::WorkerId);
+    let req = (path, source, beside);
     let mut resp = match super::headers::steering(client) {
-        Ok(steer) => forward_with(p.clone(), path, source, &fwd, body, steer, &mut model).await,
+        Ok(steer) => forward_with(p.clone(), req, &fwd, body, steer, &mut model).await,
         Err((what, e)) => {
             let m = p.hub.metrics();
             let c = match what {
@@ -265,8 +274,7 @@ async fn forward(
 
 async fn forward_with(
     p: Arc<Proxy>,
-    path: &str,
-    source: PromptSource,
+    (path, source, beside): (&str, PromptSource, Option<engine::WorkerId>),
     fwd: &Forwarded,
     body: Bytes,
     steer: Steering,
@@ -315,14 +323,15 @@ async fn forward_with(
     };
     let routed = p
         .hub
-        .route_resolved_async(&model, block_size, &call, Instant::now())
+        .route_resolved_beside_async(&model, block_size, &call, Instant::now(), beside)
         .await;
     drop(admission);
     let routed = match routed {
         Ok(r) => r,
         Err(e) => return OpenAiError::from_routing(e).into_response(),
     };
-    let active = Active::new(p.hub.clone(), routed.ticket());
+    let probe = MissProbe::of(&routed, block_size, tokens.len());
+    let active = Active::new(p.hub.clone(), routed.ticket()).probing(probe);
     let out = Outgoing {
         path,
         body: &body,

@@ -10,7 +10,10 @@
 //!    answer outgrew what the patch may hold: then it goes out unpatched, counted).
 //! 4. Nothing else is buffered: each chunk of the worker's answer is passed on as it
 //!    arrives.
+//! 5. With a [`MissTap`], the tap sees every byte of the answer as the worker sent it, and
+//!    is told of the end of a whole answer; otherwise it is dropped (counted as failed).
 
+use super::attribution::{MissProbe, MissTap};
 use super::openai_error::OpenAiError;
 use super::usage::UsagePatch;
 use crate::hub::Hub;
@@ -33,6 +36,8 @@ pub(crate) struct Active {
     hub: Arc<Hub>,
     ticket: Option<Ticket>,
     prefilled: bool,
+    /// What the router predicted, for the answer's miss attribution.
+    probe: Option<MissProbe>,
 }
 
 impl Active {
@@ -42,7 +47,20 @@ impl Active {
             hub,
             ticket: Some(ticket),
             prefilled: false,
+            probe: None,
         }
+    }
+
+    /// Attributes the request's cache misses by its answer ([`MissTap`]).
+    pub(crate) fn probing(mut self, probe: MissProbe) -> Self {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// The miss tap of the answer (once), if the request is probed.
+    pub(crate) fn tap(&mut self) -> Option<MissTap> {
+        let probe = self.probe.take()?;
+        Some(MissTap::new(self.hub.clone(), probe))
     }
 
     /// The request id, until freed.
@@ -83,18 +101,20 @@ pub(crate) struct Relay {
     sse: bool,
     done: bool,
     patch: Option<UsagePatch>,
+    tap: Option<MissTap>,
     /// When the client's request arrived, and when the last chunk went out (latencies).
     received: Instant,
     last_chunk: Option<Instant>,
 }
 
 impl Relay {
-    /// Relays `inner` (an SSE stream if `sse`), patching usage with `patch`.
+    /// Relays `inner` (an SSE stream if `sse`), patching usage with `patch`, showing it to
+    /// `tap`.
     pub(crate) fn new(
         inner: Incoming,
         active: Active,
         sse: bool,
-        patch: Option<UsagePatch>,
+        (patch, tap): (Option<UsagePatch>, Option<MissTap>),
         received: Instant,
     ) -> Self {
         Self {
@@ -103,6 +123,7 @@ impl Relay {
             sse,
             done: false,
             patch,
+            tap,
             received,
             last_chunk: None,
         }
@@ -142,6 +163,9 @@ impl hyper::body::Body for Relay {
             match Pin::new(&mut self.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
+                    if let (Some(tap), Some(data)) = (self.tap.as_mut(), frame.data_ref()) {
+                        tap.feed(data);
+                    }
                     let frame = match (frame.into_data(), self.patch.as_mut()) {
                         (Ok(data), Some(patch)) => {
                             let out = patch.feed(data);
@@ -170,6 +194,9 @@ impl hyper::body::Body for Relay {
                     self.done = true;
                     self.active.finish();
                     self.ended();
+                    if let Some(tap) = self.tap.take() {
+                        tap.finish();
+                    }
                     let tail = self.patch.as_mut().map(UsagePatch::finish);
                     return match tail {
                         Some(t) if !t.is_empty() => Poll::Ready(Some(Ok(Frame::data(t)))),
