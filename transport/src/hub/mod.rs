@@ -4,7 +4,7 @@
 //! | part | file | holds |
 //! |---|---|---|
 //! | [`Registry`] | `registry.rs` | workers, ranks, health, stream state |
-//! | [`Routing`] | `routing.rs` | every model's namespace, request ids, reservations, the replica sink, finish wake-ups |
+//! | [`Routing`] | `routing.rs` | every model's namespace (sessions and admission queue included), request ids, reservations, the replica sink, finish wake-ups, the admission queue's waiters (`admission.rs`) |
 //! | [`EngineAccess`] | `engine_link.rs` | the engine's handles (threads) or the hosted cores |
 //! | [`IngestGate`] | `gate.rs` | the index budget, event counts, unverified keys |
 //! | [`Persisted`] | `persisted.rs` | warm-restart resume points |
