@@ -68,6 +68,13 @@ pub enum EngineError {
         /// The limit.
         limit: u64,
     },
+    /// Every candidate worker is busy and the admission queue already holds its most
+    /// waiters ([`crate::router::admission`]): try again shortly.
+    #[error("every worker is busy and the admission queue is full ({capacity} waiting)")]
+    QueueFull {
+        /// The queue's capacity.
+        capacity: usize,
+    },
     /// The worker key space of one index is exhausted.
     #[error("too many worker keys")]
     TooManyWorkers,

@@ -55,6 +55,24 @@ pub struct RequestId(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReplicaId(pub u64);
 
+/// A client's session (sticky routing, [`crate::router::sessions`]): the 64-bit XXH3 of the
+/// session header's value, so the table's memory does not depend on what clients send and
+/// replicas name a session alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(pub u64);
+
+impl SessionId {
+    /// The id of a session named `name` (the header's value, as sent).
+    pub fn of(name: &[u8]) -> Self {
+        Self(xxhash_rust::xxh3::xxh3_64(name))
+    }
+}
+
+/// A request waiting in an admission queue ([`crate::router::admission`]), named by its
+/// driver (unique among the driver's waiters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WaiterId(pub u64);
+
 macro_rules! display_inner {
     ($($t:ty),*) => {$(
         impl fmt::Display for $t {
@@ -64,7 +82,15 @@ macro_rules! display_inner {
         }
     )*};
 }
-display_inner!(WorkerId, DpRank, TokensHash, SeqHash, EngineHash, RequestId);
+display_inner!(
+    WorkerId, DpRank, TokensHash, SeqHash, EngineHash, RequestId, WaiterId
+);
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
 
 impl fmt::Display for ReplicaId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

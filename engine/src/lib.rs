@@ -42,5 +42,8 @@ pub mod snapshot;
 mod sync;
 
 pub use error::{EngineError, RejectCounts, RejectReason, Result};
-pub use ids::{DpRank, EngineHash, ReplicaId, RequestId, SeqHash, TokensHash, WorkerId, WorkerKey};
+pub use ids::{
+    DpRank, EngineHash, ReplicaId, RequestId, SeqHash, SessionId, TokensHash, WaiterId, WorkerId,
+    WorkerKey,
+};
 pub use matches::Matches;

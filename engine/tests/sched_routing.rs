@@ -255,6 +255,7 @@ fn busy_workers_are_skipped_unless_all_are_busy() {
             busy: BusyThresholds {
                 max_waiting: Some(5),
                 max_kv_usage: Some(0.9),
+                max_active: None,
             },
             ..Default::default()
         },

@@ -27,9 +27,10 @@ pub(crate) fn from_transport(e: TransportError) -> PyErr {
         | TransportError::UnknownModel(_)
         | TransportError::UnknownRank { .. } => PyKeyError::new_err(msg),
         TransportError::Engine(e) => from_engine(e),
-        TransportError::Overloaded { .. } | TransportError::TooManyReservations { .. } => {
-            KvEngineError::new_err(msg)
-        }
+        TransportError::Overloaded { .. }
+        | TransportError::TooManyReservations { .. }
+        | TransportError::QueueFull { .. }
+        | TransportError::QueueTimeout { .. } => KvEngineError::new_err(msg),
         TransportError::Io { .. } => PyOSError::new_err(msg),
         TransportError::MalformedMsgpack(_)
         | TransportError::MalformedFrame(_)
@@ -55,7 +56,8 @@ pub(crate) fn from_engine(e: EngineError) -> PyErr {
         | EngineError::Timeout { .. }
         | EngineError::NoWorkers
         | EngineError::NoWorkersInPool { .. }
-        | EngineError::AtCapacity { .. } => KvEngineError::new_err(msg),
+        | EngineError::AtCapacity { .. }
+        | EngineError::QueueFull { .. } => KvEngineError::new_err(msg),
         EngineError::UnknownWorker { .. } => PyKeyError::new_err(msg),
         _ => PyValueError::new_err(msg),
     }

@@ -107,7 +107,7 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 15] = [
+const SETTINGS: [&str; 16] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
@@ -117,6 +117,7 @@ const SETTINGS: [&str; 15] = [
     "decode_overlap_weight",
     "busy_threshold",
     "busy_max_waiting",
+    "busy_max_active",
     "request_timeout_secs",
     "max_active_requests_per_worker",
     "cores",
@@ -167,6 +168,7 @@ fn settings_from(
                 }
                 "busy_threshold" => busy.max_kv_usage = v.extract().map_err(bad)?,
                 "busy_max_waiting" => busy.max_waiting = v.extract().map_err(bad)?,
+                "busy_max_active" => busy.max_active = v.extract().map_err(bad)?,
                 "request_timeout_secs" => {
                     s.scheduler.request_timeout = Duration::from_secs(v.extract().map_err(bad)?)
                 }
@@ -420,6 +422,7 @@ impl KvRouter {
                 lora_name: lora_name.as_deref(),
                 cache_salt: None,
                 overrides,
+                session: None,
             };
             let hub = shared.hub();
             match policy {

@@ -68,7 +68,17 @@ pub struct Limits {
     /// [`engine::router::reservations::DEFAULT_RESERVATION_TIMEOUT`]; never longer than the
     /// scheduler's request timeout).
     pub reservation_timeout: Option<std::time::Duration>,
+    /// Sticky sessions: their idle lifetime and the most remembered per model (`None`:
+    /// off; [`engine::router::sessions`]).
+    pub sessions: Option<engine::router::SessionConfig>,
+    /// The admission queue of each model (`None`: off; [`engine::router::admission`]).
+    pub admission: Option<engine::router::admission::AdmissionConfig>,
 }
+
+/// The longest session header value accepted (`x-kvengine-session` and its aliases); a
+/// longer one is answered 400. Sessions are kept as a 64-bit hash of it, so this bounds
+/// only the bytes hashed per request.
+pub const MAX_SESSION_KEY_BYTES: usize = 256;
 
 impl Limits {
     /// Whether a rank holding `blocks` engine hashes is reported at its cap: within 1% of

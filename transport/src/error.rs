@@ -101,6 +101,22 @@ pub enum TransportError {
         /// The limit.
         limit: usize,
     },
+    /// Every candidate worker is busy and the model's admission queue holds its most
+    /// waiters (`--admission-queue`): try again shortly.
+    #[error("every worker is busy and the admission queue is full ({capacity} waiting)")]
+    QueueFull {
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// A request waited in the admission queue for `--admission-timeout-ms` without a
+    /// worker dropping below its busy threshold.
+    #[error(
+        "every worker stayed busy for the {waited_ms} ms this request may wait (--admission-timeout-ms)"
+    )]
+    QueueTimeout {
+        /// How long it waited.
+        waited_ms: u64,
+    },
     /// A client of the routing API already holds its most open reservations
     /// (`--max-reservations-per-client`).
     #[error(
@@ -279,6 +295,8 @@ impl TransportError {
             | TransportError::UnknownModel(_)
             | TransportError::DuplicateRequest(_)
             | TransportError::Overloaded { .. }
+            | TransportError::QueueFull { .. }
+            | TransportError::QueueTimeout { .. }
             | TransportError::TooManyReservations { .. }
             | TransportError::Io { .. } => DropReason::Other,
             TransportError::PromptTooLong { .. } => DropReason::Oversized,

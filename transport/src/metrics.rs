@@ -143,6 +143,72 @@ impl DecisionReason {
 /// bodies, unknown models).
 pub const NO_MODEL: &str = "(none)";
 
+/// How the front door's session requests routed ([`engine::router::sessions`]); the
+/// table's own figures (live, evicted, expired, dropped) are read from the namespaces at
+/// scrape time.
+#[derive(Debug, Default)]
+pub struct SessionCounters {
+    /// Requests routed to their session's worker.
+    pub sticky: AtomicU64,
+    /// First requests of a session (routed by cost, then remembered).
+    pub new: AtomicU64,
+    /// Requests whose session's worker was busy or full: routed by cost, session moved.
+    pub moved_busy: AtomicU64,
+    /// Requests whose session's worker was out of routing: routed by cost, session moved.
+    pub moved_gone: AtomicU64,
+    /// Session headers refused (over [`crate::bounds::MAX_SESSION_KEY_BYTES`], not
+    /// visible ASCII): answered 400.
+    pub refused: AtomicU64,
+}
+
+impl SessionCounters {
+    /// Counts a request routed as `how`.
+    pub fn routed(&self, how: engine::router::SessionRoute) {
+        use engine::router::{MoveReason, SessionRoute};
+        let c = match how {
+            SessionRoute::Sticky => &self.sticky,
+            SessionRoute::New => &self.new,
+            SessionRoute::Moved(MoveReason::Busy) => &self.moved_busy,
+            SessionRoute::Moved(MoveReason::Gone) => &self.moved_gone,
+        };
+        c.fetch_add(1, Relaxed);
+    }
+}
+
+/// The admission queue's counters ([`engine::router::admission`]); its depth is read from
+/// the namespaces at scrape time.
+#[derive(Debug)]
+pub struct AdmissionCounters {
+    /// Requests that had to wait (queued).
+    pub queued: AtomicU64,
+    /// Queued requests admitted (routed after their wait).
+    pub admitted: AtomicU64,
+    /// Requests refused with 429 `queue_full`.
+    pub rejected_full: AtomicU64,
+    /// Queued requests refused with 503 `queue_timeout`.
+    pub rejected_timeout: AtomicU64,
+    /// Queued requests whose client went away while they waited.
+    pub cancelled: AtomicU64,
+    /// Priority headers refused (not an integer): answered 400.
+    pub bad_priority: AtomicU64,
+    /// Seconds admitted requests waited.
+    pub wait: Histogram,
+}
+
+impl Default for AdmissionCounters {
+    fn default() -> Self {
+        Self {
+            queued: AtomicU64::new(0),
+            admitted: AtomicU64::new(0),
+            rejected_full: AtomicU64::new(0),
+            rejected_timeout: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            bad_priority: AtomicU64::new(0),
+            wait: Histogram::new(&LATENCY_BUCKETS),
+        }
+    }
+}
+
 /// Everything the transports count.
 #[derive(Debug)]
 pub struct Metrics {
@@ -185,6 +251,10 @@ pub struct Metrics {
     pub overloaded: AtomicU64,
     /// Routing calls refused because their client held `--max-reservations-per-client`.
     pub too_many_reservations: AtomicU64,
+    /// Sticky sessions.
+    pub sessions: SessionCounters,
+    /// The admission queue.
+    pub admission: AdmissionCounters,
     /// Disaggregated requests whose prefill went to a prefill worker.
     pub disagg_remote: AtomicU64,
     /// Disaggregated requests prefilled on their decode worker (conditional disaggregation).
@@ -230,6 +300,8 @@ impl Default for Metrics {
             overloaded: AtomicU64::new(0),
             too_many_reservations: AtomicU64::new(0),
             edge: std::sync::Arc::default(),
+            sessions: SessionCounters::default(),
+            admission: AdmissionCounters::default(),
             disagg_remote: AtomicU64::new(0),
             disagg_local: AtomicU64::new(0),
             disagg_fallbacks: AtomicU64::new(0),

@@ -446,8 +446,9 @@ fn openai_bodies_survive_mutation() {
 #[test]
 fn replica_frames_survive_mutation() {
     use transport::replicas::wire::{
-        Body, Frame, LoadEvent, Resync, WIRE_VERSION, decode_frame, decode_resync, encode_frame,
-        encode_resync,
+        Body, Frame, LoadEvent, Resync, SESSION_WIRE_VERSION, SessionAssign, SessionFrame,
+        WIRE_VERSION, decode_frame, decode_resync, decode_sessions, encode_frame, encode_resync,
+        encode_sessions,
     };
     let events = Frame {
         version: WIRE_VERSION,
@@ -484,10 +485,23 @@ fn replica_frames_survive_mutation() {
         from: 5,
         target: 0,
     };
+    let sessions = SessionFrame {
+        version: SESSION_WIRE_VERSION,
+        replica: 0xabcdef,
+        sessions: (0..5)
+            .map(|i| SessionAssign {
+                model: "qwen".into(),
+                session: 0x1234_5678_9abc + i,
+                worker: i,
+                dp_rank: 0,
+            })
+            .collect(),
+    };
     let corpus = vec![
         encode_frame(&events).unwrap().to_vec(),
         encode_frame(&heartbeat).unwrap().to_vec(),
         encode_resync(&resync).unwrap().to_vec(),
+        encode_sessions(&sessions).unwrap().to_vec(),
     ];
     run("replica frames", corpus, |data| {
         let frame = decode_frame(data);
@@ -497,7 +511,12 @@ fn replica_frames_survive_mutation() {
             assert_eq!(&again, f);
         }
         let resync = decode_resync(data);
-        frame.is_ok() || resync.is_ok()
+        let session = decode_sessions(data);
+        if let Ok(f) = &session {
+            let again = decode_sessions(&encode_sessions(f).unwrap()).unwrap();
+            assert_eq!(&again, f);
+        }
+        frame.is_ok() || resync.is_ok() || session.is_ok()
     });
 }
 

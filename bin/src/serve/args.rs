@@ -147,6 +147,12 @@ pub struct ServeArgs {
     /// A worker with more waiting requests than this is skipped while others are not busy.
     #[arg(long, env = "KVENGINE_BUSY_MAX_WAITING")]
     pub busy_max_waiting: Option<u64>,
+    /// A worker rank carrying this many routed, unfreed requests is busy: skipped while
+    /// others are not, and with every rank busy front-door requests wait in the admission
+    /// queue (`--admission-queue`).
+    #[arg(long, env = "KVENGINE_BUSY_MAX_ACTIVE",
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub busy_max_active: Option<u64>,
     /// Active requests not finished after this many seconds are dropped from the load.
     #[arg(long, env = "KVENGINE_REQUEST_TIMEOUT_SECS", default_value_t = 300)]
     pub request_timeout_secs: u64,
@@ -171,6 +177,29 @@ pub struct ServeArgs {
     /// apply. 0: no budget.
     #[arg(long, env = "KVENGINE_MAX_INDEX_BYTES", default_value_t = 0)]
     pub max_index_bytes: u64,
+    /// Sticky sessions: a session (`x-kvengine-session`, `X-Dynamo-Session-ID`,
+    /// `x-smg-routing-key` or `x-sgl-routing-key`) unused this many seconds is forgotten.
+    /// 0: no sessions.
+    #[arg(long, env = "KVENGINE_SESSION_TTL_SECS",
+          default_value_t = engine::router::sessions::DEFAULT_SESSION_TTL.as_secs())]
+    pub session_ttl_secs: u64,
+    /// The most sessions remembered per model; past it the least recently used is evicted.
+    /// 0: no sessions.
+    #[arg(long, env = "KVENGINE_MAX_SESSIONS",
+          default_value_t = engine::router::sessions::DEFAULT_MAX_SESSIONS as u64)]
+    pub max_sessions: u64,
+    /// The most front-door requests that may wait per model while every worker is busy
+    /// (`--busy-max-active`, `--busy-threshold`, `--busy-max-waiting`); past it 429
+    /// `queue_full`. 0: no queue (requests go to a busy worker).
+    #[arg(long, env = "KVENGINE_ADMISSION_QUEUE",
+          default_value_t = engine::router::admission::DEFAULT_ADMISSION_QUEUE as u64)]
+    pub admission_queue: u64,
+    /// How long a request may wait in the admission queue before it is answered 503
+    /// `queue_timeout`.
+    #[arg(long, env = "KVENGINE_ADMISSION_TIMEOUT_MS",
+          default_value_t = engine::router::admission::DEFAULT_ADMISSION_TIMEOUT.as_millis() as u64,
+          value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub admission_timeout_ms: u64,
 
     /// Subscribe to a worker's KV events: `ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`
     /// (repeatable; the env var takes a `;`-separated list).
@@ -417,6 +446,7 @@ impl ServeArgs {
             busy: BusyThresholds {
                 max_waiting: self.busy_max_waiting,
                 max_kv_usage: self.busy_threshold,
+                max_active: self.busy_max_active,
             },
             request_timeout: Duration::from_secs(self.request_timeout_secs),
             // Replicas behind one balancer must not draw the same random sequence: their
@@ -451,6 +481,18 @@ impl ServeArgs {
             max_blocks_per_key: some(self.max_blocks_per_worker),
             max_reservations_per_client: some(self.max_reservations_per_client),
             reservation_timeout: Some(Duration::from_secs(self.reservation_timeout_secs.max(1))),
+            sessions: (self.session_ttl_secs > 0 && self.max_sessions > 0).then(|| {
+                engine::router::SessionConfig {
+                    ttl: Some(Duration::from_secs(self.session_ttl_secs)),
+                    max_sessions: some(self.max_sessions).unwrap_or(0),
+                }
+            }),
+            admission: some(self.admission_queue).map(|capacity| {
+                engine::router::admission::AdmissionConfig {
+                    capacity,
+                    timeout: Duration::from_millis(self.admission_timeout_ms),
+                }
+            }),
         }
     }
 

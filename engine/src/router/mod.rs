@@ -31,23 +31,26 @@
 
 use crate::approx::{ApproxConfig, ApproxIndex};
 use crate::error::{EngineError, Result};
-use crate::ids::{ReplicaId, RequestId, SeqHash, WorkerId, WorkerKey};
+use crate::ids::{ReplicaId, RequestId, SeqHash, SessionId, WorkerId, WorkerKey};
 use crate::matches::Matches;
 use crate::sched::{
-    ActiveLoad, Decision, Policy, RouteOverrides, RouteRequest, Scheduler, SchedulerConfig,
-    WorkerLoad, WorkerRole,
+    ActiveLoad, Decision, KeyState, Policy, RouteOverrides, RouteRequest, Scheduler,
+    SchedulerConfig, WorkerLoad, WorkerRole,
 };
 use hashbrown::HashMap;
 use std::time::Instant;
 
+pub mod admission;
 pub mod ids;
 pub mod misses;
 pub mod namespaces;
 pub mod reservations;
+pub mod sessions;
 mod shadow;
 
 pub use namespaces::{DEFAULT_MODEL, ModelError, ModelSpec, Namespace, Namespaces};
 pub use reservations::{AtCap, ClientId};
+pub use sessions::{MoveReason, SessionConfig, SessionRoute, SessionStats, Sessions};
 
 /// A request to route.
 #[derive(Clone, Debug, Default)]
@@ -64,6 +67,8 @@ pub struct RouteCall<'a> {
     pub cache_salt: Option<&'a str>,
     /// Per-call settings.
     pub overrides: RouteOverrides,
+    /// The client's session, if it named one ([`sessions`]).
+    pub session: Option<SessionId>,
 }
 
 /// A routed request.
@@ -78,6 +83,8 @@ pub struct Routed {
     /// The namespace (model) it was routed in ([`namespaces::DEFAULT_MODEL`] for the
     /// default one).
     pub model: String,
+    /// How its session routed it (`None`: no session, or sessions are off).
+    pub session: Option<SessionRoute>,
     /// What a shadow policy would have chosen instead ([`Router::shadow`]), when the
     /// driver asked for one.
     pub shadow: Option<crate::sched::ShadowDecision>,
@@ -149,6 +156,7 @@ pub struct Router {
     remote_names: HashMap<RequestId, (ReplicaId, String)>,
     cached: HashMap<WorkerKey, u64>,
     approx: Option<ApproxIndex>,
+    sessions: Sessions,
     /// Predict-on-route's predictions (exact mode only, invariant 6).
     predicted: Option<ApproxIndex>,
 }
@@ -209,12 +217,39 @@ impl Router {
             remote_names: HashMap::new(),
             cached: HashMap::new(),
             approx: approx.map(ApproxIndex::new).transpose()?,
+            sessions: Sessions::default(),
         })
     }
 
     /// Names the namespace this router serves (the namespaces name theirs).
     pub fn set_namespace(&mut self, name: &str) {
         name.clone_into(&mut self.namespace);
+    }
+
+    /// Keeps sessions as `config` says (off by default).
+    pub fn set_sessions(&mut self, config: SessionConfig) {
+        self.sessions.set_config(config);
+    }
+
+    /// The session table.
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// Records that a peer replica routed session `id` to `key` at `now`; false (nothing
+    /// recorded) for a key not in routing here, or with sessions off.
+    pub fn assign_session(&mut self, now: Instant, id: SessionId, key: WorkerKey) -> bool {
+        let known = self.scheduler.key_state(key, crate::sched::Pool::Whole) != KeyState::Gone;
+        if known && self.sessions.enabled() {
+            self.sessions.assign(now, id, key);
+        }
+        known && self.sessions.enabled()
+    }
+
+    /// Whether a request of `pool` routed now would find a key neither busy nor full
+    /// (the admission queue's test of room).
+    pub fn has_room(&self, pool: crate::sched::Pool) -> bool {
+        self.scheduler.has_room(pool)
     }
 
     /// Whether overlaps come from routing predictions (approximate mode).
@@ -234,6 +269,9 @@ impl Router {
     /// is gone rather than unhealthy).
     pub fn remove_worker(&mut self, worker: WorkerId, forget: bool) {
         self.scheduler.remove_worker(worker);
+        if forget {
+            self.sessions.remove_worker(worker);
+        }
         // A prediction outlives neither its time nor its worker (invariant 6), even an
         // unhealthy one's: its cache may be gone when it comes back.
         if let Some(p) = &mut self.predicted {
@@ -339,6 +377,25 @@ impl Router {
             input_tokens: call.tokens.len() as u64,
             overrides: call.overrides,
         };
+        // A session sticks unless the call names its worker or policy.
+        let (session, stick) = match call.session {
+            Some(sid) if self.sessions.enabled() && call.overrides.worker.is_none() => {
+                let (r, k) = self
+                    .sessions
+                    .plan(now, sid, &self.scheduler, call.overrides.pool);
+                (Some(r), k)
+            }
+            _ => (None, None),
+        };
+        let mut sticky = stick.map(|key| sessions::Sticky {
+            key,
+            mode: call.overrides.mode.unwrap_or(self.scheduler.config().mode),
+        });
+        let custom: Option<&mut dyn Policy> = match (sticky.as_mut(), custom) {
+            (Some(s), _) => Some(s),
+            (None, Some(c)) => Some(&mut *c),
+            (None, None) => None,
+        };
         let merged = self.with_predictions(now, seqs, matches);
         let matches = merged.as_ref().unwrap_or(matches);
         let cached = &self.cached;
@@ -352,6 +409,9 @@ impl Router {
                 custom,
             )
             .map_err(RouteError::Engine)?;
+        if let Some(sid) = call.session {
+            self.sessions.assign(now, sid, decision.worker);
+        }
         self.next_id += 1;
         self.ids.insert(name.clone(), id);
         self.names.insert(id, name.clone());
@@ -363,6 +423,7 @@ impl Router {
             decision,
             blocks: seqs.len(),
             model: self.namespace.clone(),
+            session,
             shadow: None,
         })
     }
@@ -594,325 +655,4 @@ impl From<EngineError> for RouteError {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sched::{RouteMode, WorkerRole};
-
-    fn router() -> Router {
-        let config = SchedulerConfig {
-            mode: RouteMode::RoundRobin,
-            ..SchedulerConfig::default()
-        };
-        let mut r = Router::new(config, None).unwrap();
-        r.add_worker(WorkerKey::new(1, 0), WorkerRole::default())
-            .unwrap();
-        r
-    }
-
-    #[test]
-    fn names_are_interned_while_active_and_generated_ones_never_repeat() {
-        let mut r = router();
-        let now = Instant::now();
-        let call = RouteCall {
-            request_id: Some("a".into()),
-            tokens: &[1; 32],
-            ..RouteCall::default()
-        };
-        let routed = r.route(now, &call, &[], &Matches::default()).unwrap();
-        assert_eq!(routed.request_id, "a");
-        assert_eq!(
-            r.route(now, &call, &[], &Matches::default()),
-            Err(RouteError::Name(NameError::Duplicate("a".into())))
-        );
-        // A router routes named requests only (the namespaces name the others).
-        let anon = RouteCall {
-            tokens: &[1; 32],
-            ..RouteCall::default()
-        };
-        assert_eq!(
-            r.route(now, &anon, &[], &Matches::default()),
-            Err(RouteError::Name(NameError::Missing))
-        );
-        for name in ["g1", "g2"] {
-            let named = RouteCall {
-                request_id: Some(name.into()),
-                ..anon.clone()
-            };
-            r.route(now, &named, &[], &Matches::default()).unwrap();
-        }
-        assert_eq!(r.active_requests(), 3);
-        r.finish("a").unwrap();
-        assert_eq!(
-            r.finish("a"),
-            Err(RouteError::Name(NameError::Unknown("a".into())))
-        );
-        // The name is free again once finished.
-        r.route(now, &call, &[], &Matches::default()).unwrap();
-        // Ids have a length cap; the refusal records nothing.
-        let before = r.active_requests();
-        let long = RouteCall {
-            request_id: Some("x".repeat(MAX_REQUEST_ID_BYTES + 1)),
-            tokens: &[1; 32],
-            ..RouteCall::default()
-        };
-        assert_eq!(
-            r.route(now, &long, &[], &Matches::default()),
-            Err(RouteError::Name(NameError::TooLong(
-                MAX_REQUEST_ID_BYTES + 1
-            )))
-        );
-        assert_eq!(r.active_requests(), before);
-        let longest = RouteCall {
-            request_id: Some("x".repeat(MAX_REQUEST_ID_BYTES)),
-            ..long.clone()
-        };
-        r.route(now, &longest, &[], &Matches::default()).unwrap();
-        // Control characters are refused wherever an id is named; printable Unicode is not.
-        for (bad, at) in [("a\nb", 1), ("\u{7f}", 0), ("x\u{85}", 1), ("\0", 0)] {
-            let call = RouteCall {
-                request_id: Some(bad.into()),
-                ..long.clone()
-            };
-            let refused = Err(RouteError::Name(NameError::ControlCharacter(at)));
-            assert_eq!(r.route(now, &call, &[], &Matches::default()), refused);
-            assert_eq!(
-                r.finish(bad),
-                Err(RouteError::Name(NameError::ControlCharacter(at)))
-            );
-            assert_eq!(
-                r.prefilled(now, bad),
-                Err(RouteError::Name(NameError::ControlCharacter(at)))
-            );
-        }
-        assert_eq!(r.active_requests(), before + 1);
-        assert_eq!(
-            r.finish(&"y".repeat(MAX_REQUEST_ID_BYTES + 1)),
-            Err(RouteError::Name(NameError::TooLong(
-                MAX_REQUEST_ID_BYTES + 1
-            )))
-        );
-        let unicode = RouteCall {
-            request_id: Some("r\u{e9}q \u{1f600}".into()),
-            ..long
-        };
-        r.route(now, &unicode, &[], &Matches::default()).unwrap();
-        r.finish("r\u{e9}q \u{1f600}").unwrap();
-        // Removing the worker forgets its requests.
-        r.remove_worker(WorkerId(1), true);
-        assert_eq!(r.active_requests(), 0);
-        assert!(r.prefilled(Instant::now(), "a").is_err());
-    }
-
-    fn remote<'a>(
-        replica: ReplicaId,
-        name: &'a str,
-        key: WorkerKey,
-        blocks: &'a [SeqHash],
-        input_tokens: u64,
-    ) -> RemoteRequest<'a> {
-        RemoteRequest {
-            replica,
-            name,
-            key,
-            blocks,
-            input_tokens,
-            overlap_blocks: 0,
-        }
-    }
-
-    #[test]
-    fn peer_requests_have_their_own_names_and_leave_with_their_replica_or_worker() {
-        let mut r = router();
-        let now = Instant::now();
-        let key = WorkerKey::new(1, 0);
-        let (a, b) = (ReplicaId(10), ReplicaId(11));
-        let blocks = [SeqHash(1), SeqHash(2)];
-        assert_eq!(
-            r.add_remote(now, &remote(a, "x", key, &blocks, 32)),
-            Ok(true)
-        );
-        assert_eq!(
-            r.add_remote(now, &remote(a, "x", key, &blocks, 32)),
-            Ok(false)
-        );
-        assert_eq!(
-            r.add_remote(now, &remote(b, "x", key, &blocks[..1], 16)),
-            Ok(true)
-        );
-        // A peer's name neither blocks nor answers to a local one.
-        let call = RouteCall {
-            request_id: Some("x".into()),
-            tokens: &[1; 32],
-            ..RouteCall::default()
-        };
-        r.route(now, &call, &blocks, &Matches::default()).unwrap();
-        assert_eq!(r.active_requests(), 3);
-        assert_eq!((r.routed_requests(), r.remote_requests()), (1, 2));
-        let load = r.active_load(key).unwrap();
-        assert_eq!(load.active_blocks, 2, "shared blocks count once");
-        assert_eq!(load.active_prefill_tokens, 32 + 16 + 32);
-        r.prefilled_remote(a, "x").unwrap();
-        assert_eq!(r.active_load(key).unwrap().active_prefill_tokens, 48);
-        r.finish("x").unwrap();
-        assert!(r.is_remote_active(a, "x") && r.is_remote_active(b, "x"));
-        assert_eq!(
-            r.local_requests(),
-            vec![],
-            "only this router's requests are its state"
-        );
-        // Unknown workers and names are refused, not recorded.
-        assert!(matches!(
-            r.add_remote(now, &remote(a, "y", WorkerKey::new(9, 0), &blocks, 1)),
-            Err(RouteError::Engine(EngineError::UnknownWorker { .. }))
-        ));
-        assert!(matches!(
-            r.add_remote(now, &remote(a, "bad\n", key, &blocks, 1)),
-            Err(RouteError::Name(NameError::ControlCharacter(3)))
-        ));
-        assert_eq!(
-            r.finish_remote(a, "nope"),
-            Err(RouteError::Name(NameError::Unknown("nope".into())))
-        );
-        assert_eq!(r.forget_replica(a), 1);
-        assert_eq!(r.remote_requests(), 1);
-        // A worker that leaves takes the peers' requests on it along.
-        r.remove_worker(WorkerId(1), false);
-        assert_eq!((r.active_requests(), r.remote_requests()), (0, 0));
-    }
-
-    #[test]
-    fn peer_requests_expire_like_local_ones() {
-        let config = SchedulerConfig {
-            mode: RouteMode::RoundRobin,
-            request_timeout: std::time::Duration::from_secs(5),
-            ..SchedulerConfig::default()
-        };
-        let mut r = Router::new(config, None).unwrap();
-        let key = WorkerKey::new(1, 0);
-        r.add_worker(key, WorkerRole::default()).unwrap();
-        let now = Instant::now();
-        r.add_remote(now, &remote(ReplicaId(1), "x", key, &[SeqHash(1)], 16))
-            .unwrap();
-        let call = RouteCall {
-            request_id: Some("kvr-local".into()),
-            tokens: &[1; 16],
-            ..RouteCall::default()
-        };
-        let routed = r
-            .route(now, &call, &[SeqHash(1)], &Matches::default())
-            .unwrap();
-        assert_eq!(
-            r.local_requests(),
-            vec![LocalRequest {
-                name: routed.request_id,
-                key,
-                blocks: vec![SeqHash(1)],
-                pending_prefill_tokens: 16,
-            }]
-        );
-        r.expire(now + std::time::Duration::from_secs(5));
-        assert_eq!(r.active_requests(), 0);
-        assert!(!r.is_remote_active(ReplicaId(1), "x"));
-        assert!(r.local_requests().is_empty());
-    }
-
-    #[test]
-    fn approximate_mode_predicts_what_it_routed() {
-        let config = SchedulerConfig::default();
-        let mut r = Router::new(config, Some(ApproxConfig::default())).unwrap();
-        r.add_worker(WorkerKey::new(7, 0), WorkerRole::default())
-            .unwrap();
-        let now = Instant::now();
-        let seqs = [SeqHash(1), SeqHash(2)];
-        assert_eq!(r.predicted_matches(now, &seqs).unwrap().best(), 0);
-        let call = RouteCall {
-            request_id: Some("p".into()),
-            tokens: &[0; 32],
-            ..RouteCall::default()
-        };
-        let m = r.predicted_matches(now, &seqs).unwrap();
-        r.route(now, &call, &seqs, &m).unwrap();
-        let m = r.predicted_matches(now, &seqs).unwrap();
-        assert_eq!(m.overlap(WorkerKey::new(7, 0)), 2);
-        // A peer replica's decision predicts as much.
-        r.add_worker(WorkerKey::new(8, 0), WorkerRole::default())
-            .unwrap();
-        let theirs = [SeqHash(1), SeqHash(2), SeqHash(3)];
-        let peer = remote(ReplicaId(5), "p", WorkerKey::new(8, 0), &theirs, 48);
-        r.add_remote(now, &peer).unwrap();
-        let m = r.predicted_matches(now, &theirs).unwrap();
-        assert_eq!(m.overlap(WorkerKey::new(8, 0)), 3);
-    }
-
-    #[test]
-    fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
-        use std::time::Duration;
-        let ttl = Duration::from_secs(2);
-        let config = SchedulerConfig {
-            predict_on_route: Some(ttl),
-            ..SchedulerConfig::default()
-        };
-        let mut r = Router::new(config, None).unwrap();
-        let (a, b) = (WorkerKey::new(1, 0), WorkerKey::new(2, 0));
-        for k in [a, b] {
-            r.add_worker(k, WorkerRole::default()).unwrap();
-        }
-        let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
-        let tokens = [7u32; 128];
-        let call = |name: &str| RouteCall {
-            request_id: Some(name.into()),
-            tokens: &tokens,
-            ..RouteCall::default()
-        };
-        let t0 = Instant::now();
-        let first = r
-            .route(t0, &call("r1"), &seqs, &Matches::default())
-            .unwrap();
-        let warm = first.decision.worker;
-        let cold = if warm == a { b } else { a };
-        // Before any event: the prediction is the only overlap, and it wins the request.
-        let second = r
-            .route(t0 + ttl / 2, &call("r2"), &seqs, &Matches::default())
-            .unwrap();
-        assert_eq!(second.decision.worker, warm);
-        assert_eq!(second.decision.overlap_blocks, 8);
-        // The index is never overruled downwards: a deeper indexed overlap elsewhere counts.
-        let indexed = Matches::from_overlaps([(cold, 8)]);
-        let third = r.route(t0 + ttl / 2, &call("r3"), &seqs, &indexed).unwrap();
-        assert_eq!(third.decision.best_available_overlap_blocks, 8);
-        // Past its time (the r2/r3 refreshes included) the prediction is gone.
-        for n in ["r1", "r2", "r3"] {
-            r.finish(n).unwrap();
-        }
-        let late = r
-            .route(t0 + ttl * 3, &call("r4"), &seqs, &Matches::default())
-            .unwrap();
-        assert_eq!(late.decision.overlap_blocks, 0);
-        assert_eq!(late.decision.best_available_overlap_blocks, 0);
-        // A removed worker's predictions go with it.
-        let again = r
-            .route(t0 + ttl * 3, &call("r5"), &seqs, &Matches::default())
-            .unwrap();
-        r.remove_worker(again.decision.worker.worker, true);
-        let after = r
-            .route(t0 + ttl * 3, &call("r6"), &seqs, &Matches::default())
-            .unwrap();
-        assert_eq!(after.decision.overlap_blocks, 0);
-    }
-
-    #[test]
-    fn predict_on_route_off_leaves_overlaps_to_the_index() {
-        let mut r = router();
-        let seqs: Vec<SeqHash> = (1..=4).map(SeqHash).collect();
-        let now = Instant::now();
-        for name in ["x", "y"] {
-            let call = RouteCall {
-                request_id: Some(name.into()),
-                tokens: &[1; 64],
-                ..RouteCall::default()
-            };
-            let routed = r.route(now, &call, &seqs, &Matches::default()).unwrap();
-            assert_eq!(routed.decision.overlap_blocks, 0);
-        }
-    }
-}
+mod tests;

@@ -29,8 +29,10 @@
 //! # Concurrency
 //! None: owned by its driver (the transport's routing state) behind one mutex.
 
+use super::admission::{AdmissionConfig, AdmissionQueue};
 use super::ids::RequestIds;
 use super::reservations::{AtCap, ClientId, Reservations};
+use super::sessions::SessionConfig;
 use super::{NameError, RouteError, Router, Ticket};
 use crate::approx::ApproxConfig;
 use crate::ids::WorkerId;
@@ -93,6 +95,8 @@ pub struct Namespace {
     pub router: Router,
     /// Its workers' block size.
     pub block_size: u32,
+    /// Requests waiting for room among its workers ([`super::admission`]).
+    pub admission: AdmissionQueue,
     /// Named in configuration: kept when its last worker goes.
     declared: bool,
     workers: usize,
@@ -109,6 +113,10 @@ pub struct Namespaces {
     ids: RequestIds,
     /// Requests routed through the routing API, by client ([`super::reservations`]).
     pub reservations: Reservations,
+    /// How every namespace keeps sessions.
+    sessions: SessionConfig,
+    /// How every namespace's admission queue is bounded.
+    admission: AdmissionConfig,
 }
 
 impl Namespaces {
@@ -120,6 +128,7 @@ impl Namespaces {
             Namespace {
                 router: Router::new(base, approx)?,
                 block_size: base.block_size,
+                admission: AdmissionQueue::new(0),
                 declared: true,
                 workers: 0,
             },
@@ -131,7 +140,33 @@ impl Namespaces {
             worker_model: HashMap::new(),
             ids: RequestIds::default(),
             reservations: Reservations::default(),
+            sessions: SessionConfig::OFF,
+            admission: AdmissionConfig::OFF,
         })
+    }
+
+    /// Every namespace, present and future, keeps sessions as `config` says.
+    pub fn set_sessions(&mut self, config: SessionConfig) {
+        self.sessions = config;
+        for ns in self.by_model.values_mut() {
+            ns.router.set_sessions(config);
+        }
+    }
+
+    /// Every namespace, present and future, bounds its admission queue as `config` says
+    /// (a queue shrunk below its waiters keeps them until they leave).
+    pub fn set_admission(&mut self, config: AdmissionConfig) {
+        self.admission = config;
+        for ns in self.by_model.values_mut() {
+            if ns.admission.capacity() != config.capacity && ns.admission.is_empty() {
+                ns.admission = AdmissionQueue::new(config.capacity);
+            }
+        }
+    }
+
+    /// How admission queues are bounded.
+    pub fn admission_config(&self) -> AdmissionConfig {
+        self.admission
     }
 
     /// Generated request ids come from `ids` from now on (a serving router's draw from
@@ -151,11 +186,13 @@ impl Namespaces {
         };
         let mut router = Router::new(config, self.approx)?;
         router.set_namespace(name);
+        router.set_sessions(self.sessions);
         self.by_model.insert(
             name.to_owned(),
             Namespace {
                 router,
                 block_size,
+                admission: AdmissionQueue::new(self.admission.capacity),
                 declared,
                 workers: 0,
             },

@@ -75,7 +75,10 @@ impl CandidateScratch {
             self.held.resize(bound, 0);
         }
 
-        let is_busy = |slot: WorkerSlot| cx.busy.is_busy(cx.workers.load(slot));
+        let is_busy = |slot: WorkerSlot| {
+            cx.busy
+                .is_busy(cx.workers.load(slot), cx.active.load(slot).active_requests)
+        };
         let free = if cx.busy.any() {
             scope.iter().filter(|(_, s)| !is_busy(*s)).count()
         } else {

@@ -5,8 +5,8 @@
 //!
 //! # Invariants
 //! 1. A [`SchedulerConfig`] accepted by [`SchedulerConfig::validate`] has `block_size > 0`, a
-//!    finite non-negative `overlap_weight` and `temperature`, and a `max_kv_usage` (if any)
-//!    in `0..=1`.
+//!    finite non-negative `overlap_weight` and `temperature`, a `max_kv_usage` (if any)
+//!    in `0..=1`, and a busy `max_active` (if any) above 0.
 //! 2. `Effective` values built by `resolve` satisfy the same ranges, and name a worker iff
 //!    the mode is [`RouteMode::Direct`].
 
@@ -166,23 +166,34 @@ impl WorkerLoad {
     }
 }
 
-/// When a worker key counts as busy. A busy key is skipped unless every candidate is busy.
+/// When a worker key counts as busy. A busy key is skipped unless every candidate is busy
+/// (and with an admission queue, a request finding every candidate busy waits: see
+/// [`crate::router::admission`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BusyThresholds {
-    /// Busy when more than this many requests are waiting.
+    /// Busy when more than this many requests are waiting (as the key last reported).
     pub max_waiting: Option<u64>,
-    /// Busy when the KV usage is above this fraction (`0..=1`).
+    /// Busy when the KV usage is above this fraction (`0..=1`, as last reported).
     pub max_kv_usage: Option<f64>,
+    /// Busy when the router counts at least this many active (routed, unfreed) requests
+    /// on the key, peer replicas' included. Unlike the reported figures this one changes
+    /// the moment a request finishes, so a queued request can be admitted then.
+    pub max_active: Option<u64>,
 }
 
 impl BusyThresholds {
     /// Whether any threshold is set (if none is, nothing is ever busy).
     pub fn any(&self) -> bool {
-        self.max_waiting.is_some() || self.max_kv_usage.is_some()
+        self.max_waiting.is_some() || self.max_kv_usage.is_some() || self.max_active.is_some()
     }
 
-    /// Whether `load` is over a threshold. A key that never reported is never busy.
-    pub fn is_busy(&self, load: Option<&WorkerLoad>) -> bool {
+    /// Whether a key that last reported `load` (`None`: never) and carries
+    /// `active_requests` routed requests is over a threshold. The reported thresholds never
+    /// make a key that never reported busy.
+    pub fn is_busy(&self, load: Option<&WorkerLoad>, active_requests: u64) -> bool {
+        if self.max_active.is_some_and(|max| active_requests >= max) {
+            return true;
+        }
         let Some(load) = load else { return false };
         self.max_waiting
             .is_some_and(|max| load.num_requests_waiting > max)
@@ -280,6 +291,12 @@ impl SchedulerConfig {
             });
         }
         check_temperature(self.temperature)?;
+        if self.busy.max_active == Some(0) {
+            return Err(EngineError::InvalidArgument {
+                name: "busy_max_active",
+                reason: "must be positive (at 0 every worker is always busy)",
+            });
+        }
         if self.predict_on_route.is_some_and(|ttl| ttl.is_zero()) {
             return Err(EngineError::InvalidArgument {
                 name: "predict_on_route",
@@ -448,7 +465,14 @@ mod tests {
             SchedulerConfig {
                 busy: BusyThresholds {
                     max_kv_usage: Some(1.5),
-                    max_waiting: None,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            SchedulerConfig {
+                busy: BusyThresholds {
+                    max_active: Some(0),
+                    ..Default::default()
                 },
                 ..Default::default()
             },
@@ -463,15 +487,28 @@ mod tests {
         let t = BusyThresholds {
             max_waiting: Some(2),
             max_kv_usage: Some(0.9),
+            max_active: None,
         };
         let load = |w, u| WorkerLoad {
             num_requests_waiting: w,
             kv_usage: u,
         };
-        assert!(!t.is_busy(None));
-        assert!(!t.is_busy(Some(&load(2, 0.9))));
-        assert!(t.is_busy(Some(&load(3, 0.0))));
-        assert!(t.is_busy(Some(&load(0, 0.95))));
-        assert!(!BusyThresholds::default().is_busy(Some(&load(u64::MAX, 1.0))));
+        assert!(!t.is_busy(None, 1_000));
+        assert!(!t.is_busy(Some(&load(2, 0.9)), 0));
+        assert!(t.is_busy(Some(&load(3, 0.0)), 0));
+        assert!(t.is_busy(Some(&load(0, 0.95)), 0));
+        assert!(!BusyThresholds::default().is_busy(Some(&load(u64::MAX, 1.0)), u64::MAX));
+    }
+
+    #[test]
+    fn busy_at_the_active_threshold_reported_or_not() {
+        let t = BusyThresholds {
+            max_active: Some(2),
+            ..Default::default()
+        };
+        assert!(t.any());
+        assert!(!t.is_busy(None, 1));
+        assert!(t.is_busy(None, 2));
+        assert!(t.is_busy(None, 3));
     }
 }

@@ -55,5 +55,7 @@ pub use cost::CandidateScore;
 pub use disagg::{Split, SplitConfig, SplitMode};
 pub use policy::{KeyLoad, Policy, Scope, SelectionInput};
 pub use role::{Pool, WorkerRole};
-pub use scheduler::{Decision, RouteRequest, Scheduler, ShadowDecision, ShadowSpec, WorkerRemoval};
+pub use scheduler::{
+    Decision, KeyState, RouteRequest, Scheduler, ShadowDecision, ShadowSpec, WorkerRemoval,
+};
 pub use transfer::TransferModel;

@@ -38,7 +38,7 @@ use crate::sched::role::{Pool, WorkerRole};
 use crate::sched::round_robin::RoundRobin;
 use crate::sched::sglang::CacheAware;
 use crate::sched::ttft::{Prefill, TtftFit};
-use crate::sched::workers::WorkerTable;
+use crate::sched::workers::{WorkerSlot, WorkerTable};
 
 mod shadow;
 pub use shadow::{ShadowDecision, ShadowSpec};
@@ -123,6 +123,19 @@ pub struct WorkerRemoval {
     pub keys: Vec<WorkerKey>,
     /// Active requests freed with them.
     pub freed_requests: usize,
+}
+
+/// Whether a key could take a request now ([`Scheduler::key_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyState {
+    /// Not in routing (removed, unhealthy), or not in the call's pool.
+    Gone,
+    /// At `max_active_per_key`: never chosen.
+    Full,
+    /// Over a busy threshold: chosen only when every key is busy.
+    Busy,
+    /// Neither.
+    Free,
 }
 
 /// Worker selection state. See the module docs.
@@ -512,6 +525,43 @@ impl Scheduler {
     /// The registered worker keys, sorted.
     pub fn workers(&self) -> impl ExactSizeIterator<Item = WorkerKey> + '_ {
         self.workers.all().iter().map(|(k, _)| *k)
+    }
+
+    /// Whether `key` could take a request of `pool` now (sessions and admission ask).
+    pub fn key_state(&self, key: WorkerKey, pool: Pool) -> KeyState {
+        let in_pool = self
+            .workers
+            .pool(pool)
+            .binary_search_by_key(&key, |(k, _)| *k);
+        match in_pool.ok().and_then(|i| self.workers.pool(pool).get(i)) {
+            Some(&(_, slot)) => self.slot_state(slot),
+            None => KeyState::Gone,
+        }
+    }
+
+    /// Whether some key of `pool` is [`KeyState::Free`]: a request routed now would not
+    /// have to go to a busy or full key. Always true when no busy threshold and no
+    /// per-key limit is set (and false for an empty pool).
+    pub fn has_room(&self, pool: Pool) -> bool {
+        self.workers
+            .pool(pool)
+            .iter()
+            .any(|&(_, slot)| self.slot_state(slot) == KeyState::Free)
+    }
+
+    fn slot_state(&self, slot: WorkerSlot) -> KeyState {
+        let active = self.active.load(slot).active_requests;
+        if self
+            .config
+            .max_active_per_key
+            .is_some_and(|max| active >= max)
+        {
+            KeyState::Full
+        } else if self.config.busy.is_busy(self.workers.load(slot), active) {
+            KeyState::Busy
+        } else {
+            KeyState::Free
+        }
     }
 
     /// Number of active requests over all keys.

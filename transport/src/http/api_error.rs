@@ -116,6 +116,9 @@ impl From<EngineError> for ApiError {
             EngineError::AtCapacity { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "at_capacity", message)
             }
+            EngineError::QueueFull { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, QUEUE_FULL, message)
+            }
             EngineError::TooManyWorkers => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "too_many_workers", message)
             }
@@ -171,6 +174,12 @@ impl From<TransportError> for ApiError {
             TransportError::Oversized { .. } => {
                 Self::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message)
             }
+            TransportError::QueueFull { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, QUEUE_FULL, message)
+            }
+            TransportError::QueueTimeout { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, QUEUE_TIMEOUT, message)
+            }
             TransportError::TooManyReservations { .. } => Self::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "too_many_reservations",
@@ -220,7 +229,10 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if self.status == StatusCode::TOO_MANY_REQUESTS || self.code == OVERLOADED {
+        if self.status == StatusCode::TOO_MANY_REQUESTS
+            || self.code == OVERLOADED
+            || self.code == QUEUE_TIMEOUT
+        {
             // Active requests free within seconds; a client should not hammer meanwhile.
             r.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -237,6 +249,14 @@ pub const RETRY_AFTER_SECS: &str = "1";
 
 /// The code of a route refused at `--max-active-requests`.
 pub const OVERLOADED: &str = "overloaded";
+
+/// The code of a request refused because every worker is busy and the admission queue is
+/// full (429, `Retry-After`).
+pub const QUEUE_FULL: &str = "queue_full";
+
+/// The code of a request that waited `--admission-timeout-ms` in the admission queue (503,
+/// `Retry-After`).
+pub const QUEUE_TIMEOUT: &str = "queue_timeout";
 
 /// OpenAI's error `type` for `status`.
 pub fn kind_of(status: StatusCode) -> &'static str {

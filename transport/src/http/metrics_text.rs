@@ -217,6 +217,7 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         counter(cores.iter().map(|c| c.queries).sum()),
     );
     register_bounds(&mut reg, hub, cores);
+    register_sessions_admission(&mut reg, hub);
 
     let decisions = Family::<Labels1, Counter>::default();
     for (mode, n) in m.decisions() {
@@ -543,6 +544,97 @@ pub(super) async fn metrics(State(st): State<AppState>) -> Response {
 }
 
 /// Router replicas' sync ([`crate::replicas`]).
+/// Sticky sessions and the admission queue ([`engine::router::sessions`],
+/// [`engine::router::admission`]).
+fn register_sessions_admission(reg: &mut Registry, hub: &Hub) {
+    let m = hub.metrics();
+    let s = &m.sessions;
+    let routed = Family::<Labels1, Counter>::default();
+    for (how, c) in [
+        ("sticky", &s.sticky),
+        ("new", &s.new),
+        ("moved_busy", &s.moved_busy),
+        ("moved_gone", &s.moved_gone),
+    ] {
+        routed
+            .get_or_create(&[("route", how.to_owned())])
+            .inc_by(c.load(Relaxed));
+    }
+    reg.register(
+        "kvengine_session_requests",
+        "Front-door requests naming a session, by how they routed: to the session's worker \
+         (sticky), the session's first (new), or by cost because its worker was busy or full \
+         (moved_busy) or out of routing (moved_gone)",
+        routed,
+    );
+    let table = hub.routing().session_stats();
+    reg.register(
+        "kvengine_sessions",
+        "Sessions remembered, over every model",
+        gauge(table.live),
+    );
+    let removed = Family::<Labels1, Counter>::default();
+    for (reason, n) in [
+        ("evicted", table.evicted),
+        ("expired", table.expired),
+        ("worker_removed", table.dropped),
+    ] {
+        removed
+            .get_or_create(&[("reason", reason.to_owned())])
+            .inc_by(n);
+    }
+    reg.register(
+        "kvengine_sessions_removed",
+        "Sessions forgotten: evicted at --max-sessions (least recently used), expired after \
+         --session-ttl-secs unused, or their worker removed",
+        removed,
+    );
+    reg.register(
+        "kvengine_session_headers_refused",
+        "Session headers answered 400 (too long, or not visible ASCII)",
+        counter(s.refused.load(Relaxed)),
+    );
+    let a = &m.admission;
+    reg.register(
+        "kvengine_admission_queue_depth",
+        "Requests waiting in the admission queues, over every model",
+        gauge(hub.routing().queued() as u64),
+    );
+    reg.register(
+        "kvengine_admission_queued",
+        "Requests that found every worker busy and waited in the admission queue",
+        counter(a.queued.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_admission_admitted",
+        "Queued requests admitted (routed after their wait)",
+        counter(a.admitted.load(Relaxed)),
+    );
+    reg.register(
+        "kvengine_admission_wait_seconds",
+        "Time admitted requests waited in the admission queue",
+        Snapshot::of(&a.wait),
+    );
+    let rejected = Family::<Labels1, Counter>::default();
+    for (reason, c) in [
+        ("full", &a.rejected_full),
+        ("timeout", &a.rejected_timeout),
+        ("client_gone", &a.cancelled),
+        ("bad_priority", &a.bad_priority),
+    ] {
+        rejected
+            .get_or_create(&[("reason", reason.to_owned())])
+            .inc_by(c.load(Relaxed));
+    }
+    reg.register(
+        "kvengine_admission_rejected",
+        "Requests that left without being admitted: 429 queue_full (full), 503 queue_timeout \
+         (timeout), their client went away while queued (client_gone), or 400 for a bad \
+         x-kvengine-priority (bad_priority)",
+        rejected,
+    );
+}
+
 fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
     let c = |a: &std::sync::atomic::AtomicU64| counter(a.load(Relaxed));
     reg.register(
@@ -640,6 +732,27 @@ fn register_replicas(reg: &mut Registry, s: &crate::replicas::ReplicaStats) {
             "kvengine_replica_peers_expired",
             "Peers found dead (load dropped)",
             &s.peers_expired,
+        ),
+        (
+            "kvengine_replica_sessions_sent",
+            "Session assignments published to peer replicas",
+            &s.sessions_sent,
+        ),
+        (
+            "kvengine_replica_sessions_dropped",
+            "Session assignments not published (NATS down or the queue full)",
+            &s.sessions_dropped,
+        ),
+        (
+            "kvengine_replica_sessions_applied",
+            "Peers' session assignments applied",
+            &s.sessions_applied,
+        ),
+        (
+            "kvengine_replica_sessions_ignored",
+            "Peers' session assignments for a model or worker not routed here, or with \
+             sessions off",
+            &s.sessions_ignored,
         ),
         (
             "kvengine_replica_snapshots_put",

@@ -197,6 +197,7 @@ async fn route_tokens(
         lora_name: fields.lora_name.as_deref(),
         cache_salt: fields.cache_salt.as_deref(),
         overrides,
+        session: None,
     };
     let routed = hub
         .reserve_async(fields.model.as_deref(), &call, now, client)

@@ -13,7 +13,8 @@
 //! | 4 | an engine handle (`Mutex`) | [`super::engine_link`] |
 //!
 //! Leaves outside the order (never held while taking another lock): the warm-restart maps
-//! ([`super::persisted`]) and the finish wake-ups ([`super::wakeups`]).
+//! ([`super::persisted`]), the finish wake-ups ([`super::wakeups`]) and the admission
+//! queue's waiters ([`super::admission`]).
 //!
 //! No hub lock is held across an engine call made on a hosted core (a thread blocked on
 //! such a lock could be the core the call waits for): engine calls happen with at most an

@@ -4,7 +4,7 @@
 //! | part | file | holds |
 //! |---|---|---|
 //! | [`Registry`] | `registry.rs` | workers, ranks, health, stream state |
-//! | [`Routing`] | `routing.rs` | every model's namespace, request ids, reservations, the replica sink, finish wake-ups |
+//! | [`Routing`] | `routing.rs` | every model's namespace (sessions and admission queue included), request ids, reservations, the replica sink, finish wake-ups, the admission queue's waiters (`admission.rs`) |
 //! | [`EngineAccess`] | `engine_link.rs` | the engine's handles (threads) or the hosted cores |
 //! | [`IngestGate`] | `gate.rs` | the index budget, event counts, unverified keys |
 //! | [`Persisted`] | `persisted.rs` | warm-restart resume points |
@@ -40,6 +40,7 @@
 //! unverified keys, an engine handle; checked in debug builds ([`lock_order`]). No hub lock
 //! is held across an engine call made on a hosted core.
 
+pub mod admission;
 pub mod engine_link;
 pub mod entropy;
 pub mod events;
@@ -60,7 +61,7 @@ pub use gate::IngestGate;
 pub use persisted::{Persisted, Resume};
 pub use registry::{Feed, MAX_RANKS_PER_WORKER, Registration, Registry, StreamState, WorkerInfo};
 pub use replica_sink::{LoadSink, ReplicaStats, ReplicaStatus};
-pub use routing::Routing;
+pub use routing::{QueueTally, Routing};
 pub use wakeups::FinishWakeups;
 
 use crate::bounds::{IndexBudget, Limits};
@@ -77,6 +78,7 @@ use registry::{RankCheck, WorkerEntry};
 use std::collections::BTreeSet;
 
 pub use engine::router::{RouteCall, Routed};
+pub use route::Admission;
 
 /// How a hub is set up.
 #[derive(Clone, Copy, Debug)]
@@ -146,6 +148,8 @@ impl Hub {
         self.gate = IngestGate::new(IndexBudget::new(limits.max_index_bytes));
         self.routing
             .cap_reservations(limits.max_reservations_per_client);
+        self.routing.set_sessions(limits.sessions);
+        self.routing.set_admission(limits.admission);
         self.limits = limits;
         self
     }
@@ -157,6 +161,8 @@ impl Hub {
         self.routing = Routing::new(self.config.scheduler, Some(config), system_ids())?;
         self.routing
             .cap_reservations(self.limits.max_reservations_per_client);
+        self.routing.set_sessions(self.limits.sessions);
+        self.routing.set_admission(self.limits.admission);
         self.approximate = true;
         Ok(self)
     }
@@ -291,6 +297,7 @@ impl Hub {
         e.dp_ranks = entry.ranks.iter().copied().collect();
         drop(registry);
         self.registry.bump();
+        self.routing.pump();
         if moved && !new {
             // Blocks it cached for its old model are not its new model's.
             for &r in &all {
@@ -328,6 +335,7 @@ impl Hub {
             routing.unplace(worker);
             self.routing.note_pools(&routing);
         }
+        self.routing.pump();
         Ok(Some(self.engine.remove_worker(worker)?))
     }
 
@@ -357,6 +365,9 @@ impl Hub {
             }
         }
         self.routing.note_pools(&routing);
+        drop(routing);
+        drop(registry);
+        self.routing.pump();
         added?;
         Ok(true)
     }

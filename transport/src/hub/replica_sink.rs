@@ -25,6 +25,11 @@ pub trait LoadSink: Send + Sync + std::fmt::Debug {
     fn prefilled(&self, request: &str);
     /// A request finished or was cancelled.
     fn freed(&self, request: &str);
+    /// A request of session `session` in `model` was routed to `key` (sticky sessions;
+    /// best effort: the default drops it).
+    fn session(&self, model: &str, session: engine::SessionId, key: engine::WorkerKey) {
+        let _ = (model, session, key);
+    }
     /// The sync's counters, for `/metrics`.
     fn stats(&self) -> &ReplicaStats;
     /// Where the replica link stands, for `/ready`.
@@ -85,6 +90,15 @@ pub struct ReplicaStats {
     pub gaps: AtomicU64,
     /// States this replica sent (each a `Reset` and its active requests).
     pub states_sent: AtomicU64,
+    /// Session assignments published.
+    pub sessions_sent: AtomicU64,
+    /// Session assignments not published (the link was down or its queue full): a peer
+    /// then routes that session by cost once, and remembers its own choice.
+    pub sessions_dropped: AtomicU64,
+    /// Peers' session assignments applied.
+    pub sessions_applied: AtomicU64,
+    /// Peers' session assignments for a model or worker this replica does not route to.
+    pub sessions_ignored: AtomicU64,
     /// Peers found dead (their load dropped).
     pub peers_expired: AtomicU64,
     /// CPU nanoseconds the link spent encoding, decoding and applying (its thread's CPU

@@ -1,18 +1,50 @@
 //! The facade's routing stage: a request's prompt is hashed at its model's block size,
 //! its overlaps come from the index (through this thread's core when it is one, or the
 //! model's predictions in approximate mode) less the unverified keys, and the model's
-//! scheduler decides under the routing lock ([`Routing`](super::Routing)); prefilled and
+//! scheduler decides under the routing lock ([`Routing`]); prefilled and
 //! finish follow the request's id.
 
 use super::Hub;
-use super::routing::{Decide, Refusal, Target};
+use super::routing::{Decide, Entry, Leave, Refusal, Routing, Target};
 use crate::cores;
 use crate::error::Result;
 use engine::hash::{lora_seed, seq_hashes, seq_hashes_salted};
 use engine::router::{ClientId, DEFAULT_MODEL, RouteCall, Routed, Ticket};
 use engine::sched::{Policy, ShadowSpec};
-use engine::{Matches, SeqHash};
+use engine::{Matches, SeqHash, WaiterId};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
+
+/// A request's admission ([`Hub::admit_request`]): hold it until the request is routed (or
+/// refused), then drop it; a queued request's drop hands the pass to the next waiter. A
+/// future dropped while it waits (its client went away) leaves the queue.
+#[must_use]
+#[derive(Debug)]
+pub struct Admission<'a> {
+    routing: &'a Routing,
+    metrics: &'a crate::metrics::Metrics,
+    model: String,
+    /// Its place in the queue, if it waited and has not left.
+    waiter: Option<WaiterId>,
+    /// Whether it was admitted (else, dropped while waiting: its client is gone).
+    admitted: bool,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        let Some(id) = self.waiter.take() else { return };
+        let how = if self.admitted {
+            Leave::Routed
+        } else {
+            Leave::Gone
+        };
+        self.routing.leave(&self.model, id, how);
+        if !self.admitted {
+            // Its client went away while it waited (or just as it was admitted).
+            self.metrics.admission.cancelled.fetch_add(1, Relaxed);
+        }
+    }
+}
 
 impl Hub {
     /// The seq hashes of `tokens`' full blocks at the router's block size (the default
@@ -69,6 +101,50 @@ impl Hub {
         let mut matches = self.find_matches(&model, &seqs, Instant::now())?;
         self.routing.retain_model(&model, &mut matches);
         Ok((block_size, seqs.len(), matches))
+    }
+
+    /// Waits, if `model`'s admission queue says so, until a worker of `model` is below its
+    /// busy thresholds ([`engine::router::admission`]; higher `priority` first). Refused
+    /// with [`crate::TransportError::QueueFull`] when the queue is full and
+    /// [`crate::TransportError::QueueTimeout`] after `--admission-timeout-ms`. Hold the
+    /// answer until the request is routed. Without a busy threshold nothing is ever busy:
+    /// no lock is taken and the request goes on at once.
+    pub async fn admit_request(&self, model: &str, priority: i64) -> Result<Admission<'_>> {
+        let begun = Instant::now();
+        let counters = &self.metrics.admission;
+        let mut admission = Admission {
+            routing: &self.routing,
+            metrics: &self.metrics,
+            model: model.to_owned(),
+            waiter: None,
+            admitted: false,
+        };
+        // Nothing is ever busy without a threshold: no queue to consult.
+        if !self.config.scheduler.busy.any() {
+            return Ok(admission);
+        }
+        let (id, rx, deadline) = match self.routing.enter(model, priority, begun) {
+            Entry::Go => return Ok(admission),
+            Entry::Full { capacity } => {
+                counters.rejected_full.fetch_add(1, Relaxed);
+                return Err(crate::TransportError::QueueFull { capacity });
+            }
+            Entry::Wait { id, rx, deadline } => (id, rx, deadline),
+        };
+        counters.queued.fetch_add(1, Relaxed);
+        admission.waiter = Some(id);
+        let woken = tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), rx).await;
+        // Ok(Err(_)): the sender went without a word, which only leaving does; route.
+        if woken.is_err() && !self.routing.leave(model, id, Leave::TimedOut) {
+            admission.waiter = None;
+            counters.rejected_timeout.fetch_add(1, Relaxed);
+            let waited_ms = u64::try_from(begun.elapsed().as_millis()).unwrap_or(u64::MAX);
+            return Err(crate::TransportError::QueueTimeout { waited_ms });
+        }
+        admission.admitted = true;
+        counters.admitted.fetch_add(1, Relaxed);
+        counters.wait.observe(begun.elapsed().as_secs_f64());
+        Ok(admission)
     }
 
     /// Routes a request for `model` (see [`Hub::resolve_model`]) and records it as active
@@ -231,6 +307,9 @@ impl Hub {
                 };
                 e
             })?;
+        if let Some(how) = routed.session {
+            m.sessions.routed(how);
+        }
         let decision = &routed.decision;
         m.decided(decision.mode);
         m.decided_because(crate::metrics::DecisionReason::of(

@@ -15,24 +15,32 @@
 //!    is refreshed under the lock whenever pools change.
 //! 4. A caller of the routing API (a client) acts only on its own reservations; every
 //!    other id is unknown to it.
+//! 5. Admission ([`engine::router::admission`]): a request of a model whose queue is on
+//!    waits when someone waits already or no worker of the model is free; waiters are
+//!    admitted one at a time (`Routing::pump`, after every event that can free a
+//!    worker: a finish, a load report, a pool change, a waiter leaving), woken after the
+//!    lock is released. Every waiter leaves through `Routing::leave` exactly once.
 //!
 //! # Concurrency
 //! One mutex (level 2 of [`super::lock_order`]), held for one decision; never across an
 //! engine call.
 
+use super::admission::Waiters;
 use super::lock_order::{Level, Ordered, lock};
 use super::replica_sink::LoadSink;
 use super::wakeups::FinishWakeups;
 use crate::bounds::Limits;
 use crate::error::{Result, TransportError};
 use engine::approx::ApproxConfig;
+use engine::router::admission::{AdmissionConfig, Cancelled};
 use engine::router::ids::RequestIds;
 use engine::router::{
     ClientId, DEFAULT_MODEL, ModelError, ModelSpec, NameError, Namespaces, RouteCall, RouteError,
     Routed, Router, Ticket, check_request_id,
 };
+use engine::sched::Pool;
 use engine::sched::{ActiveLoad, Policy, SchedulerConfig, ShadowSpec, WorkerLoad, WorkerRole};
-use engine::{Matches, SeqHash, WorkerKey};
+use engine::{Matches, SeqHash, WaiterId, WorkerKey};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -48,6 +56,53 @@ pub struct Routing {
     replicas: OnceLock<Arc<dyn LoadSink>>,
     /// Sources that want to know when a request finishes on a worker.
     wakeups: FinishWakeups,
+    /// Requests waiting in the admission queues (invariant 5).
+    waiters: Waiters,
+    /// How many requests entered and left the admission queues so far, for whoever waits
+    /// for the queue to reach a state ([`Routing::queue_tally`]).
+    tally: tokio::sync::watch::Sender<QueueTally>,
+}
+
+/// Requests that entered and left the admission queues since start (a left request was
+/// admitted, timed out, or its client went away).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueTally {
+    /// Queued.
+    pub entered: u64,
+    /// Left the queue (admitted requests leave when routed).
+    pub left: u64,
+}
+
+/// What [`Routing::enter`] decided for a request.
+#[derive(Debug)]
+pub(crate) enum Entry {
+    /// Route now.
+    Go,
+    /// Wait for `rx` (admitted) until `deadline`, then leave with `id`.
+    Wait {
+        /// Its id in the model's queue.
+        id: WaiterId,
+        /// Fires when it is admitted.
+        rx: tokio::sync::oneshot::Receiver<()>,
+        /// When it gives up.
+        deadline: Instant,
+    },
+    /// The queue is full.
+    Full {
+        /// Its capacity.
+        capacity: usize,
+    },
+}
+
+/// How a waiter leaves ([`Routing::leave`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Leave {
+    /// It was admitted and routed (or failed to): the pass goes back.
+    Routed,
+    /// Its deadline passed.
+    TimedOut,
+    /// Its client went away.
+    Gone,
 }
 
 /// How [`Routing::decide`] decides: a custom policy (the Python package's), and whether
@@ -105,6 +160,8 @@ impl Routing {
             disaggregating: AtomicBool::new(false),
             replicas: OnceLock::new(),
             wakeups: FinishWakeups::default(),
+            waiters: Waiters::default(),
+            tally: tokio::sync::watch::Sender::new(QueueTally::default()),
         })
     }
 
@@ -122,6 +179,132 @@ impl Routing {
     /// Caps reservations at `cap` per client.
     pub(super) fn cap_reservations(&self, cap: Option<usize>) {
         self.lock().reservations = engine::router::reservations::Reservations::new(cap);
+    }
+
+    /// Keeps sessions as `config` says (`None`: off) in every model.
+    pub(super) fn set_sessions(&self, config: Option<engine::router::SessionConfig>) {
+        self.lock()
+            .set_sessions(config.unwrap_or(engine::router::SessionConfig::OFF));
+    }
+
+    /// Bounds every model's admission queue as `config` says (`None`: no queue).
+    pub(super) fn set_admission(&self, config: Option<AdmissionConfig>) {
+        self.lock()
+            .set_admission(config.unwrap_or(AdmissionConfig::OFF));
+    }
+
+    /// Whether a request of `model` with `priority` routes now or waits (invariant 5).
+    /// A model with no queue, no routable worker (routing then answers why) or a free
+    /// worker and nobody waiting routes now.
+    pub(crate) fn enter(&self, model: &str, priority: i64, now: Instant) -> Entry {
+        let entry = {
+            let mut routing = self.lock();
+            let timeout = routing.admission_config().timeout;
+            match routing.get_mut(model) {
+                Some(ns)
+                    if ns.admission.enabled()
+                        && ns.router.routable_workers() > 0
+                        && (ns.admission.must_wait() || !ns.router.has_room(Pool::Whole)) =>
+                {
+                    let deadline = now.checked_add(timeout).unwrap_or(now);
+                    let id = self.waiters.next_id();
+                    match ns.admission.push(id, priority, deadline) {
+                        Ok(()) => {
+                            // Registered before the lock is released: a pump admitting it
+                            // finds its sender (the waiters' lock is a leaf).
+                            let rx = self.waiters.register(id);
+                            Entry::Wait { id, rx, deadline }
+                        }
+                        Err(engine::EngineError::QueueFull { capacity }) => {
+                            Entry::Full { capacity }
+                        }
+                        // `push` refuses nothing else; a queue that did is as good as full.
+                        Err(_) => Entry::Full { capacity: 0 },
+                    }
+                }
+                _ => return Entry::Go,
+            }
+        };
+        if matches!(entry, Entry::Wait { .. }) {
+            self.tally.send_modify(|t| t.entered += 1);
+            // A pass may be free with room already (the test and the push raced an event).
+            self.pump();
+        }
+        entry
+    }
+
+    /// Waiter `id` of `model` leaves (invariant 5); returns whether it had been admitted
+    /// (for [`Leave::TimedOut`]: it was admitted just as its deadline passed and should
+    /// route after all, then leave again with [`Leave::Routed`]).
+    pub(crate) fn leave(&self, model: &str, id: WaiterId, how: Leave) -> bool {
+        let admitted = {
+            let mut routing = self.lock();
+            let Some(ns) = routing.get_mut(model) else {
+                // Its model went away with its queue.
+                drop(routing);
+                self.waiters.forget(id);
+                self.tally.send_modify(|t| t.left += 1);
+                return false;
+            };
+            let q = &mut ns.admission;
+            match how {
+                Leave::TimedOut if q.is_waiting(id) => {
+                    q.cancel(id);
+                    false
+                }
+                Leave::TimedOut => q.pass_of(id),
+                Leave::Routed | Leave::Gone => q.cancel(id) == Cancelled::Admitted,
+            }
+        };
+        self.waiters.forget(id);
+        if how != Leave::TimedOut || !admitted {
+            self.tally.send_modify(|t| t.left += 1);
+        }
+        self.pump();
+        admitted
+    }
+
+    /// Watches how many requests entered and left the admission queues: a test (or a
+    /// monitor) waits for a state with `wait_for` instead of polling.
+    pub fn queue_tally(&self) -> tokio::sync::watch::Receiver<QueueTally> {
+        self.tally.subscribe()
+    }
+
+    /// Admits the next waiter of every model that has a free worker and no pass out, and
+    /// wakes them with the lock released (invariant 5). Nothing while nobody waits.
+    pub(crate) fn pump(&self) {
+        if self.waiters.idle() {
+            return;
+        }
+        let admitted: Vec<WaiterId> = {
+            let mut routing = self.lock();
+            routing
+                .iter_mut()
+                .filter(|(_, ns)| !ns.admission.is_empty() && !ns.admission.pass_out())
+                .filter(|(_, ns)| {
+                    ns.router.has_room(Pool::Whole) || ns.router.routable_workers() == 0
+                })
+                .filter_map(|(_, ns)| ns.admission.admit_next())
+                .collect()
+        };
+        for id in admitted {
+            // A waiter already gone returns the pass as it leaves.
+            self.waiters.wake(id);
+        }
+    }
+
+    /// Requests waiting in every model's admission queue.
+    pub fn queued(&self) -> usize {
+        self.lock().iter().map(|(_, ns)| ns.admission.len()).sum()
+    }
+
+    /// Every model's session figures, summed.
+    pub fn session_stats(&self) -> engine::router::SessionStats {
+        let mut total = engine::router::SessionStats::default();
+        for r in self.lock().routers() {
+            total += r.sessions().stats();
+        }
+        total
     }
 
     /// Shares this router's load with peer replicas through `sink` from now on (once;
@@ -320,6 +503,9 @@ impl Routing {
         // Under the lock (invariant 2).
         if let Some(sink) = self.replicas.get() {
             let d = &routed.decision;
+            if let (Some(_), Some(sid)) = (routed.session, call.session) {
+                sink.session(model, sid, d.worker);
+            }
             sink.added(
                 &routed.request_id,
                 d.worker,
@@ -377,16 +563,19 @@ impl Routing {
         if let Some(key) = key {
             self.wakeups.wake(key.worker);
         }
+        self.pump();
         Ok(())
     }
 
     /// Records the load a known rank reported (an unhealthy worker is out of routing: its
     /// report is not an error).
     pub(super) fn update_load(&self, key: WorkerKey, load: WorkerLoad) -> Result<()> {
-        match self.lock().router_of(key.worker) {
-            Some(r) => Ok(r.update_load(key, load)?),
+        let updated = match self.lock().router_of(key.worker) {
+            Some(r) => r.update_load(key, load),
             None => Ok(()),
-        }
+        };
+        self.pump();
+        Ok(updated?)
     }
 
     /// Requests active over all workers.

@@ -79,6 +79,7 @@ pub(crate) async fn route_beside(
         lora_name: None,
         cache_salt,
         overrides,
+        session: None,
     };
     hub.route_resolved_beside_async(model, block_size, &call, Instant::now(), beside)
         .await

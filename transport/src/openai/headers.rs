@@ -13,13 +13,90 @@
 //! (visible ASCII, at most 256 bytes), otherwise a fresh random one; the worker gets it and
 //! the client's answer carries it.
 
+use super::openai_error::OpenAiError;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+use engine::SessionId;
 
 /// The longest client `X-Request-Id` forwarded as is.
 pub const MAX_REQUEST_ID_BYTES: usize = 256;
 
 /// `X-Request-Id`.
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The headers naming a client's session, in the order they are looked for (the first
+/// present wins): kvengine's own, Dynamo's, SGLang Model Gateway's and SGLang router's.
+pub const SESSION_HEADERS: [&str; 4] = [
+    "x-kvengine-session",
+    "x-dynamo-session-id",
+    "x-smg-routing-key",
+    "x-sgl-routing-key",
+];
+
+/// The header giving a request's admission priority (an integer, higher first; default 0).
+pub const PRIORITY_HEADER: &str = "x-kvengine-priority";
+
+/// The response header saying how a session's request was routed
+/// ([`engine::router::SessionRoute::as_str`]).
+pub const ROUTE_HEADER: &str = "x-kvengine-route";
+
+/// What a client's headers say about routing its request: its session and its priority.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Steering {
+    /// The session (`None`: the header is absent or empty).
+    pub session: Option<SessionId>,
+    /// The admission priority.
+    pub priority: i64,
+}
+
+/// Which of a client's headers refused [`steering`], for the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SteeringError {
+    /// A session header over [`crate::bounds::MAX_SESSION_KEY_BYTES`] or not visible ASCII.
+    Session,
+    /// A priority that is not an integer of 64 bits.
+    Priority,
+}
+
+/// The session and priority of a request (see [`SESSION_HEADERS`], [`PRIORITY_HEADER`]).
+/// An empty session header is no session; a session value longer than
+/// [`crate::bounds::MAX_SESSION_KEY_BYTES`] or holding anything but visible ASCII and
+/// spaces, and a priority that is not a decimal `i64`, are refused (400).
+pub fn steering(client: &HeaderMap) -> Result<Steering, (SteeringError, OpenAiError)> {
+    let mut out = Steering::default();
+    if let Some((name, v)) = SESSION_HEADERS
+        .iter()
+        .find_map(|n| client.get(*n).map(|v| (*n, v)))
+    {
+        let b = v.as_bytes();
+        let max = crate::bounds::MAX_SESSION_KEY_BYTES;
+        if b.len() > max || !b.iter().all(|&c| c == b' ' || c.is_ascii_graphic()) {
+            let e = OpenAiError::invalid(
+                None,
+                format!(
+                    "header {name}: a session key is at most {max} bytes of visible ASCII \
+                     ({} bytes sent)",
+                    b.len()
+                ),
+            );
+            return Err((SteeringError::Session, e));
+        }
+        out.session = (!b.is_empty()).then(|| SessionId::of(b));
+    }
+    if let Some(v) = client.get(PRIORITY_HEADER) {
+        let parsed = v.to_str().ok().and_then(|t| t.trim().parse::<i64>().ok());
+        match parsed {
+            Some(p) => out.priority = p,
+            None => {
+                let e = OpenAiError::invalid(
+                    None,
+                    format!("header {PRIORITY_HEADER}: must be an integer (higher first)"),
+                );
+                return Err((SteeringError::Priority, e));
+            }
+        }
+    }
+    Ok(out)
+}
 
 /// Headers that end at this hop, besides those the `Connection` header names.
 const HOP_BY_HOP: [HeaderName; 8] = [
@@ -141,6 +218,28 @@ mod tests {
             );
         }
         h
+    }
+
+    #[test]
+    fn the_first_session_header_present_wins_and_bad_input_is_refused() {
+        let s = |pairs: &[(&str, &str)]| steering(&map(pairs));
+        assert_eq!(s(&[]).unwrap(), Steering::default());
+        let dynamo = s(&[("X-Dynamo-Session-ID", "abc"), ("x-sgl-routing-key", "zzz")]);
+        assert_eq!(dynamo.unwrap().session, Some(SessionId::of(b"abc")));
+        let ours = s(&[("x-smg-routing-key", "zzz"), ("X-KVENGINE-SESSION", "abc")]);
+        assert_eq!(ours.unwrap().session, Some(SessionId::of(b"abc")));
+        assert_eq!(s(&[("x-kvengine-session", "")]).unwrap().session, None);
+        let long = "k".repeat(crate::bounds::MAX_SESSION_KEY_BYTES + 1);
+        let e = s(&[("x-sgl-routing-key", &long)]).unwrap_err();
+        assert_eq!(e.0, SteeringError::Session);
+        assert_eq!(e.1.status, axum::http::StatusCode::BAD_REQUEST);
+        let at_max = "k".repeat(crate::bounds::MAX_SESSION_KEY_BYTES);
+        assert!(s(&[("x-sgl-routing-key", &at_max)]).is_ok());
+        assert_eq!(s(&[("x-kvengine-priority", " -7 ")]).unwrap().priority, -7);
+        for bad in ["high", "1.5", "99999999999999999999", ""] {
+            let e = s(&[("x-kvengine-priority", bad)]).unwrap_err();
+            assert_eq!(e.0, SteeringError::Priority, "{bad:?}");
+        }
     }
 
     #[test]

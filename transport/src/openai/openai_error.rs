@@ -86,15 +86,18 @@ impl OpenAiError {
             TransportError::Engine(EngineError::AtCapacity { .. }) => {
                 (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error")
             }
-            TransportError::Overloaded { .. } => {
+            TransportError::Overloaded { .. } | TransportError::QueueTimeout { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable")
             }
+            TransportError::QueueFull { .. } => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
             TransportError::Engine(EngineError::InvalidArgument { .. })
             | TransportError::Invalid { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
         };
         let code = match &e {
             TransportError::Overloaded { .. } => Some(crate::http::api_error::OVERLOADED),
+            TransportError::QueueFull { .. } => Some(crate::http::api_error::QUEUE_FULL),
+            TransportError::QueueTimeout { .. } => Some(crate::http::api_error::QUEUE_TIMEOUT),
             _ => None,
         };
         Self {
@@ -112,6 +115,7 @@ impl IntoResponse for OpenAiError {
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS
             || self.code == Some(crate::http::api_error::OVERLOADED)
+            || self.code == Some(crate::http::api_error::QUEUE_TIMEOUT)
         {
             r.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,

@@ -23,8 +23,8 @@ pub use super::config::ProxyConfig;
 
 use super::attribution::MissProbe;
 use super::disagg;
-use super::forward::{Outgoing, Proxy, route_beside, send_or_retry};
-use super::headers::{Forwarded, X_REQUEST_ID};
+use super::forward::{Outgoing, Proxy, send_or_retry};
+use super::headers::{Forwarded, Steering, SteeringError, X_REQUEST_ID};
 use super::openai_error::{OpenAiError, openai_error};
 use super::relay::Active;
 use super::request_prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
@@ -35,10 +35,11 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use engine::router::RouteCall;
 use engine::sched::{Pool, RouteOverrides};
 use http_body_util::Full;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::outbound::WorkerUrl;
 use crate::outbound::body::BodyKind;
@@ -249,7 +250,18 @@ async fn forward(
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(engine::WorkerId);
     let req = (path, source, beside);
-    let mut resp = forward_with(p.clone(), req, &fwd, body, &mut model).await;
+    let mut resp = match super::headers::steering(client) {
+        Ok(steer) => forward_with(p.clone(), req, &fwd, body, steer, &mut model).await,
+        Err((what, e)) => {
+            let m = p.hub.metrics();
+            let c = match what {
+                SteeringError::Session => &m.sessions.refused,
+                SteeringError::Priority => &m.admission.bad_priority,
+            };
+            c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            e.into_response()
+        }
+    };
     // Every answer names the request, errors included.
     resp.headers_mut()
         .insert(X_REQUEST_ID.clone(), fwd.request_id().clone());
@@ -265,6 +277,7 @@ async fn forward_with(
     (path, source, beside): (&str, PromptSource, Option<engine::WorkerId>),
     fwd: &Forwarded,
     body: Bytes,
+    steer: Steering,
     namespace: &mut Option<String>,
 ) -> Response {
     let bad = |e: OpenAiError| {
@@ -295,18 +308,27 @@ async fn forward_with(
         return disagg::forward(&p, path, &body, &tokens, salt, fwd, (&model, block_size)).await;
     }
     let salt = salt_owned.as_deref();
-    let routed = match route_beside(
-        &p.hub,
-        (&model, block_size),
-        &tokens,
-        salt,
-        RouteOverrides::default(),
-        beside,
-    )
-    .await
-    {
+    // Every worker busy: wait in the model's admission queue (held until routed).
+    let admission = match p.hub.admit_request(&model, steer.priority).await {
+        Ok(a) => a,
+        Err(e) => return OpenAiError::from_routing(e).into_response(),
+    };
+    let call = RouteCall {
+        request_id: None,
+        tokens: &tokens,
+        lora_name: None,
+        cache_salt: salt,
+        overrides: RouteOverrides::default(),
+        session: steer.session,
+    };
+    let routed = p
+        .hub
+        .route_resolved_beside_async(&model, block_size, &call, Instant::now(), beside)
+        .await;
+    drop(admission);
+    let routed = match routed {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => return OpenAiError::from_routing(e).into_response(),
     };
     let probe = MissProbe::of(&routed, block_size, tokens.len());
     let active = Active::new(p.hub.clone(), routed.ticket()).probing(probe);
@@ -318,5 +340,12 @@ async fn forward_with(
         block_size,
         cache_salt: salt,
     };
-    send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await
+    let mut resp = send_or_retry(&p, out, &tokens, &routed, active, Pool::Whole).await;
+    if let Some(how) = routed.session {
+        resp.headers_mut().insert(
+            super::headers::ROUTE_HEADER,
+            axum::http::HeaderValue::from_static(how.as_str()),
+        );
+    }
+    resp
 }

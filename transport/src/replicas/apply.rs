@@ -9,6 +9,35 @@ use engine::{DpRank, EngineError, ReplicaId, SeqHash, WorkerId, WorkerKey};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
+/// Applies a peer's session assignments at `now`: each session of a model routed here,
+/// to a worker rank in that model's routing here, now sticks to that rank. Counted in
+/// `stats` (applied, or ignored: unknown model or worker, or sessions off).
+pub(crate) fn apply_sessions(
+    routing: &mut Namespaces,
+    sessions: &[super::wire::SessionAssign],
+    now: Instant,
+    stats: &ReplicaStats,
+) {
+    for a in sessions {
+        let key = WorkerKey {
+            worker: WorkerId(a.worker),
+            dp_rank: DpRank(a.dp_rank),
+        };
+        let placed = routing.model_of(key.worker) == a.model;
+        let applied = placed
+            && routing.get_mut(&a.model).is_some_and(|ns| {
+                ns.router
+                    .assign_session(now, engine::SessionId(a.session), key)
+            });
+        let counter = if applied {
+            &stats.sessions_applied
+        } else {
+            &stats.sessions_ignored
+        };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Applies `events` from `replica` at `now`, counting each outcome in `stats`.
 pub(crate) fn apply_events(
     routing: &mut Namespaces,
@@ -195,6 +224,34 @@ mod tests {
     }
 
     #[test]
+    fn peers_sessions_stick_here_when_their_model_and_worker_are_routed_here() {
+        use super::super::wire::SessionAssign;
+        let mut ns = spaces();
+        let stats = ReplicaStats::default();
+        let now = Instant::now();
+        let assign = |model: &str, session, worker| SessionAssign {
+            model: model.into(),
+            session,
+            worker,
+            dp_rank: 0,
+        };
+        let batch = [assign("", 5, 1), assign("", 6, 7), assign("other", 8, 1)];
+        // Sessions off here: nothing sticks, all counted as ignored.
+        apply_sessions(&mut ns, &batch, now, &stats);
+        assert_eq!(stats.sessions_ignored.load(Relaxed), 3);
+        ns.set_sessions(engine::router::SessionConfig::default());
+        apply_sessions(&mut ns, &batch, now, &stats);
+        assert_eq!(stats.sessions_applied.load(Relaxed), 1);
+        assert_eq!(stats.sessions_ignored.load(Relaxed), 5);
+        let r = ns.router_of(WorkerId(1)).unwrap();
+        assert_eq!(
+            r.sessions().peek(engine::SessionId(5)),
+            Some(WorkerKey::new(1, 0))
+        );
+        assert_eq!(r.sessions().len(), 1);
+    }
+
+    #[test]
     fn a_state_applied_by_a_peer_reproduces_the_load() {
         let mut ours = spaces();
         let now = Instant::now();
@@ -279,7 +336,8 @@ mod tests {
                 let mut live = two_workers();
                 let mut late: Option<Namespaces> = None;
                 let shared = Arc::new(Shared::default());
-                let (outbox, mut rx) = Outbox::new(shared);
+                let (outbox, inbox) = Outbox::new(shared);
+                let mut rx = inbox.events;
                 let stats = ReplicaStats::default();
                 let peer = ReplicaId(42);
                 let mut active: Vec<String> = Vec::new();

@@ -46,6 +46,8 @@ pub enum Kind {
     Frame,
     /// A resync request (`P.resync`).
     Resync,
+    /// A session frame (`P.sessions`).
+    Sessions,
     /// A snapshot in the object store.
     Snapshot,
 }
@@ -55,6 +57,7 @@ impl Kind {
         match self {
             Kind::Frame => "frame",
             Kind::Resync => "resync",
+            Kind::Sessions => "sessions",
             Kind::Snapshot => "snapshot",
         }
     }

@@ -11,11 +11,14 @@
 //! only so `/v1/replicas` can list it. Peers' events are applied under the hub's routing
 //! lock, one frame per lock.
 
-use super::apply::{apply_events, forget_replica, state_events};
+use super::apply::{apply_events, apply_sessions, forget_replica, state_events};
 use super::auth::{self, Kind, ReplicaKey};
-use super::outbox::{Outbox, Shared};
+use super::outbox::{Inbox, Outbox, Shared};
 use super::peers::{Heard, PeerInfo, Peers};
-use super::wire::{self, Body, Frame, LoadEvent, MAX_FRAME_BYTES, Resync, WIRE_VERSION};
+use super::wire::{
+    self, Body, Frame, LoadEvent, MAX_FRAME_BYTES, MAX_SESSIONS_PER_FRAME, Resync,
+    SESSION_WIRE_VERSION, SessionAssign, SessionFrame, WIRE_VERSION,
+};
 use super::{ReplicaConfig, ReplicaStats, new_replica_id};
 use crate::error::{DropReason, Result, TransportError};
 use crate::hub::Hub;
@@ -109,7 +112,7 @@ fn nats_err(what: &'static str, e: impl std::fmt::Display) -> TransportError {
 pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> {
     let id = new_replica_id();
     let shared = Arc::new(Shared::default());
-    let (outbox, rx) = Outbox::new(shared.clone());
+    let (outbox, inbox) = Outbox::new(shared.clone());
     if !hub.routing().set_replicas(Arc::new(outbox)) {
         return Err(nats_err(
             "replica sync",
@@ -144,6 +147,10 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
         .subscribe(config.resync_subject())
         .await
         .map_err(|e| nats_err("cannot subscribe", e))?;
+    let sessions = client
+        .subscribe(config.sessions_subject())
+        .await
+        .map_err(|e| nats_err("cannot subscribe", e))?;
     let peers = Arc::new(Mutex::new(Peers::new(config.peer_timeout)));
     let (stop, stop_rx) = watch::channel(false);
     tracing::info!(replica = %id, name = %config.name, url = %config.nats.redacted(),
@@ -154,10 +161,16 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
             s.key(Kind::Resync, &config.subject),
         )
     });
+    let session_key = config
+        .secret
+        .as_ref()
+        .map(|s| s.key(Kind::Sessions, &config.subject));
     let secret = config.secret.clone();
     let link = Link {
         hub,
         keys,
+        session_key,
+        sessions_subject: config.sessions_subject(),
         load_subject: config.load_subject(),
         resync_subject: config.resync_subject(),
         config,
@@ -169,7 +182,12 @@ pub async fn start(hub: Arc<Hub>, config: ReplicaConfig) -> Result<ReplicaLink> 
         connected: false,
         state_due: None,
     };
-    let task = tokio::spawn(link.run(rx, events_rx, load, resync, stop_rx));
+    let subs = Subscriptions {
+        load,
+        resync,
+        sessions,
+    };
+    let task = tokio::spawn(link.run(inbox, events_rx, subs, stop_rx));
     Ok(ReplicaLink {
         id,
         shared,
@@ -206,10 +224,20 @@ fn thread_cpu_ns() -> u64 {
     0
 }
 
+/// What the link listens to on NATS.
+struct Subscriptions {
+    load: Subscriber,
+    resync: Subscriber,
+    sessions: Subscriber,
+}
+
 struct Link {
     hub: Arc<Hub>,
     /// The keys of load frames and resync requests (`None`: no `--replica-secret`).
     keys: Option<(ReplicaKey, ReplicaKey)>,
+    /// The key of session frames.
+    session_key: Option<ReplicaKey>,
+    sessions_subject: String,
     config: ReplicaConfig,
     load_subject: String,
     resync_subject: String,
@@ -226,12 +254,20 @@ struct Link {
 impl Link {
     async fn run(
         mut self,
-        mut rx: mpsc::Receiver<LoadEvent>,
+        inbox: Inbox,
         mut events: mpsc::Receiver<Event>,
-        mut load: Subscriber,
-        mut resync: Subscriber,
+        subs: Subscriptions,
         mut stop: watch::Receiver<bool>,
     ) {
+        let Inbox {
+            events: mut rx,
+            sessions: mut srx,
+        } = inbox;
+        let Subscriptions {
+            mut load,
+            mut resync,
+            mut sessions,
+        } = subs;
         let mut tick = tokio::time::interval(self.config.heartbeat);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -242,6 +278,8 @@ impl Link {
                 Some(first) = rx.recv() => self.publish_events(first, &mut rx).await,
                 Some(msg) = load.next() => self.on_frame(&msg.payload).await,
                 Some(msg) = resync.next() => self.on_resync(&msg.payload),
+                Some(first) = srx.recv() => self.publish_sessions(first, &mut srx).await,
+                Some(msg) = sessions.next() => self.on_sessions(&msg.payload),
                 _ = async { tokio::time::sleep_until(state_at.unwrap_or_else(tokio::time::Instant::now)).await }, if state_at.is_some() => {
                     self.send_state(&mut rx).await;
                 }
@@ -462,6 +500,92 @@ impl Link {
                 self.ask(peer.0).await;
             }
         }
+    }
+
+    /// Publishes `first` and the session assignments queued behind it, in one frame (best
+    /// effort: with NATS down they are dropped, counted).
+    async fn publish_sessions(
+        &mut self,
+        first: SessionAssign,
+        rx: &mut mpsc::Receiver<SessionAssign>,
+    ) {
+        let mut sessions = vec![first];
+        while sessions.len() < MAX_SESSIONS_PER_FRAME {
+            match rx.try_recv() {
+                Ok(a) => sessions.push(a),
+                Err(_) => break,
+            }
+        }
+        let n = sessions.len() as u64;
+        if !self.connected {
+            self.stats().sessions_dropped.fetch_add(n, Relaxed);
+            return;
+        }
+        let frame = SessionFrame {
+            version: SESSION_WIRE_VERSION,
+            replica: self.id.0,
+            sessions,
+        };
+        let began = thread_cpu_ns();
+        let bytes = match wire::encode_sessions(&frame) {
+            Ok(b) => auth::seal(self.session_key.as_ref(), b),
+            Err(e) => {
+                tracing::warn!("cannot encode a session frame: {e}");
+                self.stats().sessions_dropped.fetch_add(n, Relaxed);
+                return;
+            }
+        };
+        self.busy(began);
+        let len = bytes.len() as u64;
+        match self
+            .client
+            .publish(self.sessions_subject.clone(), bytes)
+            .await
+        {
+            Ok(()) => {
+                self.stats().frames_sent.fetch_add(1, Relaxed);
+                self.stats().bytes_sent.fetch_add(len, Relaxed);
+                self.stats().sessions_sent.fetch_add(n, Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!("cannot publish a session frame: {e}");
+                self.stats().sessions_dropped.fetch_add(n, Relaxed);
+            }
+        }
+    }
+
+    /// Applies a peer's session assignments (its own, echoed, and any heard while the link
+    /// is down are skipped).
+    fn on_sessions(&mut self, message: &[u8]) {
+        let began = thread_cpu_ns();
+        let payload = match auth::open(self.session_key.as_ref(), message) {
+            Ok(p) => p,
+            Err(e) => {
+                self.unauthenticated(&e);
+                return;
+            }
+        };
+        let frame = match wire::decode_sessions(payload) {
+            Ok(f) => f,
+            Err(e) => {
+                self.stats().malformed.fetch_add(1, Relaxed);
+                tracing::warn!("dropped a session frame that could not be decoded: {e}");
+                return;
+            }
+        };
+        if frame.replica == self.id.0 || !self.connected {
+            return;
+        }
+        self.stats().frames_received.fetch_add(1, Relaxed);
+        self.stats()
+            .bytes_received
+            .fetch_add(message.len() as u64, Relaxed);
+        let stats = &self.shared.stats;
+        let now = Instant::now();
+        self.hub
+            .routing()
+            .with_lock(|routing| apply_sessions(routing, &frame.sessions, now, stats));
+        self.busy(began);
     }
 
     /// Why a frame may not decode here: peers that sign with a secret this replica lacks.

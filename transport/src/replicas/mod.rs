@@ -108,6 +108,11 @@ impl ReplicaConfig {
     pub fn resync_subject(&self) -> String {
         format!("{}.resync", self.subject)
     }
+
+    /// The subject of session assignments.
+    pub fn sessions_subject(&self) -> String {
+        format!("{}.sessions", self.subject)
+    }
 }
 
 /// `host-pid`: unique enough for logs; the id is what peers key on.

@@ -5,7 +5,7 @@
 //! the link to send the replica's whole state once it can, which supersedes every event
 //! lost.
 
-use super::wire::LoadEvent;
+use super::wire::{LoadEvent, SessionAssign};
 use super::{LoadSink, ReplicaStats};
 use engine::{SeqHash, WorkerKey};
 use std::sync::Arc;
@@ -14,6 +14,10 @@ use tokio::sync::mpsc;
 
 /// Events the queue holds before it drops (a few seconds of a busy router's routes).
 pub const QUEUE_EVENTS: usize = 65_536;
+
+/// Session assignments the queue holds before it drops (best effort: a dropped one costs a
+/// peer one routing by cost).
+pub const QUEUE_SESSIONS: usize = 16_384;
 
 /// What the outbox and the link task share.
 #[derive(Debug, Default)]
@@ -28,14 +32,32 @@ pub struct Shared {
 #[derive(Debug)]
 pub struct Outbox {
     tx: mpsc::Sender<LoadEvent>,
+    sessions: mpsc::Sender<SessionAssign>,
     shared: Arc<Shared>,
 }
 
+/// The link task's ends of the outbox.
+#[derive(Debug)]
+pub struct Inbox {
+    /// Load events.
+    pub events: mpsc::Receiver<LoadEvent>,
+    /// Session assignments.
+    pub sessions: mpsc::Receiver<SessionAssign>,
+}
+
 impl Outbox {
-    /// An outbox and the receiving end for the link task.
-    pub fn new(shared: Arc<Shared>) -> (Self, mpsc::Receiver<LoadEvent>) {
-        let (tx, rx) = mpsc::channel(QUEUE_EVENTS);
-        (Self { tx, shared }, rx)
+    /// An outbox and the receiving ends for the link task.
+    pub fn new(shared: Arc<Shared>) -> (Self, Inbox) {
+        let (tx, events) = mpsc::channel(QUEUE_EVENTS);
+        let (stx, sessions) = mpsc::channel(QUEUE_SESSIONS);
+        (
+            Self {
+                tx,
+                sessions: stx,
+                shared,
+            },
+            Inbox { events, sessions },
+        )
     }
 
     fn push(&self, event: LoadEvent) {
@@ -78,6 +100,18 @@ impl LoadSink for Outbox {
         });
     }
 
+    fn session(&self, model: &str, session: engine::SessionId, key: WorkerKey) {
+        let assign = SessionAssign {
+            model: model.to_owned(),
+            session: session.0,
+            worker: key.worker.0,
+            dp_rank: key.dp_rank.0,
+        };
+        if self.sessions.try_send(assign).is_err() {
+            self.shared.stats.sessions_dropped.fetch_add(1, Relaxed);
+        }
+    }
+
     fn stats(&self) -> &ReplicaStats {
         &self.shared.stats
     }
@@ -90,7 +124,8 @@ mod tests {
     #[test]
     fn a_full_queue_counts_the_loss_and_asks_for_a_state() {
         let shared = Arc::new(Shared::default());
-        let (outbox, mut rx) = Outbox::new(shared.clone());
+        let (outbox, inbox) = Outbox::new(shared.clone());
+        let mut rx = inbox.events;
         outbox.added("a", WorkerKey::new(1, 0), &[SeqHash(5)], 16, 0);
         assert_eq!(
             rx.try_recv().unwrap(),
@@ -113,5 +148,28 @@ mod tests {
         assert_eq!(shared.stats.events_queued.load(Relaxed), handed);
         assert!(shared.need_state.load(Relaxed));
         assert_eq!(outbox.status().events_dropped, 1);
+    }
+
+    #[test]
+    fn session_assignments_queue_apart_and_a_full_queue_drops_them_counted() {
+        let shared = Arc::new(Shared::default());
+        let (outbox, mut inbox) = Outbox::new(shared.clone());
+        let key = WorkerKey::new(3, 1);
+        outbox.session("m", engine::SessionId(7), key);
+        assert_eq!(
+            inbox.sessions.try_recv().unwrap(),
+            SessionAssign {
+                model: "m".into(),
+                session: 7,
+                worker: 3,
+                dp_rank: 1
+            }
+        );
+        assert!(inbox.events.try_recv().is_err(), "not a load event");
+        for _ in 0..=QUEUE_SESSIONS {
+            outbox.session("m", engine::SessionId(7), key);
+        }
+        assert_eq!(shared.stats.sessions_dropped.load(Relaxed), 1);
+        assert!(!shared.need_state.load(Relaxed), "sessions need no state");
     }
 }

@@ -3,7 +3,11 @@
 //!
 //! Subjects, under the cluster's prefix `P` (`--replica-subject`):
 //! * `P.load`: [`Frame`]s: every replica's load events and heartbeats;
-//! * `P.resync`: [`Resync`] requests: "send your whole state again".
+//! * `P.resync`: [`Resync`] requests: "send your whole state again";
+//! * `P.sessions`: [`SessionFrame`]s: sticky-session assignments (issue 31). A subject of
+//!   its own with its own version ([`SESSION_WIRE_VERSION`]), so replicas that predate it
+//!   (they do not subscribe) and replicas of another session version (they refuse the
+//!   frame, counted) keep sharing load as before.
 //!
 //! # Invariants
 //! 1. Changing any archived layout changes [`WIRE_VERSION`]; a frame of another version is
@@ -96,6 +100,64 @@ impl LoadEvent {
             LoadEvent::Prefilled { request } | LoadEvent::Freed { request } => 16 + request.len(),
         }
     }
+}
+
+/// The version every [`SessionFrame`] carries (changes with its archived layout).
+pub const SESSION_WIRE_VERSION: u32 = 1;
+
+/// The most assignments one [`SessionFrame`] carries (about 64 bytes each plus the model
+/// name: well under [`MAX_FRAME_BYTES`]); a receiver refuses a frame with more.
+pub const MAX_SESSIONS_PER_FRAME: usize = 2048;
+
+/// One message on `P.sessions`: sessions a replica just routed, so its peers send the
+/// session's next requests to the same worker.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SessionFrame {
+    /// [`SESSION_WIRE_VERSION`].
+    pub version: u32,
+    /// The sending replica.
+    pub replica: u64,
+    /// The assignments, oldest first.
+    pub sessions: Vec<SessionAssign>,
+}
+
+/// Session `session` (an [`engine::SessionId`]) of `model` was routed to a worker rank.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SessionAssign {
+    /// The namespace (`""`: the default one).
+    pub model: String,
+    /// The session's id.
+    pub session: u64,
+    /// The worker ...
+    pub worker: u64,
+    /// ... and its rank.
+    pub dp_rank: u32,
+}
+
+/// The bytes of `frame`.
+pub fn encode_sessions(frame: &SessionFrame) -> Result<Bytes> {
+    encode_archive(frame)
+}
+
+/// Reads a session frame from a NATS payload (any bytes give a frame or an error, never a
+/// panic); another version, or more than [`MAX_SESSIONS_PER_FRAME`] assignments, is an
+/// error.
+pub fn decode_sessions(payload: &[u8]) -> Result<SessionFrame> {
+    let buf = aligned(payload);
+    let frame = rkyv::from_bytes::<SessionFrame, rancor::Error>(&buf).map_err(malformed)?;
+    if frame.version != SESSION_WIRE_VERSION {
+        return Err(malformed(format!(
+            "session frame version {} (this router speaks {SESSION_WIRE_VERSION})",
+            frame.version
+        )));
+    }
+    if frame.sessions.len() > MAX_SESSIONS_PER_FRAME {
+        return Err(malformed(format!(
+            "{} session assignments in one frame (at most {MAX_SESSIONS_PER_FRAME})",
+            frame.sessions.len()
+        )));
+    }
+    Ok(frame)
 }
 
 /// One message on `P.resync`.
@@ -214,6 +276,38 @@ mod tests {
             target: 0,
         };
         assert_eq!(decode_resync(&encode_resync(&r).unwrap()).unwrap(), r);
+    }
+
+    #[test]
+    fn session_frames_round_trip_and_bad_ones_are_errors() {
+        let f = SessionFrame {
+            version: SESSION_WIRE_VERSION,
+            replica: 9,
+            sessions: vec![SessionAssign {
+                model: "qwen".into(),
+                session: 0xabc,
+                worker: 2,
+                dp_rank: 1,
+            }],
+        };
+        let bytes = encode_sessions(&f).unwrap();
+        assert_eq!(decode_sessions(&bytes).unwrap(), f);
+        for cut in [0, 1, bytes.len() / 2, bytes.len() - 1] {
+            assert!(decode_sessions(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let newer = SessionFrame {
+            version: SESSION_WIRE_VERSION + 1,
+            ..f.clone()
+        };
+        let e = decode_sessions(&encode_sessions(&newer).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("version"), "{e}");
+        let huge = SessionFrame {
+            sessions: vec![f.sessions[0].clone(); MAX_SESSIONS_PER_FRAME + 1],
+            ..f
+        };
+        assert!(decode_sessions(&encode_sessions(&huge).unwrap()).is_err());
+        // A load frame is no session frame.
+        assert!(decode_sessions(&encode_frame(&sample()).unwrap()).is_err());
     }
 
     #[test]
