@@ -392,6 +392,7 @@ fn small_replay_end_to_end() {
                 &ClientConfig {
                     speedup: cfg.speedup,
                     request_timeout: Duration::from_secs(60),
+                    ..ClientConfig::default()
                 },
                 tick,
             )
@@ -527,6 +528,7 @@ fn a_replay_with_a_dead_worker_completes_and_leaks_no_active_request() {
             &ClientConfig {
                 speedup: cfg.speedup,
                 request_timeout: Duration::from_secs(60),
+                ..ClientConfig::default()
             },
             Arc::new(|| {}),
         )
