@@ -281,102 +281,41 @@ impl Scheduler {
             shadow: _,
         } = self;
 
-        let mut kv = KvPolicy;
-        let mut random = RandomPolicy;
-        let mut sglang = CacheAware::default();
-        let mut llmd = Scorers::default();
-        let mut power_of_two = PowerOfTwo;
-        let mut direct = eff.worker.map(|worker| Direct { worker });
-        let policy: &mut dyn Policy = match (custom, eff.mode, direct.as_mut()) {
-            (Some(custom), _, _) => custom,
-            (None, RouteMode::Kv | RouteMode::Custom, _) => &mut kv,
-            (None, RouteMode::RoundRobin, _) => &mut round_robin[request.overrides.pool.index()],
-            (None, RouteMode::Random, _) => &mut random,
-            (None, RouteMode::Sglang, _) => &mut sglang,
-            (None, RouteMode::LlmD, _) => &mut llmd,
-            (None, RouteMode::PowerOfTwo, _) => &mut power_of_two,
-            (None, RouteMode::Direct, Some(d)) => d,
-            (None, RouteMode::Direct, None) => {
-                return Err(EngineError::InvalidArgument {
-                    name: "worker",
-                    reason: "direct mode needs a worker id",
-                });
-            }
-        };
-        let scope = match policy.scope() {
-            Scope::All => match workers.pool(request.overrides.pool) {
-                [] => {
-                    return Err(EngineError::NoWorkersInPool {
-                        pool: request.overrides.pool.as_str(),
-                    });
-                }
-                keys => keys,
-            },
-            Scope::Worker(w) => match workers.ranks(w) {
-                [] => return Err(EngineError::UnknownWorker { worker: w }),
-                ranks => ranks,
-            },
-        };
-
-        let gathered = scratch.gather(
-            scope,
-            &Context {
-                workers,
-                active,
-                busy: &config.busy,
-                max_active: config.max_active_per_key,
-                matches,
-                blocks: request.blocks,
-                now,
-                fits,
-                clocks,
-                cost: CostInputs {
-                    block_size: config.block_size,
-                    cost: config.cost,
-                    overlap_weight: eff.overlap_weight,
-                    stall_weight: config.stall_weight,
-                    request_blocks: request.blocks.len() as u64,
-                    input_tokens: request.input_tokens,
-                },
-            },
-        );
-        let candidates = gathered.candidates;
-        if candidates.is_empty()
-            && gathered.full > 0
-            && let Some(limit) = config.max_active_per_key
-        {
-            return Err(EngineError::AtCapacity { limit });
-        }
-        let load = |key: WorkerKey| match workers.slot(key) {
-            Some(slot) => KeyLoad {
-                active: active.load(slot),
-                reported: workers.load(slot).copied(),
-            },
-            None => KeyLoad::default(),
+        let mut policies = Policies::new(eff.worker);
+        let policy: &mut dyn Policy = match custom {
+            Some(custom) => custom,
+            None => policies.of(eff.mode, &mut round_robin[request.overrides.pool.index()])?,
         };
         let mode = policy.mode();
-        let worker = policy.select(
-            &SelectionInput {
-                candidates: &candidates,
-                temperature: eff.temperature,
-                request_blocks: request.blocks.len() as u64,
-                cached_blocks,
-                load: &load,
+        let picked = pick(
+            policy,
+            &Picking {
+                config,
+                workers,
+                active,
+                fits,
+                clocks,
+                cost: config.cost,
             },
+            scratch,
+            &eff,
+            request,
+            request.overrides.pool,
+            matches,
+            now,
+            cached_blocks,
             rng,
         )?;
-
-        // A policy naming a key it was not offered breaks its contract; refuse rather than
-        // record a request on an arbitrary key.
+        let (worker, candidates) = (picked.worker, picked.gathered.candidates);
+        let Some(chosen) = candidates.get(picked.chosen) else {
+            return Err(EngineError::UnknownWorker {
+                worker: worker.worker,
+            });
+        };
+        let overlap_blocks = chosen.overlap_blocks;
         let not_offered = EngineError::UnknownWorker {
             worker: worker.worker,
         };
-        let chosen = candidates
-            .binary_search_by_key(&worker, |c| c.key)
-            .ok()
-            .and_then(|i| candidates.get(i))
-            .ok_or(not_offered.clone())?;
-        let overlap_blocks = chosen.overlap_blocks;
         let slot = workers.slot(worker).ok_or(not_offered)?;
         let done = queue_prefill(
             fits,
@@ -408,7 +347,7 @@ impl Scheduler {
                 .map(|c| c.overlap_blocks)
                 .max()
                 .unwrap_or(0),
-            busy_skipped: gathered.busy_skipped,
+            busy_skipped: picked.gathered.busy_skipped,
             candidates,
         })
     }
@@ -588,6 +527,161 @@ impl Scheduler {
         self.active.check_invariants();
         assert!(self.scratch.is_clean());
     }
+}
+
+/// The stateless policies one decision may use, and `direct`'s for the call's worker.
+struct Policies {
+    kv: KvPolicy,
+    random: RandomPolicy,
+    sglang: CacheAware,
+    llmd: Scorers,
+    power_of_two: PowerOfTwo,
+    direct: Option<Direct>,
+}
+
+impl Policies {
+    fn new(worker: Option<WorkerId>) -> Self {
+        Self {
+            kv: KvPolicy,
+            random: RandomPolicy,
+            sglang: CacheAware::default(),
+            llmd: Scorers::default(),
+            power_of_two: PowerOfTwo,
+            direct: worker.map(|worker| Direct { worker }),
+        }
+    }
+
+    /// `mode`'s policy (`round_robin`: the cursor a round-robin call moves).
+    fn of<'a>(
+        &'a mut self,
+        mode: RouteMode,
+        round_robin: &'a mut RoundRobin,
+    ) -> Result<&'a mut dyn Policy> {
+        Ok(match (mode, self.direct.as_mut()) {
+            (RouteMode::Kv | RouteMode::Custom, _) => &mut self.kv,
+            (RouteMode::RoundRobin, _) => round_robin,
+            (RouteMode::Random, _) => &mut self.random,
+            (RouteMode::Sglang, _) => &mut self.sglang,
+            (RouteMode::LlmD, _) => &mut self.llmd,
+            (RouteMode::PowerOfTwo, _) => &mut self.power_of_two,
+            (RouteMode::Direct, Some(d)) => d,
+            (RouteMode::Direct, None) => {
+                return Err(EngineError::InvalidArgument {
+                    name: "worker",
+                    reason: "direct mode needs a worker id",
+                });
+            }
+        })
+    }
+}
+
+/// What a pick reads of the scheduler.
+struct Picking<'a> {
+    config: &'a SchedulerConfig,
+    workers: &'a WorkerTable,
+    active: &'a ActiveRequests,
+    fits: &'a [TtftFit],
+    clocks: &'a [DrainClock],
+    /// The cost the candidates are scored with.
+    cost: crate::sched::config::RouterCost,
+}
+
+/// A policy's pick: the candidates it was offered (in key order) and which it chose.
+struct Picked {
+    worker: WorkerKey,
+    /// `worker`'s index in `gathered.candidates`.
+    chosen: usize,
+    gathered: crate::sched::candidates::Gathered,
+}
+
+/// The part of a decision the real route and a shadow share: `policy`'s scope in `pool`,
+/// its scored candidates, and its choice among them. Records nothing.
+#[allow(clippy::too_many_arguments)]
+fn pick(
+    policy: &mut dyn Policy,
+    at: &Picking<'_>,
+    scratch: &mut CandidateScratch,
+    eff: &crate::sched::config::Effective,
+    request: &RouteRequest<'_>,
+    pool: Pool,
+    matches: &Matches,
+    now: Instant,
+    cached_blocks: &dyn Fn(WorkerKey) -> u64,
+    rng: &mut SmallRng,
+) -> Result<Picked> {
+    let (config, workers, active) = (at.config, at.workers, at.active);
+    let scope = match policy.scope() {
+        Scope::All => match workers.pool(pool) {
+            [] => {
+                return Err(EngineError::NoWorkersInPool {
+                    pool: pool.as_str(),
+                });
+            }
+            keys => keys,
+        },
+        Scope::Worker(w) => match workers.ranks(w) {
+            [] => return Err(EngineError::UnknownWorker { worker: w }),
+            ranks => ranks,
+        },
+    };
+    let gathered = scratch.gather(
+        scope,
+        &Context {
+            workers,
+            active,
+            busy: &config.busy,
+            max_active: config.max_active_per_key,
+            matches,
+            blocks: request.blocks,
+            now,
+            fits: at.fits,
+            clocks: at.clocks,
+            cost: CostInputs {
+                block_size: config.block_size,
+                cost: at.cost,
+                overlap_weight: eff.overlap_weight,
+                stall_weight: config.stall_weight,
+                request_blocks: request.blocks.len() as u64,
+                input_tokens: request.input_tokens,
+            },
+        },
+    );
+    if gathered.candidates.is_empty()
+        && gathered.full > 0
+        && let Some(limit) = config.max_active_per_key
+    {
+        return Err(EngineError::AtCapacity { limit });
+    }
+    let load = |key: WorkerKey| match workers.slot(key) {
+        Some(slot) => KeyLoad {
+            active: active.load(slot),
+            reported: workers.load(slot).copied(),
+        },
+        None => KeyLoad::default(),
+    };
+    let worker = policy.select(
+        &SelectionInput {
+            candidates: &gathered.candidates,
+            temperature: eff.temperature,
+            request_blocks: request.blocks.len() as u64,
+            cached_blocks,
+            load: &load,
+        },
+        rng,
+    )?;
+    // A policy naming a key it was not offered breaks its contract; refuse rather than
+    // act on an arbitrary key.
+    let chosen = gathered
+        .candidates
+        .binary_search_by_key(&worker, |c| c.key)
+        .map_err(|_| EngineError::UnknownWorker {
+            worker: worker.worker,
+        })?;
+    Ok(Picked {
+        worker,
+        chosen,
+        gathered,
+    })
 }
 
 #[cfg(test)]

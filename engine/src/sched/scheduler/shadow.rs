@@ -149,100 +149,36 @@ impl Scheduler {
             shadow,
             ..
         } = self;
-        let mut kv = KvPolicy;
-        let mut random = RandomPolicy;
-        let mut sglang = CacheAware::default();
-        let mut llmd = Scorers::default();
-        let mut power_of_two = PowerOfTwo;
-        let mut direct = eff.worker.map(|worker| Direct { worker });
-        let policy: &mut dyn Policy = match (eff.mode, direct.as_mut()) {
-            (RouteMode::Kv | RouteMode::Custom, _) => &mut kv,
-            (RouteMode::RoundRobin, _) => {
-                let i = overrides.pool.index();
-                let Some(rr) = shadow.round_robin.get_mut(i) else {
-                    return Err(EngineError::NoWorkers);
-                };
-                rr
-            }
-            (RouteMode::Random, _) => &mut random,
-            (RouteMode::Sglang, _) => &mut sglang,
-            (RouteMode::LlmD, _) => &mut llmd,
-            (RouteMode::PowerOfTwo, _) => &mut power_of_two,
-            (RouteMode::Direct, Some(d)) => d,
-            (RouteMode::Direct, None) => {
-                return Err(EngineError::InvalidArgument {
-                    name: "worker",
-                    reason: "direct mode needs a worker id",
-                });
-            }
+        let Some(round_robin) = shadow.round_robin.get_mut(overrides.pool.index()) else {
+            return Err(EngineError::NoWorkers);
         };
-        let scope = match policy.scope() {
-            Scope::All => match workers.pool(overrides.pool) {
-                [] => {
-                    return Err(EngineError::NoWorkersInPool {
-                        pool: overrides.pool.as_str(),
-                    });
-                }
-                keys => keys,
-            },
-            Scope::Worker(w) => match workers.ranks(w) {
-                [] => return Err(EngineError::UnknownWorker { worker: w }),
-                ranks => ranks,
-            },
-        };
-        let gathered = scratch.gather(
-            scope,
-            &Context {
+        let mut policies = Policies::new(eff.worker);
+        let policy = policies.of(eff.mode, round_robin)?;
+        let picked = pick(
+            policy,
+            &Picking {
+                config,
                 workers,
                 active,
-                busy: &config.busy,
-                max_active: config.max_active_per_key,
-                matches,
-                blocks: request.blocks,
-                now,
                 fits,
                 clocks,
-                cost: CostInputs {
-                    block_size: config.block_size,
-                    cost: spec.cost.unwrap_or(config.cost),
-                    overlap_weight: eff.overlap_weight,
-                    stall_weight: config.stall_weight,
-                    request_blocks: request.blocks.len() as u64,
-                    input_tokens: request.input_tokens,
-                },
+                cost: spec.cost.unwrap_or(config.cost),
             },
-        );
-        let candidates = gathered.candidates;
-        if candidates.is_empty()
-            && gathered.full > 0
-            && let Some(limit) = config.max_active_per_key
-        {
-            return Err(EngineError::AtCapacity { limit });
-        }
-        let load = |key: WorkerKey| match workers.slot(key) {
-            Some(slot) => KeyLoad {
-                active: active.load(slot),
-                reported: workers.load(slot).copied(),
-            },
-            None => KeyLoad::default(),
-        };
-        let worker = policy.select(
-            &SelectionInput {
-                candidates: &candidates,
-                temperature: eff.temperature,
-                request_blocks: request.blocks.len() as u64,
-                cached_blocks,
-                load: &load,
-            },
+            scratch,
+            &eff,
+            request,
+            overrides.pool,
+            matches,
+            now,
+            cached_blocks,
             &mut shadow.rng,
         )?;
-        let chosen = candidates
-            .binary_search_by_key(&worker, |c| c.key)
-            .ok()
-            .and_then(|i| candidates.get(i))
-            .ok_or(EngineError::UnknownWorker {
+        let worker = picked.worker;
+        let Some(chosen) = picked.gathered.candidates.get(picked.chosen) else {
+            return Err(EngineError::UnknownWorker {
                 worker: worker.worker,
-            })?;
+            });
+        };
         Ok(ShadowDecision {
             worker,
             overlap_blocks: chosen.overlap_blocks,
