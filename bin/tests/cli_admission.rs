@@ -84,20 +84,7 @@ fn complete(r: &Router, prompt: &str) -> std::thread::JoinHandle<(u16, String)> 
     let addr = r.http.clone();
     let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
     std::thread::spawn(move || {
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\
-             Connection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp[9..12].parse().unwrap();
-        let head = resp.split_once("\r\n\r\n").map_or(&*resp, |(h, _)| h);
-        (status, head.to_ascii_lowercase())
+        common::post_head(&addr, "/v1/completions", "", &body, Duration::from_secs(60))
     })
 }
 

@@ -9,58 +9,9 @@
 
 mod common;
 
-use common::Router;
+use common::{Router, Sims, eventually};
 use lab::nats::{NatsServer, binary_or_skip};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// `kvengine sim` and one `--worker` flag per worker (its URL and event sockets).
-struct Sims {
-    child: Child,
-    workers: Vec<String>,
-}
-
-impl Sims {
-    fn start(n: usize) -> Sims {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
-            .args(["sim", "--workers", &n.to_string(), "--port", "0"])
-            .args(["--speedup", "1000"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut text = String::new();
-        while !text.contains("Ctrl-C stops") {
-            let mut line = String::new();
-            assert!(out.read_line(&mut line).unwrap() > 0, "sim exited: {text}");
-            text.push_str(&line);
-        }
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = out.read_to_string(&mut sink);
-        });
-        // "worker 0: http://H:P  --zmq-worker 0=tcp://H:P,replay=tcp://H:P"
-        let workers = text
-            .lines()
-            .filter_map(|l| {
-                let url = l.split_whitespace().find(|w| w.starts_with("http://"))?;
-                let (id, zmq) = l.split("--zmq-worker ").nth(1)?.trim().split_once('=')?;
-                Some(format!("id={id},url={url},zmq={zmq}"))
-            })
-            .collect();
-        Sims { child, workers }
-    }
-}
-
-impl Drop for Sims {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use std::time::Duration;
 
 fn replica(nats: &str, name: &str, sims: &Sims) -> Router {
     let mut args = vec![
@@ -76,22 +27,11 @@ fn replica(nats: &str, name: &str, sims: &Sims) -> Router {
         "--tokenizer",
         "stand-in",
     ];
-    for w in &sims.workers {
+    let specs = sims.worker_specs();
+    for w in &specs {
         args.extend(["--worker", w.as_str()]);
     }
     Router::start(&args)
-}
-
-/// Waits up to `secs` for `check`; panics with `what` and the last state otherwise.
-fn eventually(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        match check() {
-            Ok(()) => return,
-            Err(e) if Instant::now() > deadline => panic!("{what}: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
 }
 
 /// A chat turn of `session` at `r`; returns (route header, worker id).
@@ -102,19 +42,14 @@ fn turn(r: &Router, session: &str, text: &str) -> (String, String) {
         "max_tokens": 2
     })
     .to_string();
-    let mut s = TcpStream::connect(&r.http).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\
-         x-kvengine-session: {session}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    assert_eq!(&resp[9..12], "200", "{resp}");
-    let head = resp.split_once("\r\n\r\n").unwrap().0.to_ascii_lowercase();
+    let (status, head) = common::post_head(
+        &r.http,
+        "/v1/chat/completions",
+        &format!("x-kvengine-session: {session}\r\n"),
+        &body,
+        Duration::from_secs(30),
+    );
+    assert_eq!(status, 200, "{head}");
     let get = |name: &str| {
         head.lines()
             .find_map(|l| l.strip_prefix(&format!("{name}: ")))
@@ -133,7 +68,7 @@ fn a_session_routed_by_one_replica_is_sticky_on_the_other() {
     let nats = NatsServer::start().unwrap();
     let url = nats.url();
     let sims = Sims::start(3);
-    assert_eq!(sims.workers.len(), 3);
+    assert_eq!(sims.worker_specs().len(), 3);
     let a = replica(&url, "a", &sims);
     let b = replica(&url, "b", &sims);
     eventually(20, "both replicas connected, each with its peer", || {

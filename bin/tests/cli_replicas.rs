@@ -9,72 +9,9 @@
 
 mod common;
 
-use common::Router;
+use common::{Router, Sims, eventually};
 use lab::nats::{NatsServer, binary_or_skip};
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// A `kvengine sim` process, its workers' URLs and their `--zmq-worker` flags.
-struct Sims {
-    child: Child,
-    urls: Vec<String>,
-    flags: Vec<String>,
-}
-
-impl Sims {
-    fn start(workers: usize) -> Sims {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
-            .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
-            .args(["--speedup", "1000"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut text = String::new();
-        while !text.contains("Ctrl-C stops") {
-            let mut line = String::new();
-            assert!(out.read_line(&mut line).unwrap() > 0, "sim exited: {text}");
-            text.push_str(&line);
-        }
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            let _ = out.read_to_string(&mut sink);
-        });
-        let lines: Vec<&str> = text
-            .lines()
-            .filter(|l| l.contains("--zmq-worker "))
-            .collect();
-        let flags = lines
-            .iter()
-            .filter_map(|l| l.split("--zmq-worker ").nth(1))
-            .map(|f| f.trim().to_owned())
-            .collect();
-        let urls = lines
-            .iter()
-            .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("http://")))
-            .map(str::to_owned)
-            .collect();
-        Sims { child, urls, flags }
-    }
-
-    /// Has worker `w` serve a prompt (so it caches the prompt's blocks and says so).
-    fn serve(&self, w: usize, tokens: &[u32]) {
-        let addr = self.urls[w].strip_prefix("http://").unwrap();
-        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
-        let body = format!(r#"{{"prompt": [{}], "max_tokens": 2}}"#, ids.join(","));
-        let (status, answer) = common::try_call(addr, "POST", "/v1/completions", &body).unwrap();
-        assert_eq!(status, 200, "{answer}");
-    }
-}
-
-impl Drop for Sims {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use std::time::Duration;
 
 fn nats_or_skip() -> Option<NatsServer> {
     binary_or_skip("the replica test")?;
@@ -125,18 +62,6 @@ fn total_active(r: &Router) -> u64 {
         .filter(|(s, _)| s.starts_with("kvengine_worker_active_requests{"))
         .map(|(_, v)| v)
         .sum()
-}
-
-/// Waits up to `secs` for `check`; panics with `what` and the last state otherwise.
-fn eventually(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        match check() {
-            Ok(()) => return,
-            Err(e) if Instant::now() > deadline => panic!("{what}: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
 }
 
 fn all_agree(rs: &[&Router], active: u64) -> Result<(), String> {

@@ -4,8 +4,6 @@
 mod common;
 
 use common::Router;
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 /// A chat completion with `headers` (whole lines); returns status and the lowercased head.
@@ -16,20 +14,13 @@ fn chat(r: &Router, headers: &str, text: &str) -> (u16, String) {
         "max_tokens": 2
     })
     .to_string();
-    let mut s = TcpStream::connect(&r.http).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n{headers}\
-         Connection: close\r\n\r\n{body}",
-        body.len()
+    common::post_head(
+        &r.http,
+        "/v1/chat/completions",
+        headers,
+        &body,
+        Duration::from_secs(30),
     )
-    .unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let status = resp[9..12].parse().unwrap();
-    let head = resp.split_once("\r\n\r\n").map_or(&*resp, |(h, _)| h);
-    (status, head.to_ascii_lowercase())
 }
 
 fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {

@@ -185,3 +185,115 @@ impl Drop for Router {
         let _ = self.child.wait();
     }
 }
+
+/// One HTTP/1.1 `POST` of a JSON `body` to `addr`, with `headers` (whole lines, each ending
+/// in CRLF), waiting at most `timeout` for the answer: its status and lowercased head.
+pub fn post_head(
+    addr: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+    timeout: Duration,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(timeout)).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n{headers}\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let status = resp[9..12].parse().unwrap();
+    let head = resp.split_once("\r\n\r\n").map_or(&*resp, |(h, _)| h);
+    (status, head.to_ascii_lowercase())
+}
+
+/// Waits up to `secs` for `check`; panics with `what` and the last state otherwise.
+pub fn eventually(secs: u64, what: &str, mut check: impl FnMut() -> Result<(), String>) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(e) if Instant::now() > deadline => panic!("{what}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// A `kvengine sim` process, its workers' URLs and their `--zmq-worker` flags.
+pub struct Sims {
+    child: Child,
+    pub urls: Vec<String>,
+    pub flags: Vec<String>,
+}
+
+impl Sims {
+    /// `workers` simulated workers at 1000x real time.
+    pub fn start(workers: usize) -> Sims {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvengine"))
+            .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
+            .args(["--speedup", "1000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut text = String::new();
+        while !text.contains("Ctrl-C stops") {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "sim exited: {text}");
+            text.push_str(&line);
+        }
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            let _ = out.read_to_string(&mut sink);
+        });
+        // "worker 0: http://H:P  --zmq-worker 0=tcp://H:P,replay=tcp://H:P"
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("--zmq-worker "))
+            .collect();
+        let flags = lines
+            .iter()
+            .filter_map(|l| l.split("--zmq-worker ").nth(1))
+            .map(|f| f.trim().to_owned())
+            .collect();
+        let urls = lines
+            .iter()
+            .filter_map(|l| l.split_whitespace().find(|w| w.starts_with("http://")))
+            .map(str::to_owned)
+            .collect();
+        Sims { child, urls, flags }
+    }
+
+    /// Each worker as a `--worker` value: `id=ID,url=URL,zmq=...,replay=...`.
+    pub fn worker_specs(&self) -> Vec<String> {
+        self.urls
+            .iter()
+            .zip(&self.flags)
+            .filter_map(|(url, flag)| {
+                let (id, zmq) = flag.split_once('=')?;
+                Some(format!("id={id},url={url},zmq={zmq}"))
+            })
+            .collect()
+    }
+
+    /// Has worker `w` serve a prompt (so it caches the prompt's blocks and says so).
+    pub fn serve(&self, w: usize, tokens: &[u32]) {
+        let addr = self.urls[w].strip_prefix("http://").unwrap();
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        let body = format!(r#"{{"prompt": [{}], "max_tokens": 2}}"#, ids.join(","));
+        let (status, answer) = try_call(addr, "POST", "/v1/completions", &body).unwrap();
+        assert_eq!(status, 200, "{answer}");
+    }
+}
+
+impl Drop for Sims {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
