@@ -9,6 +9,7 @@ pub mod http;
 pub mod hub;
 pub mod json_events;
 pub mod kv_events;
+pub mod log_limit;
 pub mod metrics;
 pub mod misses;
 pub mod native;

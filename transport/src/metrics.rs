@@ -276,7 +276,7 @@ pub struct Metrics {
     /// Why requests missed the cache, and what a shadow policy would have had.
     pub misses: crate::misses::MissCounters,
     /// When a drop was last logged, per reason, to rate-limit the log lines.
-    last_logged: Mutex<[Option<std::time::Instant>; TRANSPORT_DROPS.len()]>,
+    logged: crate::log_limit::LogLimit<{ TRANSPORT_DROPS.len() }>,
 }
 
 impl Default for Metrics {
@@ -313,7 +313,7 @@ impl Default for Metrics {
             chosen_overlap: Histogram::new(&OVERLAP_BUCKETS),
             best_overlap: Histogram::new(&OVERLAP_BUCKETS),
             misses: Default::default(),
-            last_logged: Mutex::new([None; TRANSPORT_DROPS.len()]),
+            logged: crate::log_limit::LogLimit::default(),
         }
     }
 }
@@ -340,16 +340,7 @@ impl Metrics {
         };
         counter.fetch_add(n, Relaxed);
         let now = std::time::Instant::now();
-        let log = match self.last_logged.lock() {
-            Ok(mut last) => match last.get_mut(i) {
-                Some(slot) if slot.is_none_or(|t| now.duration_since(t).as_secs() >= 1) => {
-                    *slot = Some(now);
-                    true
-                }
-                _ => false,
-            },
-            Err(_) => true,
-        };
+        let log = self.logged.allow(i, now);
         if log {
             tracing::warn!(
                 reason = reason.as_str(),

@@ -17,8 +17,8 @@
 //! (independent counts, read only for reporting) and a mutex held only to stamp the log
 //! rate limit.
 
+use crate::log_limit::LogLimit;
 use std::fmt;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
@@ -123,7 +123,7 @@ impl Overrun {
 #[derive(Debug, Default)]
 pub struct Refusals {
     counts: [[AtomicU64; 2]; BodyKind::ALL.len()],
-    last_logged: Mutex<[Option<Instant>; BodyKind::ALL.len()]>,
+    logged: LogLimit<{ BodyKind::ALL.len() }>,
 }
 
 impl Refusals {
@@ -137,16 +137,7 @@ impl Refusals {
             c.fetch_add(1, Relaxed);
         }
         let now = Instant::now();
-        let log = match self.last_logged.lock() {
-            Ok(mut last) => match last.get_mut(kind.index()) {
-                Some(slot) if slot.is_none_or(|t| now.duration_since(t).as_secs() >= 1) => {
-                    *slot = Some(now);
-                    true
-                }
-                _ => false,
-            },
-            Err(_) => true,
-        };
+        let log = self.logged.allow(kind.index(), now);
         if log {
             tracing::warn!(
                 kind = kind.as_str(),
