@@ -174,14 +174,25 @@ pub fn run(b: &PeersBench) -> Result<()> {
     let figures = peers::run(&workload, &cfg, &|f| match &f.failed {
         Some(e) => eprintln!("peers: run {} {}: FAILED: {e}", f.run, f.router),
         None => eprintln!(
-            "peers: run {} {}: TTFT p50 {:.0} p99 {:.0} ms, hit {:.1}%, {} errors, CPU {:.2} s",
+            "peers: run {} {}: TTFT p50 {:.0} p99 {:.0} ms, hit {:.1}%, {} errors, CPU {:.2} s{}",
             f.run,
             f.router,
             f.ttft_p50_ms,
             f.ttft_p99_ms,
             f.worker_hit_rate * 100.0,
             f.errors,
-            f.router_cpu_s
+            f.router_cpu_s,
+            f.misses.map_or(String::new(), |m| {
+                let pct = |n: u64| n as f64 * 100.0 / m.total().max(1) as f64;
+                format!(
+                    " (its attribution: hit {:.1}%, missed by routing {:.1}%, stale {:.1}%, \
+                     cold {:.1}%)",
+                    pct(m.hit_tokens),
+                    pct(m.routing_tokens),
+                    pct(m.stale_tokens),
+                    pct(m.cold_tokens)
+                )
+            })
         ),
     })?;
     let mem_after = lab::calibrate::mem_latency();

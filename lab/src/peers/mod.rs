@@ -28,6 +28,7 @@
 //!    the whole comparison; a peer that is not installed is skipped with its reason printed.
 
 pub mod contender;
+pub mod misses;
 pub mod overhead;
 pub mod process;
 pub mod venv;
@@ -112,6 +113,8 @@ pub struct RunFigures {
     pub wall_s: f64,
     /// The overhead measurements.
     pub overhead: Vec<Overhead>,
+    /// kvengine's own attribution of the workers' hits and misses (kvengine rows only).
+    pub misses: Option<misses::MissFigures>,
 }
 
 /// Runs the comparison on a runtime of its own and returns every run's figures, in the
@@ -237,6 +240,9 @@ async fn with_workers(
         0.0
     };
     figures.load_spread = load_spread(&served);
+    if matches!(c, Contender::Kvengine { .. }) {
+        figures.misses = misses::scrape(&router.url()).await;
+    }
     if !cfg.overhead.is_zero() {
         for &n in &cfg.overhead_connections {
             figures
