@@ -19,7 +19,7 @@ use super::openai_error::{OpenAiError, openai_error};
 use super::relay::{Active, Relay};
 use super::usage::UsagePatch;
 use crate::hub::{Hub, RouteCall, Routed};
-use crate::outbound::{WorkerClient, WorkerUrl};
+use crate::outbound::WorkerUrl;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -37,7 +37,7 @@ use std::time::Instant;
 pub(crate) struct Proxy {
     pub(crate) hub: Arc<Hub>,
     pub(crate) cfg: ProxyConfig,
-    pub(crate) client: WorkerClient,
+    pub(crate) client: crate::outbound::ThreadClients,
     /// When the proxy started (Unix seconds): the `created` of the models it lists.
     pub(crate) started: u64,
 }
@@ -118,7 +118,7 @@ pub(crate) async fn send(
         .body(Full::new(body.clone()))
         .map_err(|e| e.to_string())?;
     *req.headers_mut() = fwd.for_worker(p.hub.registry().api_key(key.worker).as_deref());
-    let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.request(req))
+    let resp = tokio::time::timeout(p.cfg.upstream_timeout, p.client.get().request(req))
         .await
         .map_err(|_| "no response in time".to_owned())?
         .map_err(|e| crate::error::chain(&e))?;

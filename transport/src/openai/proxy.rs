@@ -92,7 +92,7 @@ pub fn openai_router(hub: Arc<Hub>, cfg: ProxyConfig) -> Router {
     // closes a keep-alive connection after 5 s idle, and a request sent on one it is closing
     // fails before reaching the worker, so it was retried on another worker (found with real
     // vLLM workers: the first request after an idle spell went elsewhere than predicted).
-    let client = cfg.outbound.client(UPSTREAM_IDLE);
+    let client = crate::outbound::ThreadClients::new(cfg.outbound.clone(), UPSTREAM_IDLE);
     let started = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -204,7 +204,7 @@ async fn models(State(p): State<Arc<Proxy>>) -> Response {
         };
         let metrics = p.hub.metrics();
         let answer = crate::outbound::fetch(
-            &p.client,
+            &p.client.get(),
             req,
             BodyKind::Models,
             MODELS_TIMEOUT,

@@ -36,7 +36,10 @@
 //! # Concurrency
 //! An [`Outbound`] and a [`WorkerClient`] are `Clone + Send + Sync`; clones share one
 //! connection pool and may be used from any runtime. A connection is driven by a task on
-//! the runtime that opened it.
+//! the runtime that opened it, so a connection opened on one core and reused from another
+//! wakes the first core for every chunk it carries. The proxy therefore uses
+//! [`ThreadClients`]: one pool per thread (per core, in the thread-per-core layout), so a
+//! request and its upstream connection stay on one thread.
 //!
 //! # Why webpki-roots rather than the system's store
 //! The router's image is `debian:bookworm-slim`, which has no `ca-certificates`: a
@@ -159,6 +162,55 @@ impl Outbound {
         Client::builder(TokioExecutor::new())
             .pool_idle_timeout(idle)
             .build(Connector::new(self.tls.clone()))
+    }
+}
+
+/// Worker clients, one per thread that asks (invariant 2: each from
+/// [`Outbound::client`]), so that a connection is always driven by the thread that uses it
+/// (see the module docs). Cheap to clone; clones share the per-thread clients.
+#[derive(Clone, Debug)]
+pub struct ThreadClients {
+    outbound: Outbound,
+    idle: Duration,
+    /// Identifies this set in each thread's table; its clients are pruned once every clone
+    /// is dropped.
+    token: Arc<()>,
+}
+
+/// Each thread's clients, by the [`ThreadClients`] they belong to.
+type ThreadTable = Vec<(std::sync::Weak<()>, WorkerClient)>;
+
+thread_local! {
+    static THREAD_CLIENTS: std::cell::RefCell<ThreadTable> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl ThreadClients {
+    /// Clients built by `outbound.client(idle)`, one per thread.
+    pub fn new(outbound: Outbound, idle: Duration) -> Self {
+        Self {
+            outbound,
+            idle,
+            token: Arc::new(()),
+        }
+    }
+
+    /// This thread's client (built on first use).
+    pub fn get(&self) -> WorkerClient {
+        THREAD_CLIENTS.with(|table| {
+            let mut table = table.borrow_mut();
+            if let Some((_, c)) = table
+                .iter()
+                .find(|(t, _)| std::ptr::eq(t.as_ptr(), Arc::as_ptr(&self.token)))
+            {
+                return c.clone();
+            }
+            // Sets whose every clone is gone leave their clients behind: drop them here.
+            table.retain(|(t, _)| t.strong_count() > 0);
+            let client = self.outbound.client(self.idle);
+            table.push((Arc::downgrade(&self.token), client.clone()));
+            client
+        })
     }
 }
 
@@ -302,6 +354,105 @@ pub fn check_field(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
+
+    /// A keep-alive HTTP/1.1 server answering every request with an empty 200; returns its
+    /// address and how many connections it accepted.
+    fn counting_server() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { return };
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = conn.read(&mut buf) {
+                        if n == 0 {
+                            return;
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                            if conn.write_all(answer).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// Sends `n` GETs one after the other through `clients` on `rt`, of this thread.
+    fn get_n(rt: &tokio::runtime::Runtime, clients: &ThreadClients, addr: SocketAddr, n: usize) {
+        rt.block_on(async {
+            for _ in 0..n {
+                let req = hyper::Request::get(format!("http://{addr}/"))
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
+                // A connection borrowed from another thread is driven by that thread's
+                // runtime, idle here: it would never answer.
+                let resp =
+                    tokio::time::timeout(Duration::from_secs(10), clients.get().request(req))
+                        .await
+                        .expect("answered by a connection of this thread")
+                        .unwrap();
+                assert!(resp.status().is_success());
+                http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .unwrap();
+            }
+        });
+    }
+
+    #[test]
+    fn each_thread_reuses_its_own_connections_and_never_another_threads() {
+        let (addr, accepted) = counting_server();
+        let clients = ThreadClients::new(Outbound::default(), Duration::from_secs(30));
+        let accepted = move || accepted.load(std::sync::atomic::Ordering::SeqCst);
+        // This thread's runtime stays up throughout, its idle connection pooled and alive.
+        let rt = runtime();
+        get_n(&rt, &clients, addr, 3);
+        assert_eq!(
+            accepted(),
+            1,
+            "one thread, three requests in turn: one connection"
+        );
+        // Another thread does not borrow it (a shared pool would hand it over): it opens
+        // its own, then reuses that.
+        let other = clients.clone();
+        std::thread::spawn(move || get_n(&runtime(), &other, addr, 2))
+            .join()
+            .unwrap();
+        assert_eq!(accepted(), 2);
+        // Back on this thread, the first connection is still the one used.
+        get_n(&rt, &clients, addr, 2);
+        assert_eq!(accepted(), 2);
+        // A second set on this thread has a pool of its own.
+        let second = ThreadClients::new(Outbound::default(), Duration::from_secs(30));
+        get_n(&rt, &second, addr, 1);
+        assert_eq!(accepted(), 3);
+        // Once every clone of a set is gone, the next new client prunes its entry.
+        drop(second);
+        let third = ThreadClients::new(Outbound::default(), Duration::from_secs(30));
+        third.get();
+        let live = THREAD_CLIENTS.with(|t| t.borrow().len());
+        assert_eq!(live, 2, "the first set and the third remain");
+    }
 
     #[test]
     fn a_ca_file_must_hold_a_certificate() {
