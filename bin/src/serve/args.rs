@@ -101,6 +101,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_STALL_WEIGHT",
           default_value_t = engine::sched::config::DEFAULT_STALL_WEIGHT)]
     pub router_stall_weight: f64,
+    /// What prefill that recomputes a prefix another worker caches costs, on top of the
+    /// request's own cost (`dynamo`: times the overlap weight, per block; `ttft`: per
+    /// millisecond of that prefill): the cluster computing the same blocks twice.
+    #[arg(long, env = "KVENGINE_ROUTER_RECOMPUTE_WEIGHT",
+          default_value_t = engine::sched::config::DEFAULT_RECOMPUTE_WEIGHT)]
+    pub router_recompute_weight: f64,
     /// Predict-on-route: each routing decision also counts as the chosen worker holding
     /// the prompt's blocks for this many milliseconds (refreshed by each later decision for
     /// them), so that requests sharing a prefix that arrive before the worker's KV events
@@ -457,6 +463,7 @@ impl ServeArgs {
             },
             cost: self.router_cost,
             stall_weight: self.router_stall_weight,
+            recompute_weight: self.router_recompute_weight,
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
             predict_on_route: (self.predict_on_route_ms > 0)

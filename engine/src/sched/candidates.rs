@@ -98,6 +98,14 @@ impl CandidateScratch {
         cx.active
             .count_held(cx.blocks, &mut self.held, &mut self.touched);
 
+        // The best overlap among the keys that may be chosen: what a candidate caching less
+        // recomputes is measured against it (cost invariant 3).
+        let best_overlap = scope
+            .iter()
+            .filter(|(_, slot)| !(skip_busy && is_busy(*slot)))
+            .filter_map(|(_, slot)| self.overlap.get(slot.idx()).copied())
+            .max()
+            .unwrap_or(0);
         let mut candidates = Vec::with_capacity(if skip_busy { free } else { scope.len() });
         let mut full = 0;
         for &(key, slot) in scope {
@@ -120,7 +128,10 @@ impl CandidateScratch {
                 .clocks
                 .get(slot.idx())
                 .map_or(0.0, |c| c.wait_ms(cx.now, pending));
-            candidates.push(cx.cost.score(key, overlap, load, held, fit, wait_ms));
+            candidates.push(
+                cx.cost
+                    .score(key, overlap, best_overlap, load, held, fit, wait_ms),
+            );
         }
 
         for slot in self.touched.drain(..) {

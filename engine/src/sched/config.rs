@@ -228,6 +228,10 @@ pub struct SchedulerConfig {
     /// key's running requests costs, against a millisecond of this request's TTFT (default
     /// [`DEFAULT_STALL_WEIGHT`]).
     pub stall_weight: f64,
+    /// What prefill that recomputes a prefix another candidate caches costs, on top of the
+    /// request's own cost (see [`crate::sched::cost`]): the cluster's compute spent twice,
+    /// which slows every later request. 0: the request's own cost alone decides.
+    pub recompute_weight: f64,
     /// The most active requests one worker key may carry; a key at the limit is no
     /// candidate, and a call finding every key there fails with `AtCapacity`. `None`: no
     /// limit. The default keeps a runaway client (or requests never freed) from piling
@@ -251,6 +255,9 @@ pub struct SchedulerConfig {
 /// cached prefixes lost their pull on chat (TTFT p50 89 ms against 84-86 ms).
 pub const DEFAULT_STALL_WEIGHT: f64 = 0.03;
 
+/// The default [`SchedulerConfig::recompute_weight`].
+pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 0.0;
+
 /// The default [`SchedulerConfig::max_active_per_key`].
 pub const DEFAULT_MAX_ACTIVE_PER_KEY: u64 = 4096;
 
@@ -267,6 +274,7 @@ impl Default for SchedulerConfig {
             seed: 0,
             cost: RouterCost::default(),
             stall_weight: DEFAULT_STALL_WEIGHT,
+            recompute_weight: DEFAULT_RECOMPUTE_WEIGHT,
             max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
             predict_on_route: None,
         }
@@ -287,6 +295,12 @@ impl SchedulerConfig {
         if !(self.stall_weight.is_finite() && self.stall_weight >= 0.0) {
             return Err(EngineError::InvalidArgument {
                 name: "stall_weight",
+                reason: "must be finite and non-negative",
+            });
+        }
+        if !(self.recompute_weight.is_finite() && self.recompute_weight >= 0.0) {
+            return Err(EngineError::InvalidArgument {
+                name: "recompute_weight",
                 reason: "must be finite and non-negative",
             });
         }

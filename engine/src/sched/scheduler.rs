@@ -641,6 +641,7 @@ fn pick(
                 cost: at.cost,
                 overlap_weight: eff.overlap_weight,
                 stall_weight: config.stall_weight,
+                recompute_weight: config.recompute_weight,
                 request_blocks: request.blocks.len() as u64,
                 input_tokens: request.input_tokens,
             },
