@@ -38,12 +38,14 @@ use crate::sched::{
     SchedulerConfig, WorkerLoad, WorkerRole,
 };
 use hashbrown::HashMap;
+use recent::RecentRoutes;
 use std::time::Instant;
 
 pub mod admission;
 pub mod ids;
 pub mod misses;
 pub mod namespaces;
+pub mod recent;
 pub mod reservations;
 pub mod sessions;
 mod shadow;
@@ -158,12 +160,8 @@ pub struct Router {
     approx: Option<ApproxIndex>,
     sessions: Sessions,
     /// Predict-on-route's predictions (exact mode only, invariant 6).
-    predicted: Option<ApproxIndex>,
+    predicted: Option<RecentRoutes>,
 }
-
-/// Blocks predict-on-route keeps per worker key at most: predictions live for seconds, so
-/// this only bounds memory against a flood of distinct prompts (the earliest-expiring go).
-pub const MAX_PREDICTED_BLOCKS_PER_KEY: usize = 1 << 18;
 
 /// A request a peer replica routed ([`Router::add_remote`]).
 #[derive(Clone, Copy, Debug)]
@@ -200,10 +198,7 @@ impl Router {
     /// A router with no workers; `approx`: route without KV events (approximate mode).
     pub fn new(config: SchedulerConfig, approx: Option<ApproxConfig>) -> Result<Self> {
         let predicted = match (approx, config.predict_on_route) {
-            (None, Some(ttl)) => Some(ApproxIndex::new(ApproxConfig {
-                ttl,
-                max_blocks_per_worker: MAX_PREDICTED_BLOCKS_PER_KEY,
-            })?),
+            (None, Some(ttl)) => Some(RecentRoutes::new(ttl)),
             _ => None,
         };
         Ok(Self {
@@ -415,8 +410,10 @@ impl Router {
         self.next_id += 1;
         self.ids.insert(name.clone(), id);
         self.names.insert(id, name.clone());
-        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
+        if let Some(a) = self.approx.as_mut() {
             a.insert(now, decision.worker, seqs);
+        } else if let Some(p) = self.predicted.as_mut() {
+            p.insert(now, decision.worker, seqs);
         }
         Ok(Routed {
             request_id: name,
@@ -512,8 +509,10 @@ impl Router {
         self.remote_names.insert(id, scoped);
         // In approximate mode (and with predict-on-route) a peer's decision predicts the
         // worker's cache as ours would.
-        if let Some(a) = self.approx.as_mut().or(self.predicted.as_mut()) {
+        if let Some(a) = self.approx.as_mut() {
             a.insert(now, request.key, request.blocks);
+        } else if let Some(p) = self.predicted.as_mut() {
+            p.insert(now, request.key, request.blocks);
         }
         Ok(true)
     }
