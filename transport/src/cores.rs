@@ -31,10 +31,13 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-/// Idle rounds (each a yield to the runtime, which polls its sockets) before the core
-/// parks: long enough to catch the next request of a busy connection without a wake-up,
-/// short enough that an idle core leaves its CPU to others.
-const IDLE_YIELDS: u32 = 64;
+/// Idle rounds (each a yield to the runtime, which polls its sockets: one `epoll_wait`)
+/// before the core parks: long enough to catch the next message of a busy peer core without
+/// a wake-up, short enough that an idle core leaves its CPU to others. Measured on the
+/// Mooncake replay through the proxy (docs/benchmarks.md, "Issue 31"): 64 spent 0.5-0.7 s
+/// more router CPU per 1,000 requests than 8 with no better latency; 1 spent 60% more (every
+/// message then needs a cross-thread wake-up).
+const IDLE_YIELDS: u32 = 8;
 /// Longest park: bounds the cost of a missed wake-up (none is expected).
 const PARK: Duration = Duration::from_millis(20);
 
