@@ -111,6 +111,7 @@ const SETTINGS: [&str; 16] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
+    "router_recompute_weight",
     "kv_cache_block_size",
     "router_temperature",
     "kv_overlap_score_weight",
@@ -156,6 +157,9 @@ fn settings_from(
                         .map_err(|e| PyValueError::new_err(format!("router_cost {c:?}: {e}")))?;
                 }
                 "router_stall_weight" => s.scheduler.stall_weight = v.extract().map_err(bad)?,
+                "router_recompute_weight" => {
+                    s.scheduler.recompute_weight = v.extract().map_err(bad)?
+                }
                 "kv_cache_block_size" => {
                     s.scheduler.block_size = check_block_size(v.extract().map_err(bad)?)?
                 }

@@ -111,10 +111,9 @@ pub struct ServeArgs {
     /// the prompt's blocks for this many milliseconds (refreshed by each later decision for
     /// them), so that requests sharing a prefix that arrive before the worker's KV events
     /// find it there; a worker's overlap is the larger of its indexed and predicted ones.
-    /// 0 (the default): off. Ignored with --no-kv-events (where every overlap is
-    /// predicted). Measured against the real peers at 2 s it raised the chat hit rate but
-    /// not the latencies (docs/benchmarks.md, "Issue 31"), so it is not on by default.
-    #[arg(long, env = "KVENGINE_PREDICT_ON_ROUTE_MS", default_value_t = 0,
+    /// 0: off. Ignored with --no-kv-events (where every overlap is predicted).
+    #[arg(long, env = "KVENGINE_PREDICT_ON_ROUTE_MS",
+          default_value_t = engine::sched::config::DEFAULT_PREDICT_ON_ROUTE.as_millis() as u64,
           value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub predict_on_route_ms: u64,
     /// Tokens per KV block; must equal the workers' page size (default 16, vLLM's and

@@ -255,8 +255,18 @@ pub struct SchedulerConfig {
 /// cached prefixes lost their pull on chat (TTFT p50 89 ms against 84-86 ms).
 pub const DEFAULT_STALL_WEIGHT: f64 = 0.03;
 
-/// The default [`SchedulerConfig::recompute_weight`].
-pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 0.0;
+/// The default [`SchedulerConfig::recompute_weight`]: with Dynamo's formula, recomputing a
+/// block another worker caches costs 32 blocks of queued prefill. Chosen side by side with
+/// the real peers (docs/benchmarks.md, "Issue 31"): at 8 about 0.2% of the prompt tokens
+/// were still lost to moves off a cache; at 32 none were, and the Mooncake trace's TTFT
+/// p99 was no worse, because the queue term still moves a request when a queue is long.
+pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 32.0;
+
+/// The default [`SchedulerConfig::predict_on_route`]: long enough to bridge the time from a
+/// decision to the worker's KV events for it (its prefill), short enough that a prediction
+/// the events did not confirm lapses quickly. With the recompute term, 300 ms brought the
+/// chat workload's hit rate to the infinite-cache bound (docs/benchmarks.md, "Issue 31").
+pub const DEFAULT_PREDICT_ON_ROUTE: Duration = Duration::from_millis(300);
 
 /// The default [`SchedulerConfig::max_active_per_key`].
 pub const DEFAULT_MAX_ACTIVE_PER_KEY: u64 = 4096;
@@ -276,7 +286,7 @@ impl Default for SchedulerConfig {
             stall_weight: DEFAULT_STALL_WEIGHT,
             recompute_weight: DEFAULT_RECOMPUTE_WEIGHT,
             max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
-            predict_on_route: None,
+            predict_on_route: Some(DEFAULT_PREDICT_ON_ROUTE),
         }
     }
 }
