@@ -116,6 +116,43 @@ fn a_restored_engine_is_the_engine_it_was_taken_from() {
     }
 }
 
+#[test]
+fn a_cleared_worker_leaves_no_stream_mark_in_the_next_snapshot() {
+    for cores in [1, 2] {
+        let mut rng = SmallRng::seed_from_u64(cores as u64);
+        let mut e = start_from(policy(cores), config(), None).unwrap();
+        let (model, mut paths) = (Model::default(), Paths::default());
+        for w in [1u64, 2] {
+            let k = key(w, 0);
+            let batch: Arc<[(WorkerKey, KvEvent)]> =
+                Arc::from(vec![(k, event(&mut rng, &model, &mut paths, k))]);
+            let mark = StreamMark {
+                worker: WorkerId(w),
+                stream: 0,
+                seq: 5,
+                digest: Some(9),
+            };
+            e.ingest[0].send_marked(&batch, mark).unwrap();
+        }
+        e.ingest[0].sync().unwrap();
+        let marked = |image: &snapshot::EngineImage| -> Vec<u64> {
+            let mut w: Vec<u64> = image
+                .cores
+                .iter()
+                .flat_map(|c| c.marks.iter().map(|m| m.worker))
+                .collect();
+            w.sort_unstable();
+            w
+        };
+        assert_eq!(marked(&e.ingest[0].snapshot().unwrap()), vec![1, 2]);
+        // Worker 1's publisher restarted: its blocks are cleared, and with them its mark
+        // (a restored router would otherwise resume it from batch 5 of the old numbering).
+        e.ingest[0].clear(key(1, 0)).unwrap();
+        e.ingest[0].sync().unwrap();
+        assert_eq!(marked(&e.ingest[0].snapshot().unwrap()), vec![2]);
+    }
+}
+
 /// One publisher thread's log: per worker, its batches (key and events) in order.
 type Log = BTreeMap<u64, Vec<(WorkerKey, Vec<KvEvent>)>>;
 

@@ -355,8 +355,12 @@ impl<P: ShardPolicy> Ingest<P> {
         self.dirs.apply(key, event, &mut sink)
     }
 
-    /// Empties `key`'s cache; returns how many block copies it dropped.
+    /// Empties `key`'s cache and forgets its worker's stream marks; returns how many block
+    /// copies it dropped. A mark says which batches the held blocks came from: once they are
+    /// gone it would only make a restored router resume a stream (a restarted publisher's)
+    /// from a batch it no longer has, and count the restart a second time.
     pub fn clear(&mut self, key: WorkerKey, out: &mut Outbox) -> usize {
+        self.marks.retain(|(w, _), _| *w != key.worker);
         let mut sink = OutboxSink {
             policy: &self.policy,
             outbox: out,
