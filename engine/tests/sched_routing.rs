@@ -62,7 +62,12 @@ fn with(mut r: RouteRequest<'_>, overrides: RouteOverrides) -> RouteRequest<'_> 
 fn cost_matches_a_hand_computed_example() {
     let now = Instant::now();
     let (a, b, c) = (key(1, 0), key(2, 0), key(3, 0));
-    let mut s = scheduler(SchedulerConfig::default(), &[a, b, c]);
+    // Dynamo's formula as DESIGN.md writes it: no recompute term (cost.rs tests that).
+    let dynamo = SchedulerConfig {
+        recompute_weight: 0.0,
+        ..SchedulerConfig::default()
+    };
+    let mut s = scheduler(dynamo, &[a, b, c]);
     // A: 3 active blocks, 48 - 1 * 16 = 32 tokens still to prefill.
     s.add_active(now, a, RequestId(100), &hs(&[10, 11, 12]), 48, 1)
         .unwrap();
@@ -214,6 +219,7 @@ fn positive_temperature_samples_the_softmax() {
         SchedulerConfig {
             temperature: 1.0,
             seed: 9,
+            recompute_weight: 0.0,
             ..Default::default()
         },
         &[a, b, c],

@@ -3,9 +3,12 @@
 use super::*;
 use crate::sched::{RouteMode, WorkerRole};
 
+/// A round-robin router over worker 1, without predict-on-route (on by default): these
+/// tests count loads and overlaps that a prediction would change.
 fn router() -> Router {
     let config = SchedulerConfig {
         mode: RouteMode::RoundRobin,
+        predict_on_route: None,
         ..SchedulerConfig::default()
     };
     let mut r = Router::new(config, None).unwrap();
@@ -190,6 +193,7 @@ fn peer_requests_expire_like_local_ones() {
     let config = SchedulerConfig {
         mode: RouteMode::RoundRobin,
         request_timeout: std::time::Duration::from_secs(5),
+        predict_on_route: None,
         ..SchedulerConfig::default()
     };
     let mut r = Router::new(config, None).unwrap();
