@@ -107,11 +107,12 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 16] = [
+const SETTINGS: [&str; 18] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
     "router_recompute_weight",
+    "predict_on_route_ms",
     "kv_cache_block_size",
     "router_temperature",
     "kv_overlap_score_weight",
@@ -159,6 +160,11 @@ fn settings_from(
                 "router_stall_weight" => s.scheduler.stall_weight = v.extract().map_err(bad)?,
                 "router_recompute_weight" => {
                     s.scheduler.recompute_weight = v.extract().map_err(bad)?
+                }
+                "predict_on_route_ms" => {
+                    let ms: u64 = v.extract().map_err(bad)?;
+                    s.scheduler.predict_on_route =
+                        (ms > 0).then(|| std::time::Duration::from_millis(ms));
                 }
                 "kv_cache_block_size" => {
                     s.scheduler.block_size = check_block_size(v.extract().map_err(bad)?)?

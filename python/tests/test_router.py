@@ -37,8 +37,9 @@ def rows(decision):
 
 
 def test_hand_computed_costs_match_the_rust_scheduler_test():
-    # Dynamo's formula (the default, named here since the test checks its numbers by hand).
-    r = kvengine.KvRouter(kv_cache_block_size=BS, router_cost="dynamo")
+    # Dynamo's formula as DESIGN.md writes it (the default cost, named here since the test
+    # checks its numbers by hand), without the recompute term the default adds.
+    r = kvengine.KvRouter(kv_cache_block_size=BS, router_cost="dynamo", router_recompute_weight=0.0)
     for w in (1, 2, 3):
         r.add_worker(w)
     new = tokens(1, 100)  # 6 full blocks, 100 tokens
@@ -78,7 +79,9 @@ def test_hand_computed_costs_match_the_rust_scheduler_test():
 
 
 def test_requests_live_until_freed_and_ids_are_checked():
-    r = kvengine.KvRouter(kv_cache_block_size=BS)
+    # Without predict-on-route: each identical prompt's decision would predict its blocks
+    # for the next, whose prefill then counts 8 tokens, not 40.
+    r = kvengine.KvRouter(kv_cache_block_size=BS, predict_on_route_ms=0)
     r.add_worker(1)
     d = r.route(tokens(1, 40), "x")
     assert d.request_id == "x" and r.active_requests == 1
@@ -95,6 +98,14 @@ def test_requests_live_until_freed_and_ids_are_checked():
         r.free("x")
     with pytest.raises(KeyError):
         r.mark_prefilled("never")
+    # By default a decision predicts its blocks on its worker for the next request (the
+    # same 2 full blocks: 40 - 32 = 8 tokens left to prefill).
+    p = kvengine.KvRouter(kv_cache_block_size=BS)
+    p.add_worker(1)
+    p.route(tokens(1, 40), "a")
+    d = p.route(tokens(1, 40), "b")
+    assert d.overlap_blocks == 2
+    assert p.active_load(1)["active_prefill_tokens"] == 40 + 8
     # The freed id is usable again.
     assert r.route(tokens(1, 40), "x").request_id == "x"
 
