@@ -25,7 +25,7 @@ use crate::matches::Matches;
 pub const MAX_HELD_BLOCKS: usize = 1 << 20;
 
 #[derive(Debug)]
-struct Decision {
+struct Prediction {
     deadline: Instant,
     key: WorkerKey,
     blocks: Box<[SeqHash]>,
@@ -35,7 +35,7 @@ struct Decision {
 #[derive(Debug)]
 pub struct RecentRoutes {
     ttl: Duration,
-    queue: VecDeque<Decision>,
+    queue: VecDeque<Prediction>,
     held: usize,
     /// The latest deadline given (invariant 1).
     last: Option<Instant>,
@@ -61,7 +61,7 @@ impl RecentRoutes {
         let deadline = self.last.map_or(deadline, |l| l.max(deadline));
         self.last = Some(deadline);
         self.held += blocks.len();
-        self.queue.push_back(Decision {
+        self.queue.push_back(Prediction {
             deadline,
             key,
             blocks: blocks.into(),

@@ -100,9 +100,13 @@ impl CandidateScratch {
 
         // The best overlap among the keys that may be chosen: what a candidate caching less
         // recomputes is measured against it (cost invariant 3).
+        let is_full = |slot: WorkerSlot| {
+            cx.max_active
+                .is_some_and(|max| cx.active.load(slot).active_requests >= max)
+        };
         let best_overlap = scope
             .iter()
-            .filter(|(_, slot)| !(skip_busy && is_busy(*slot)))
+            .filter(|(_, slot)| !(skip_busy && is_busy(*slot) || is_full(*slot)))
             .filter_map(|(_, slot)| self.overlap.get(slot.idx()).copied())
             .max()
             .unwrap_or(0);
@@ -113,9 +117,7 @@ impl CandidateScratch {
                 continue;
             }
             // A hard limit, unlike busy: a full key is never chosen.
-            if let Some(max) = cx.max_active
-                && cx.active.load(slot).active_requests >= max
-            {
+            if is_full(slot) {
                 full += 1;
                 continue;
             }
