@@ -36,34 +36,23 @@ impl MissFigures {
 /// Parses the `kvengine_cache_{hit,miss}_tokens` series out of a Prometheus text page
 /// (invariant 1).
 pub fn parse(page: &str) -> Option<MissFigures> {
-    let mut f = MissFigures::default();
-    let mut seen = false;
-    for line in page.lines() {
-        let Some((name_labels, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(v) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let v = v as u64;
-        let (name, labels) = name_labels.split_once('{').unwrap_or((name_labels, ""));
-        let slot = match name {
-            "kvengine_cache_hit_tokens_total" => &mut f.hit_tokens,
-            "kvengine_cache_miss_tokens_total" if labels.contains("cause=\"routing\"") => {
-                &mut f.routing_tokens
-            }
-            "kvengine_cache_miss_tokens_total" if labels.contains("cause=\"stale\"") => {
-                &mut f.stale_tokens
-            }
-            "kvengine_cache_miss_tokens_total" if labels.contains("cause=\"cold\"") => {
-                &mut f.cold_tokens
-            }
-            _ => continue,
-        };
-        *slot += v;
-        seen = true;
+    use crate::soak::router::metric_sum_where;
+    let hit = metric_sum_where(page, "kvengine_cache_hit_tokens_total", "");
+    let miss = |cause: &str| {
+        let label = format!("cause=\"{cause}\"");
+        metric_sum_where(page, "kvengine_cache_miss_tokens_total", &label)
+    };
+    let (routing, stale, cold) = (miss("routing"), miss("stale"), miss("cold"));
+    if [hit, routing, stale, cold].iter().all(Option::is_none) {
+        return None;
     }
-    seen.then_some(f)
+    let n = |v: Option<f64>| v.unwrap_or(0.0) as u64;
+    Some(MissFigures {
+        hit_tokens: n(hit),
+        routing_tokens: n(routing),
+        stale_tokens: n(stale),
+        cold_tokens: n(cold),
+    })
 }
 
 /// Reads `base_url/metrics` and parses it.

@@ -231,12 +231,21 @@ impl Http {
 
 /// Prometheus text: the sum of every sample of metric `name` (any labels), if present.
 pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    metric_sum_where(text, name, "")
+}
+
+/// [`metric_sum`] over the samples whose label set contains `label` (`cause="stale"`; an
+/// empty `label` takes every sample).
+pub fn metric_sum_where(text: &str, name: &str, label: &str) -> Option<f64> {
     let mut found = None;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix(name) else {
             continue;
         };
         if !(rest.starts_with(' ') || rest.starts_with('{')) {
+            continue;
+        }
+        if !label.is_empty() && !rest.split('}').next().is_some_and(|l| l.contains(label)) {
             continue;
         }
         let Some(value) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) else {
