@@ -26,7 +26,7 @@ use engine::{EngineError, Matches, SeqHash, WorkerId};
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -37,7 +37,9 @@ use std::time::Duration;
 /// Mooncake replay through the proxy (docs/benchmarks.md, "Issue 31"): 64 spent 0.5-0.7 s
 /// more router CPU per 1,000 requests than 8 with no better latency; 1 spent 60% more (every
 /// message then needs a cross-thread wake-up).
-const IDLE_YIELDS: u32 = 8;
+pub const DEFAULT_IDLE_POLLS: u32 = 8;
+/// [`DEFAULT_IDLE_POLLS`] unless [`set_idle_polls`] said otherwise.
+static IDLE_POLLS: AtomicU32 = AtomicU32::new(DEFAULT_IDLE_POLLS);
 /// Longest park: bounds the cost of a missed wake-up (none is expected).
 const PARK: Duration = Duration::from_millis(20);
 
@@ -112,6 +114,12 @@ pub fn engine_call<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Sets how many idle rounds a core thread polls its sockets before it parks
+/// ([`DEFAULT_IDLE_POLLS`]; `--core-idle-polls`). Takes effect at each core's next idle round.
+pub fn set_idle_polls(polls: u32) {
+    IDLE_POLLS.store(polls, Relaxed);
+}
+
 /// Sets the function that has the allocator return the calling thread's free memory to
 /// the OS (`kvengine` passes mimalloc's `mi_collect(true)`; the engine and this crate do
 /// not depend on an allocator). The first call wins.
@@ -176,7 +184,7 @@ pub async fn drive() {
             continue;
         }
         idle += 1;
-        if idle < IDLE_YIELDS {
+        if idle < IDLE_POLLS.load(Relaxed) {
             tokio::task::yield_now().await;
             continue;
         }

@@ -235,6 +235,9 @@ pub struct Metrics {
     pub inter_chunk: Histogram,
     /// Front door: seconds from a request's arrival to the end of its answer.
     pub end_to_end: Histogram,
+    /// Front door: writes of answers' bodies to clients (the chunks of an answer that
+    /// arrived together go out in one: `openai::relay`, invariant 4).
+    pub answer_writes: AtomicU64,
     /// Front door: requests forwarded to a worker that failed before answering.
     pub upstream_errors: AtomicU64,
     /// Front door: requests sent again to another worker after a failure.
@@ -293,6 +296,7 @@ impl Default for Metrics {
             ttft: Histogram::new(&LATENCY_BUCKETS),
             inter_chunk: Histogram::new(&LATENCY_BUCKETS),
             end_to_end: Histogram::new(&LATENCY_BUCKETS),
+            answer_writes: AtomicU64::new(0),
             upstream_errors: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             engine_unresponsive: AtomicU64::new(0),

@@ -551,3 +551,74 @@ async fn a_salted_request_routes_only_on_blocks_of_its_salt() {
     assert!(text.contains("cache_salt"), "{text}");
     assert_eq!((a.hits.load(SeqCst), b.hits.load(SeqCst)), (2, 1));
 }
+
+/// The chunks of an answer that reach the router together go out to the client in one
+/// write (relay invariant 4), in order and whole; nothing waits for a chunk not yet arrived.
+#[tokio::test(flavor = "current_thread")]
+async fn chunks_that_arrive_together_go_out_in_one_write() {
+    use std::sync::atomic::Ordering::Relaxed;
+    // A worker that writes 40 events at once (its stream yields them without a gap, so its
+    // HTTP server puts several in each write), then, after a pause, 3 more one by one.
+    let app = Router::new().route(
+        "/v1/completions",
+        post(|| async {
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+            for i in 0..40 {
+                let chunk = format!(
+                    "data: {}\n\n",
+                    json!({"choices": [{"text": i.to_string()}]})
+                );
+                tx.try_send(Ok(Bytes::from(chunk))).unwrap();
+            }
+            tokio::spawn(async move {
+                for i in 40..43 {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let chunk = format!(
+                        "data: {}\n\n",
+                        json!({"choices": [{"text": i.to_string()}]})
+                    );
+                    let _ = tx.send(Ok(Bytes::from(chunk))).await;
+                }
+                let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+            });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(Body::from_stream(tokio_stream_from(rx)))
+                .unwrap()
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let worker = Stub {
+        url,
+        hits: Arc::new(AtomicUsize::new(0)),
+        bodies: Arc::new(std::sync::Mutex::new(Vec::new())),
+    };
+    let r = router_with(&[(1, &worker)]).await;
+    let body = json!({"prompt": "a b c", "stream": true}).to_string();
+    let (status, text) = post_raw(&r.base, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    // Every event, in order, then [DONE].
+    let texts: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].to_string())
+        .collect();
+    let want: Vec<String> = (0..43).map(|i| format!("\"{i}\"")).collect();
+    assert_eq!(texts, want);
+    let done = text.find("data: [DONE]").expect("[DONE]");
+    assert!(done > text.find("{\"text\":\"42\"}").unwrap(), "{text}");
+    // 44 chunks relayed: the 40 sent together took a few writes, the last 4 one each.
+    let writes = r.hub.metrics().answer_writes.load(Relaxed);
+    let (_, gaps, _) = r.hub.metrics().inter_chunk.snapshot();
+    assert_eq!(gaps, 43, "every chunk is still measured");
+    assert!(
+        (4..=20).contains(&writes),
+        "{writes} writes for 44 chunks, 40 of them sent together"
+    );
+    idle(&r.hub).await;
+}

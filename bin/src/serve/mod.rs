@@ -42,6 +42,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     crate::logging::init("info", args.log_format);
     let available = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cores = args.cores.map_or(available, usize::from);
+    transport::cores::set_idle_polls(args.core_idle_polls);
     let scheduler = args.scheduler()?;
     if args.quic.is_some() && args.ingest_credentials()?.is_empty() {
         bail!(

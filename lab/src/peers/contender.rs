@@ -4,6 +4,8 @@
 //! * `kvengine[:FLAGS]`: this binary (`kvengine` serving the workers through `--worker`
 //!   with their ZMQ KV events, `--tokenizer stand-in`), plus FLAGS (space separated) to
 //!   compare a setting against the default; `kvengine-ttft` is `kvengine:--router-cost ttft`.
+//! * `kvengine@PATH[:FLAGS]`: another kvengine binary (an earlier build), the same way, to
+//!   compare two builds side by side in one session.
 //! * `smg`: SMG's `smg launch --policy cache_aware`, its shipped defaults otherwise.
 //! * `sglang-router`: `python -m sglang_router.launch_router --policy cache_aware`.
 //! * `vllm-router`: `vllm-router --policy cache_aware` (its default policy).
@@ -25,6 +27,8 @@ pub enum Contender {
     Kvengine {
         /// Extra command-line flags.
         flags: Vec<String>,
+        /// Another kvengine binary (`None`: this one).
+        bin: Option<PathBuf>,
     },
     /// An installed peer.
     Peer(PeerKind),
@@ -57,8 +61,16 @@ impl PeerKind {
 impl fmt::Display for Contender {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Contender::Kvengine { flags } if flags.is_empty() => f.write_str("kvengine"),
-            Contender::Kvengine { flags } => write!(f, "kvengine {}", flags.join(" ")),
+            Contender::Kvengine { flags, bin } => {
+                f.write_str("kvengine")?;
+                if let Some(bin) = bin {
+                    write!(f, "@{}", bin.display())?;
+                }
+                if !flags.is_empty() {
+                    write!(f, " {}", flags.join(" "))?;
+                }
+                Ok(())
+            }
             Contender::Peer(PeerKind::Smg) => f.write_str("smg"),
             Contender::Peer(PeerKind::SglangRouter) => f.write_str("sglang-router"),
             Contender::Peer(PeerKind::VllmRouter) => f.write_str("vllm-router"),
@@ -71,7 +83,10 @@ impl Contender {
     /// Every contender `all` names, in table order.
     pub fn all() -> Vec<Contender> {
         vec![
-            Contender::Kvengine { flags: Vec::new() },
+            Contender::Kvengine {
+                flags: Vec::new(),
+                bin: None,
+            },
             Contender::Peer(PeerKind::Smg),
             Contender::Peer(PeerKind::SglangRouter),
             Contender::Peer(PeerKind::VllmRouter),
@@ -123,7 +138,8 @@ impl Contender {
         let urls: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();
         let port = port.to_string();
         match self {
-            Contender::Kvengine { flags } => {
+            Contender::Kvengine { flags, bin } => {
+                let kvengine = bin.as_deref().unwrap_or(kvengine);
                 let mut args: Vec<String> = vec![
                     "--http-host".into(),
                     "127.0.0.1".into(),
@@ -207,25 +223,45 @@ impl std::str::FromStr for Contender {
 
     fn from_str(s: &str) -> Result<Self, String> {
         Ok(match s {
-            "kvengine" => Contender::Kvengine { flags: Vec::new() },
+            "kvengine" => Contender::Kvengine {
+                flags: Vec::new(),
+                bin: None,
+            },
             "kvengine-ttft" => Contender::Kvengine {
                 flags: vec!["--router-cost".into(), "ttft".into()],
+                bin: None,
             },
             "smg" => Contender::Peer(PeerKind::Smg),
             "sglang-router" => Contender::Peer(PeerKind::SglangRouter),
             "vllm-router" => Contender::Peer(PeerKind::VllmRouter),
             "vllm-router-kv" => Contender::Peer(PeerKind::VllmRouterKv),
-            other => match other.strip_prefix("kvengine:") {
-                Some(flags) if !flags.trim().is_empty() => Contender::Kvengine {
+            other => {
+                let unknown = || {
+                    format!(
+                        "unknown router {other:?}: kvengine, kvengine:FLAGS, kvengine@PATH, \
+                         kvengine@PATH:FLAGS, kvengine-ttft, smg, sglang-router, vllm-router, \
+                         vllm-router-kv or all"
+                    )
+                };
+                let (bin, flags) = if let Some(rest) = other.strip_prefix("kvengine@") {
+                    let (path, flags) = rest.split_once(':').unwrap_or((rest, ""));
+                    if path.trim().is_empty() {
+                        return Err(unknown());
+                    }
+                    (Some(PathBuf::from(path.trim())), flags)
+                } else if let Some(flags) = other.strip_prefix("kvengine:") {
+                    if flags.trim().is_empty() {
+                        return Err(unknown());
+                    }
+                    (None, flags)
+                } else {
+                    return Err(unknown());
+                };
+                Contender::Kvengine {
                     flags: flags.split_whitespace().map(str::to_owned).collect(),
-                },
-                _ => {
-                    return Err(format!(
-                        "unknown router {other:?}: kvengine, kvengine:FLAGS, kvengine-ttft, \
-                         smg, sglang-router, vllm-router, vllm-router-kv or all"
-                    ));
+                    bin,
                 }
-            },
+            }
         })
     }
 }
@@ -247,7 +283,10 @@ mod tests {
 
     #[test]
     fn lists_parse_and_name_themselves() {
-        let list = Contender::parse_list("kvengine, kvengine-ttft,smg,kvengine:--a b").unwrap();
+        let list = Contender::parse_list(
+            "kvengine, kvengine-ttft,smg,kvengine:--a b,kvengine@/old/kvengine,kvengine@/o:--c",
+        )
+        .unwrap();
         let names: Vec<String> = list.iter().map(ToString::to_string).collect();
         assert_eq!(
             names,
@@ -255,9 +294,13 @@ mod tests {
                 "kvengine",
                 "kvengine --router-cost ttft",
                 "smg",
-                "kvengine --a b"
+                "kvengine --a b",
+                "kvengine@/old/kvengine",
+                "kvengine@/o --c"
             ]
         );
+        assert!(Contender::parse_list("kvengine@").is_err());
+        assert!(Contender::parse_list("kvengine@:--x").is_err());
         assert_eq!(Contender::parse_list("all").unwrap(), Contender::all());
         assert!(Contender::parse_list("nginx").is_err());
         assert!(Contender::parse_list("kvengine:").is_err());
@@ -277,6 +320,7 @@ mod tests {
         let exe = PathBuf::from("/bin/kvengine");
         let (bin, args) = Contender::Kvengine {
             flags: vec!["--x".into()],
+            bin: None,
         }
         .command(&exe, &PeerInstalls::default(), 9, &workers, 16)
         .unwrap();

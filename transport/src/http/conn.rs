@@ -164,7 +164,11 @@ pub async fn serve(
             _permit: permit,
         };
         // The same extension `into_make_service_with_connect_info` adds (invariant 3).
-        let service = TowerToHyperService::new(Extension(ConnectInfo(peer)).layer(router.clone()));
+        // Response bodies see their connection's turns (`super::turns`).
+        let turns = super::turns::ConnTurns::default();
+        let service = TowerToHyperService::new(
+            Extension(ConnectInfo(peer)).layer(Extension(turns.clone()).layer(router.clone())),
+        );
         // Taken before the handshake, so a shutdown that comes during it still reaches the
         // connection once it is served (it is then closed as soon as it is idle).
         let watcher = graceful.watcher();
@@ -180,7 +184,7 @@ pub async fn serve(
                 None => {
                     let io = TokioIo::new(Watched::new(tcp, blocked.clone()));
                     let conn = watcher.watch(http.serve_connection(io, service));
-                    guard(conn, &blocked, limits.write_timeout).await
+                    guard(conn, &blocked, &turns, limits.write_timeout).await
                 }
                 Some(acceptor) => {
                     let handshake =
@@ -204,7 +208,7 @@ pub async fn serve(
                     };
                     let io = TokioIo::new(Watched::new(stream, blocked.clone()));
                     let conn = watcher.watch(http.serve_connection(io, service));
-                    guard(conn, &blocked, limits.write_timeout).await
+                    guard(conn, &blocked, &turns, limits.write_timeout).await
                 }
             };
             match served {
@@ -280,13 +284,19 @@ enum Served {
     Stalled,
 }
 
-/// Drives `conn` until it ends or its writes stay blocked for `timeout`.
+/// Drives `conn` until it ends or its writes stay blocked for `timeout`, counting its
+/// task's polls in `turns`.
 async fn guard(
     conn: impl Future<Output = std::result::Result<(), hyper::Error>>,
     blocked: &Blocked,
+    turns: &super::turns::ConnTurns,
     timeout: Duration,
 ) -> Served {
     let mut conn = pin!(conn);
+    let mut conn = std::future::poll_fn(move |cx| {
+        turns.bump();
+        conn.as_mut().poll(cx)
+    });
     let tick = (timeout / 4).max(Duration::from_millis(10));
     loop {
         tokio::select! {

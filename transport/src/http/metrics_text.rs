@@ -271,6 +271,11 @@ pub fn render(hub: &Hub, cores: Option<&[CoreSummary]>) -> Result<String, std::f
         Snapshot::of(&m.end_to_end),
     );
     reg.register(
+        "kvengine_frontdoor_answer_writes",
+        "Front door: writes of answers to clients (chunks that arrived together go out in one)",
+        counter(m.answer_writes.load(Relaxed)),
+    );
+    reg.register(
         "kvengine_frontdoor_upstream_errors",
         "Front door: workers that failed before or while answering",
         counter(m.upstream_errors.load(Relaxed)),

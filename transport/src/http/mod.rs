@@ -26,6 +26,7 @@ pub mod route_body;
 mod routing;
 pub mod scrape;
 mod shared;
+pub mod turns;
 mod workers;
 
 pub use shared::{

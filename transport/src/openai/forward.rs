@@ -251,7 +251,8 @@ pub(crate) fn respond(
     let mut active = active;
     // An error answer is no cache outcome: its tap is dropped, counted as failed.
     let tap = active.tap().filter(|_| parts.status.is_success());
-    let relay = Relay::new(incoming, active, sse, (patch, tap), fwd.received());
+    let relay = Relay::new(incoming, active, sse, (patch, tap), fwd.received())
+        .coalescing(fwd.turns().cloned());
     let mut out = Response::new(Body::new(relay));
     *out.status_mut() = parts.status;
     *out.headers_mut() = headers;

@@ -14,6 +14,7 @@
 //! the client's answer carries it.
 
 use super::openai_error::OpenAiError;
+use crate::http::turns::ConnTurns;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use engine::SessionId;
 
@@ -125,6 +126,9 @@ pub struct Forwarded {
     request_id: HeaderValue,
     /// When the front door received the request (latencies are measured from it).
     received: std::time::Instant,
+    /// The client connection's turns, when served by [`crate::http::conn::serve`]: the
+    /// answer's relay writes what arrived together in one write with them.
+    turns: Option<ConnTurns>,
 }
 
 impl Forwarded {
@@ -155,7 +159,20 @@ impl Forwarded {
             headers,
             request_id,
             received: std::time::Instant::now(),
+            turns: None,
         }
+    }
+
+    /// The same request, arrived on a connection counting `turns`.
+    #[must_use]
+    pub fn on_connection(mut self, turns: Option<ConnTurns>) -> Self {
+        self.turns = turns;
+        self
+    }
+
+    /// The client connection's turns, if known.
+    pub fn turns(&self) -> Option<&ConnTurns> {
+        self.turns.as_ref()
     }
 
     /// The headers for a worker's request; `api_key`: the worker's own key, if it has one.

@@ -28,6 +28,7 @@ use super::headers::{Forwarded, Steering, SteeringError, X_REQUEST_ID};
 use super::openai_error::{OpenAiError, openai_error};
 use super::relay::Active;
 use super::request_prompt::{OpenAiPrompt, PromptSource, parse_request_capped};
+use crate::http::turns::ConnTurns;
 use crate::hub::Hub;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
@@ -139,13 +140,16 @@ async fn chat(
     headers: HeaderMap,
     req: axum::extract::Request,
 ) -> Response {
+    let turns = req.extensions().get::<ConnTurns>().cloned();
     match body_of(&p, req).await {
         Ok(body) => {
+            let fwd = Forwarded::from_client(&headers).on_connection(turns);
             forward(
                 p,
                 "/v1/chat/completions",
                 PromptSource::Chat,
                 &headers,
+                fwd,
                 body,
             )
             .await
@@ -159,13 +163,16 @@ async fn completions(
     headers: HeaderMap,
     req: axum::extract::Request,
 ) -> Response {
+    let turns = req.extensions().get::<ConnTurns>().cloned();
     match body_of(&p, req).await {
         Ok(body) => {
+            let fwd = Forwarded::from_client(&headers).on_connection(turns);
             forward(
                 p,
                 "/v1/completions",
                 PromptSource::Completion,
                 &headers,
+                fwd,
                 body,
             )
             .await
@@ -238,9 +245,9 @@ async fn forward(
     path: &str,
     source: PromptSource,
     client: &HeaderMap,
+    fwd: Forwarded,
     body: Bytes,
 ) -> Response {
-    let fwd = Forwarded::from_client(client);
     let mut model = None;
     // Read only in `--shadow header` mode (the hub's shadow invariant 2); a bad value is
     // no shadow worker.
