@@ -42,7 +42,6 @@
 //! entries come from Dynamo's own `dump_events` (the tree rebuilt as stored events; one
 //! entry per block per worker), read between phases as the harness allows.
 
-use crate::common::concurrent_mixed;
 use anyhow::{Context, Result, anyhow};
 use dynamo_kv_router::indexer::{KvIndexerInterface, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
@@ -54,7 +53,7 @@ use engine::event::KvEvent;
 use engine::{DpRank, Matches, SeqHash, WorkerId, WorkerKey};
 use lab::driver::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
-    callers::run_callers, round_robin,
+    callers::run_callers, concurrent_mixed, round_robin,
 };
 use lab::workload::anchor::AnchorPlan;
 use lab::workload::{EventStream, Query};
@@ -306,13 +305,16 @@ impl<T: SyncIndexer> IndexerUnderTest for DynamoUnderTest<T> {
     ) -> Result<MixedOutcome> {
         let backend = self.pool.backend_arc();
         let keys = self.keys.clone();
-        concurrent_mixed(
-            || self.enqueue_and_flush(streams),
+        let ((), outcome) = concurrent_mixed(
+            std::iter::repeat(()),
             queries,
-            |q| {
+            || self.enqueue_and_flush(streams),
+            |(), q| {
                 std::hint::black_box(find(&*backend, &keys, q));
+                Ok(())
             },
-        )
+        )?;
+        Ok(outcome)
     }
 
     fn mixed_mode(&self) -> MixedMode {

@@ -29,14 +29,14 @@
 //! `current_size` (blocks held, a block two workers hold counting twice); bytes are its
 //! arena and run-slab chunks.
 
-use crate::common::{concurrent_mixed, worker_name};
+use crate::common::worker_name;
 use anyhow::{Result, anyhow};
 use engine::event::KvEvent;
 use engine::{Matches, SeqHash, WorkerKey};
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use lab::driver::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
-    callers::run_callers, round_robin,
+    callers::run_callers, concurrent_mixed, round_robin,
 };
 use lab::workload::{EventStream, Query};
 use std::collections::HashMap;
@@ -170,13 +170,16 @@ impl IndexerUnderTest for SmgUnderTest {
             lanes.intern(index, *key)?;
         }
         let keys = lanes.keys.clone();
-        concurrent_mixed(
-            || lanes.apply_all(index, streams),
+        let ((), outcome) = concurrent_mixed(
+            std::iter::repeat(()),
             queries,
-            |q| {
+            || lanes.apply_all(index, streams),
+            |(), q| {
                 std::hint::black_box(find(index, &keys, q));
+                Ok(())
             },
-        )
+        )?;
+        Ok(outcome)
     }
 
     fn mixed_mode(&self) -> MixedMode {

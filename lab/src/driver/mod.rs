@@ -262,6 +262,63 @@ pub fn interleaved_mixed<S: StepIndexer>(
     }
 }
 
+/// [`IndexerUnderTest::mixed`] for an indexer read while it is written: `queries[i]` is
+/// issued cyclically, closed loop, on a thread of its own with the i-th of `readers`
+/// (empty lists get no thread), while `apply` runs in the calling thread. The elapsed time
+/// is `apply`'s. Returns only once `apply` returned and every query thread stopped (a
+/// thread stops at the first query it would issue after that); a query's error, then
+/// `apply`'s, is the result's.
+pub fn concurrent_mixed<R: Send, T>(
+    readers: impl IntoIterator<Item = R>,
+    queries: &[Vec<Query>],
+    apply: impl FnOnce() -> Result<T>,
+    query: impl Fn(&mut R, &Query) -> Result<()> + Sync,
+) -> Result<(T, MixedOutcome)> {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (done, query) = (&done, &query);
+    std::thread::scope(|s| {
+        let threads: Vec<_> = readers
+            .into_iter()
+            .zip(queries)
+            .filter(|(_, list)| !list.is_empty())
+            .map(|(mut reader, list)| {
+                s.spawn(move || -> Result<_> {
+                    let mut hist = latency_histogram();
+                    for q in list.iter().cycle() {
+                        if done.load(std::sync::atomic::Ordering::Acquire) {
+                            break;
+                        }
+                        let t = Instant::now();
+                        query(&mut reader, black_box(q))?;
+                        hist.saturating_record(t.elapsed().as_nanos() as u64);
+                    }
+                    Ok(hist)
+                })
+            })
+            .collect();
+        let start = Instant::now();
+        let applied = apply();
+        let elapsed = start.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        let mut latencies_ns = latency_histogram();
+        for t in threads {
+            let h = t
+                .join()
+                .map_err(|_| anyhow::anyhow!("a query thread panicked"))??;
+            latencies_ns
+                .add(&h)
+                .map_err(|e| anyhow::anyhow!("merging latency histograms: {e}"))?;
+        }
+        Ok((
+            applied?,
+            MixedOutcome {
+                elapsed,
+                latencies_ns,
+            },
+        ))
+    })
+}
+
 /// `busiest shard's share of operations / (1 / shards)`: 1.0 is perfect balance, `shards`
 /// is everything on one shard. 1.0 when nothing was applied.
 pub fn shard_balance(ops: &[u64]) -> f64 {

@@ -16,10 +16,7 @@
 //!    supports as many callers as there are handles: mixed query threads + 1).
 //! 3. Dropping the driver closes every handle and joins the shards.
 
-use super::{
-    CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
-    latency_histogram,
-};
+use super::{CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan};
 use crate::workload::{EventStream, Query};
 use anyhow::{Context, Result, bail};
 use engine::runtime::{IngestHandle, QueryHandle, Runtime, RuntimeConfig, start};
@@ -27,8 +24,6 @@ use engine::sharding::ShardPolicy;
 use engine::sharding::choice::Sharding;
 use engine::{Matches, SeqHash};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 
 /// The runtime with its handles.
 #[derive(Debug)]
@@ -72,11 +67,7 @@ impl RuntimeUnderTest {
     }
 
     /// Runs one producer thread per stream; returns the anomalies they saw.
-    fn produce(
-        handles: &mut [IngestHandle],
-        streams: &[EventStream],
-        done: &AtomicBool,
-    ) -> Result<u64> {
+    fn produce(handles: &mut [IngestHandle], streams: &[EventStream]) -> Result<u64> {
         if streams.len() > handles.len() {
             bail!(
                 "{} streams but {} ingest handles",
@@ -110,7 +101,6 @@ impl RuntimeUnderTest {
                     }
                 }
             }
-            done.store(true, Ordering::Release);
             match first_err {
                 Some(e) => Err(e),
                 None => Ok(total),
@@ -135,8 +125,7 @@ impl IndexerUnderTest for RuntimeUnderTest {
     }
 
     fn apply_all(&mut self, streams: &[EventStream]) -> Result<()> {
-        let done = AtomicBool::new(false);
-        self.anomalies += Self::produce(&mut self.ingest, streams, &done)?;
+        self.anomalies += Self::produce(&mut self.ingest, streams)?;
         Ok(())
     }
 
@@ -151,49 +140,18 @@ impl IndexerUnderTest for RuntimeUnderTest {
         queries: &[Vec<Query>],
         _plan: &MixedPlan,
     ) -> Result<MixedOutcome> {
-        let done = AtomicBool::new(false);
-        let start = Instant::now();
         let (query_handles, ingest) = (&mut self.query, &mut self.ingest);
-        let (produced, hist) = std::thread::scope(|s| -> Result<_> {
-            let done = &done;
-            let query_threads: Vec<_> = query_handles
-                .iter_mut()
-                .skip(1)
-                .zip(queries)
-                .filter(|(_, list)| !list.is_empty())
-                .map(|(h, list)| {
-                    s.spawn(move || -> Result<_> {
-                        let mut hist = latency_histogram();
-                        let mut i = 0usize;
-                        while !done.load(Ordering::Acquire) {
-                            let Some(q) = list.get(i % list.len()) else {
-                                break;
-                            };
-                            i += 1;
-                            let t = Instant::now();
-                            black_box(h.find_matches(q)?);
-                            hist.saturating_record(t.elapsed().as_nanos() as u64);
-                        }
-                        Ok(hist)
-                    })
-                })
-                .collect();
-            let produced = Self::produce(ingest, streams, done);
-            let elapsed = start.elapsed();
-            let mut hist = latency_histogram();
-            for t in query_threads {
-                let h = t
-                    .join()
-                    .map_err(|_| anyhow::anyhow!("a query thread panicked"))??;
-                hist.add(&h).context("merging latencies")?;
-            }
-            Ok(((produced?, elapsed), hist))
-        })?;
-        self.anomalies += produced.0;
-        Ok(MixedOutcome {
-            elapsed: produced.1,
-            latencies_ns: hist,
-        })
+        let (anomalies, outcome) = super::concurrent_mixed(
+            query_handles.iter_mut().skip(1),
+            queries,
+            || Self::produce(ingest, streams),
+            |h, q| {
+                black_box(h.find_matches(q)?);
+                Ok(())
+            },
+        )?;
+        self.anomalies += anomalies;
+        Ok(outcome)
     }
 
     fn mixed_mode(&self) -> MixedMode {
