@@ -10,7 +10,8 @@
 //! # Components
 //! * [`hash`]: `tokens_hash` / `seq_hash` exactly as DESIGN.md defines them.
 //! * [`index`]: one shard's worth of the prefix index (`seq_hash -> holders`).
-//! * [`directory`]: per worker key, `engine hash -> seq_hash` with copy counts.
+//! * [`directory`]: per worker key, `engine hash -> seq_hash` with copy counts, in a
+//!   [`paged`] table that grows a page at a time.
 //! * [`directories`]: every worker key's directory and what a KV event means (shared by
 //!   the single-shard index and the sharded ingest).
 //! * [`kv_index`]: the two together, applying typed [`event::KvEvent`]s.
@@ -33,6 +34,7 @@ pub mod ids;
 pub mod index;
 pub mod kv_index;
 pub mod matches;
+pub mod paged;
 pub mod ring;
 pub mod router;
 pub mod runtime;

@@ -26,9 +26,11 @@
 //!    messages from each ingest client. A round applies at most about `step_blocks` blocks
 //!    of one event slice (at least one event); the rest of the slice is kept and
 //!    applied first in the next rounds, before any further ingest message, under the same
-//!    conditions as a new message (not while frozen or backed up). Between two events the
-//!    core answers waiting queries, so a query on the rings waits for at most one event,
-//!    and a caller that steps this core (a host) waits for at most one round's slice.
+//!    conditions as a new message (not while frozen or backed up). The core applies its
+//!    shard's operations (its own events' share and its peers') [`QUERY_CHUNK_BLOCKS`]
+//!    blocks at a time and answers waiting queries after each chunk, so a query on the
+//!    rings waits for at most one chunk (plus the directory work of one event), and a
+//!    caller that steps this core (a host) waits for at most one round's slice.
 //! 5. The thread exits when every client ring is closed and drained, nothing is pending,
 //!    and every peer has closed its ring to this core; it closes its own peer rings first.
 //! 6. A panic in this thread aborts the process.
@@ -41,6 +43,7 @@ use super::msg::{CoreSummary, FromCore, PeerMsg, Tagged, ToCore};
 use crate::ids::SeqHash;
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError};
+use crate::sharding::ops::{BlockOp, OpBatch};
 use crate::sharding::{ShardId, ShardPolicy};
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -56,6 +59,10 @@ const INGEST_BURST: usize = 2;
 /// between events anyway, so it takes whole slices: measured, the bound cost its QUIC
 /// ingest 10-15% in polls and peer messages (docs/benchmarks.md, issue 10).
 pub(crate) const HOSTED_STEP_BLOCKS: usize = 256;
+/// Blocks of one batch a core applies to its shard before it answers the queries waiting
+/// on its rings (invariant 4). Measured on W1 (issue 32), a whole 96-block event held a
+/// forwarded query ~60-100 µs; a chunk of 32 is a few µs.
+pub(crate) const QUERY_CHUNK_BLOCKS: usize = 32;
 /// Messages taken from one peer per round.
 const PEER_BURST: usize = 16;
 /// Idle rounds spent spinning, then yielding, before parking.
@@ -306,11 +313,10 @@ impl<P: ShardPolicy> Core<P> {
                     Ok(PeerMsg::Ops(batches)) => {
                         progressed = true;
                         for b in &batches {
-                            self.shard.apply(b);
+                            self.apply_chunked(st, b);
                             applied += b.seqs.len().max(1);
                         }
                         self.note_junctions(st);
-                        self.serve_queries(st);
                     }
                     Ok(PeerMsg::Fence { client, tag }) => {
                         progressed = true;
@@ -414,13 +420,11 @@ impl<P: ShardPolicy> Core<P> {
             next += 1;
             if home_core(key.worker, cores) == me {
                 // Refusals are counted by the directories. This shard's share is applied
-                // at once, so a waiting query sees at most one event's work ahead of it;
-                // peers' shares go at the end of the round.
-                let _ = self
-                    .ingest
-                    .apply_local(*key, ev, &mut self.outbox, &mut self.shard);
+                // at once, a chunk at a time, so a waiting query sees at most one chunk's
+                // work ahead of it; peers' shares go at the end of the round.
+                let _ = self.ingest.apply(*key, ev, &mut self.outbox);
+                self.apply_own(st);
                 budget = budget.saturating_sub(ev.blocks().max(1));
-                self.serve_queries(st);
             }
         }
         self.flush_outbox(st);
@@ -438,6 +442,41 @@ impl<P: ShardPolicy> Core<P> {
         if st.rest.is_none() {
             // A snapshot round waits for the slice to finish before this core freezes.
             self.freeze_deferred(st);
+        }
+    }
+
+    /// Applies this shard's share of the event just routed (the outbox's queue for this
+    /// shard), a chunk at a time (invariant 4).
+    fn apply_own(&mut self, st: &mut State) {
+        let own = self.outbox.take(self.me());
+        for b in &own {
+            self.apply_chunked(st, b);
+        }
+    }
+
+    /// Applies `batch` [`QUERY_CHUNK_BLOCKS`] blocks at a time, answering waiting queries
+    /// after each chunk: a stored chain in pieces, each continuing the last block of the
+    /// one before (the same chain, as a worker that sent it in several events would have
+    /// made it), a removal in pieces of its list.
+    fn apply_chunked(&mut self, st: &mut State, batch: &OpBatch) {
+        if batch.seqs.len() <= QUERY_CHUNK_BLOCKS {
+            self.shard.apply(batch);
+            self.serve_queries(st);
+            return;
+        }
+        let mut parent = match batch.op {
+            BlockOp::Store { parent } => parent,
+            BlockOp::Remove => None,
+        };
+        for chunk in batch.seqs.chunks(QUERY_CHUNK_BLOCKS) {
+            match batch.op {
+                BlockOp::Store { .. } => {
+                    self.shard.store_seqs(batch.key, parent, chunk);
+                    parent = chunk.last().copied();
+                }
+                BlockOp::Remove => self.shard.remove_seqs(batch.key, chunk),
+            }
+            self.serve_queries(st);
         }
     }
 
