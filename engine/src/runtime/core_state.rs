@@ -73,6 +73,9 @@ pub(crate) struct State {
     pub(crate) rest: Option<EventSlice>,
     /// The stream mark to record once `rest` is applied.
     pub(super) rest_mark: Option<StreamMark>,
+    /// Per client, a message taken off its ring at a pause but not answerable there
+    /// (`shard_loop` invariant 9); handled before the client's next.
+    pub(super) held: Vec<Option<Tagged<ToCore>>>,
 }
 
 impl State {
@@ -88,6 +91,7 @@ impl State {
             clients_gone: false,
             rest: None,
             rest_mark: None,
+            held: Vec::new(),
         }
     }
 
@@ -173,14 +177,26 @@ impl<P: ShardPolicy> Core<P> {
 
     /// Pushes a reply to `client` and wakes it (a client that is gone is skipped).
     pub(super) fn reply(&mut self, client: usize, tag: u64, msg: FromCore) {
-        if let Some(out) = self.clients_out.get_mut(client) {
-            // A client that is gone no longer needs its answer, and one that gave up on
-            // older calls drains their late replies before its next one, so a reply ring
-            // fills only if a client stops reading: its caller then times out.
-            let _ = out.try_push(Tagged { tag, msg });
-            if let Some(w) = self.client_wakers.get(client) {
-                w.wake();
-            }
+        push_reply(&mut self.clients_out, &self.client_wakers, client, tag, msg);
+    }
+}
+
+/// Pushes a reply to `client` and wakes it (a client that is gone is skipped): `Core::reply`
+/// over the two fields it needs, for callers that hold other fields of the core.
+pub(super) fn push_reply(
+    clients_out: &mut [Producer<Tagged<FromCore>>],
+    client_wakers: &[Arc<Waker>],
+    client: usize,
+    tag: u64,
+    msg: FromCore,
+) {
+    if let Some(out) = clients_out.get_mut(client) {
+        // A client that is gone no longer needs its answer, and one that gave up on older
+        // calls drains their late replies before its next one, so a reply ring fills only
+        // if a client stops reading: its caller then times out.
+        let _ = out.try_push(Tagged { tag, msg });
+        if let Some(w) = client_wakers.get(client) {
+            w.wake();
         }
     }
 }

@@ -34,13 +34,20 @@
 //! 5. The thread exits when every client ring is closed and drained, nothing is pending,
 //!    and every peer has closed its ring to this core; it closes its own peer rings first.
 //! 6. A panic in this thread aborts the process.
+//! 9. While it applies one event's directory work, the core answers the `Query` messages
+//!    waiting on its query clients' rings every
+//!    [`PAUSE_BLOCKS`](crate::directories::PAUSE_BLOCKS) blocks (only the shard is read,
+//!    and the shard is untouched until the directory work is done). A client's message of
+//!    another kind is held, one per client, and handled before anything else of that
+//!    client's, so per-client order (invariant 1) holds.
 //! 7. Trunk promotions follow `promotion`'s protocol; while frozen for one, the core takes
 //!    no ingest-client message and does not close its peer rings.
 
-use super::core_state::{Core, State};
+use super::core_state::{Core, State, push_reply};
 use super::home::home_core;
 use super::msg::{CoreSummary, FromCore, PeerMsg, Tagged, ToCore};
-use crate::ids::SeqHash;
+use crate::event::KvEvent;
+use crate::ids::{SeqHash, WorkerKey};
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError};
 use crate::sharding::ops::{BlockOp, OpBatch};
@@ -78,6 +85,46 @@ pub(crate) const YIELD_ROUNDS_SHARED_CPU: u32 = SPIN_ROUNDS + 16;
 /// well under 1% of a CPU.
 const PARK: Duration = Duration::from_millis(20);
 
+/// Answers the queries waiting on the query clients' rings while the core is in the middle
+/// of an event's directory work (a [`BlockStore::pause`]): the shard is whole then, only the
+/// directories are mid-event. Only `Query` messages are answered; a client's other message
+/// is held for the round to handle in order, and that client waits until it has been
+/// (invariant 9).
+///
+/// [`BlockStore::pause`]: crate::directories::BlockStore::pause
+fn answer_waiting_queries(
+    shard: &crate::sharding::shard::Shard,
+    clients_in: &mut [Consumer<Tagged<ToCore>>],
+    clients_out: &mut [crate::ring::Producer<Tagged<FromCore>>],
+    client_wakers: &[std::sync::Arc<super::waker::Waker>],
+    first: usize,
+    st: &mut State,
+) {
+    for (i, inbox) in clients_in.iter_mut().enumerate().skip(first) {
+        if st.held.get(i).is_some_and(Option::is_some) {
+            continue;
+        }
+        for _ in 0..QUERY_BURST {
+            let Ok(Tagged { tag, msg }) = inbox.try_pop() else {
+                break;
+            };
+            match msg {
+                ToCore::Query(seqs) => {
+                    st.queries += 1;
+                    let m = shard.find_matches(&seqs);
+                    push_reply(clients_out, client_wakers, i, tag, FromCore::Matches(m));
+                }
+                other => {
+                    if let Some(h) = st.held.get_mut(i) {
+                        *h = Some(Tagged { tag, msg: other });
+                    }
+                    break;
+                }
+            }
+        }
+    }
+}
+
 /// Nothing queued on `ring`, and it has not closed since it was last seen open.
 fn unchanged<T>(ring: &Consumer<T>, seen_open: bool) -> bool {
     ring.is_empty() && !(seen_open && ring.is_closed())
@@ -109,7 +156,8 @@ pub(crate) struct Runner<P> {
 
 impl<P: ShardPolicy> Runner<P> {
     pub(crate) fn new(core: Core<P>) -> Self {
-        let st = State::new(core.cores());
+        let mut st = State::new(core.cores());
+        st.held = (0..core.clients_in.len()).map(|_| None).collect();
         let clients_open = vec![true; core.clients_in.len()];
         let peers_open = vec![true; core.peers_in.len()];
         Self {
@@ -158,10 +206,7 @@ impl<P: ShardPolicy> Runner<P> {
                 if i < ingest && (st.no_events() || st.rest.is_some()) {
                     break;
                 }
-                let Some(inbox) = core.clients_in.get_mut(i) else {
-                    break;
-                };
-                match inbox.try_pop() {
+                match core.next_msg(st, i) {
                     Ok(msg) => {
                         progressed = true;
                         core.handle_client(st, i, msg);
@@ -231,6 +276,7 @@ impl<P: ShardPolicy> Runner<P> {
         // peer ring, and wakes the core).
         (self.st.rest.is_none() || self.st.promo.frozen())
             && !self.peers_backed_up()
+            && self.st.held.iter().all(Option::is_none)
             && self
                 .core
                 .clients_in
@@ -419,11 +465,10 @@ impl<P: ShardPolicy> Core<P> {
             };
             next += 1;
             if home_core(key.worker, cores) == me {
-                // Refusals are counted by the directories. This shard's share is applied
-                // at once, a chunk at a time, so a waiting query sees at most one chunk's
-                // work ahead of it; peers' shares go at the end of the round.
-                let _ = self.ingest.apply(*key, ev, &mut self.outbox);
-                self.apply_own(st);
+                // This shard's share is applied at once, a chunk at a time, and queries
+                // are answered at the directories' pauses, so a waiting query sees at most
+                // one chunk's work ahead of it; peers' shares go at the end of the round.
+                self.apply_event(st, *key, ev);
                 budget = budget.saturating_sub(ev.blocks().max(1));
             }
         }
@@ -486,10 +531,7 @@ impl<P: ShardPolicy> Core<P> {
         let mut served = false;
         for i in self.ingest_clients..self.clients_in.len() {
             for _ in 0..QUERY_BURST {
-                let Some(inbox) = self.clients_in.get_mut(i) else {
-                    break;
-                };
-                match inbox.try_pop() {
+                match self.next_msg(st, i) {
                     Ok(msg) => {
                         served = true;
                         self.handle_client(st, i, msg);
@@ -499,6 +541,40 @@ impl<P: ShardPolicy> Core<P> {
             }
         }
         served
+    }
+
+    /// Client `i`'s next message: the one held for it at a pause (invariant 9), else the
+    /// next on its ring.
+    fn next_msg(&mut self, st: &mut State, i: usize) -> Result<Tagged<ToCore>, PopError> {
+        if let Some(msg) = st.held.get_mut(i).and_then(Option::take) {
+            return Ok(msg);
+        }
+        match self.clients_in.get_mut(i) {
+            Some(inbox) => inbox.try_pop(),
+            None => Err(PopError::Empty),
+        }
+    }
+
+    /// Applies one event of this core's workers, answering the queries waiting on the
+    /// rings at the directories' pauses (invariant 9), then applies this shard's share.
+    fn apply_event(&mut self, st: &mut State, key: WorkerKey, ev: &KvEvent) {
+        let Core {
+            ingest,
+            outbox,
+            shard,
+            clients_in,
+            clients_out,
+            client_wakers,
+            ingest_clients,
+            ..
+        } = self;
+        let first = *ingest_clients;
+        let mut pause = || {
+            answer_waiting_queries(shard, clients_in, clients_out, client_wakers, first, st);
+        };
+        // Refusals are counted by the directories.
+        let _ = ingest.apply_pausing(key, ev, outbox, &mut pause);
+        self.apply_own(st);
     }
 
     /// Applies this core's share of the outbox, queues the rest for the peers.

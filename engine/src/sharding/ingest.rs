@@ -174,6 +174,8 @@ struct OutboxSink<'a, P> {
     local: Option<&'a mut Shard>,
     scratch: &'a mut Vec<SeqHash>,
     junctions: &'a mut JunctionWatch,
+    /// Called at the directories' pauses ([`BlockStore::pause`]).
+    pause: Option<&'a mut dyn FnMut()>,
 }
 
 impl<P: ShardPolicy> OutboxSink<'_, P> {
@@ -254,6 +256,13 @@ impl<P: ShardPolicy> BlockStore<Placed> for OutboxSink<'_, P> {
         Ok(())
     }
 
+    #[inline]
+    fn pause(&mut self) {
+        if let Some(p) = self.pause.as_mut() {
+            p();
+        }
+    }
+
     fn remove(&mut self, key: WorkerKey, blocks: &[Placed]) {
         self.scratch.clear();
         let shards = self.outbox.shards();
@@ -332,6 +341,28 @@ impl<P: ShardPolicy> Ingest<P> {
             local: None,
             scratch: &mut self.scratch,
             junctions: &mut self.junctions,
+            pause: None,
+        };
+        self.dirs.apply(key, event, &mut sink)
+    }
+
+    /// Like [`Ingest::apply`], calling `pause` at the directories' pauses
+    /// ([`BlockStore::pause`]): every [`PAUSE_BLOCKS`](crate::directories::PAUSE_BLOCKS)
+    /// blocks of the event's directory work, before its operations are queued or after.
+    pub fn apply_pausing(
+        &mut self,
+        key: WorkerKey,
+        event: &KvEvent,
+        out: &mut Outbox,
+        pause: &mut dyn FnMut(),
+    ) -> Result<Applied> {
+        let mut sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
+            local: None,
+            scratch: &mut self.scratch,
+            junctions: &mut self.junctions,
+            pause: Some(pause),
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -351,6 +382,7 @@ impl<P: ShardPolicy> Ingest<P> {
             local: Some(local),
             scratch: &mut self.scratch,
             junctions: &mut self.junctions,
+            pause: None,
         };
         self.dirs.apply(key, event, &mut sink)
     }
@@ -367,6 +399,7 @@ impl<P: ShardPolicy> Ingest<P> {
             local: None,
             scratch: &mut self.scratch,
             junctions: &mut self.junctions,
+            pause: None,
         };
         self.dirs.clear(key, &mut sink)
     }
@@ -379,6 +412,7 @@ impl<P: ShardPolicy> Ingest<P> {
             local: None,
             scratch: &mut self.scratch,
             junctions: &mut self.junctions,
+            pause: None,
         };
         self.marks.retain(|(w, _), _| *w != worker);
         self.dirs.remove_worker(worker, &mut sink)
