@@ -22,8 +22,9 @@
 //! of widening every entry. The entries live in a [`PagedTable`]: it grows a page of at most
 //! 112 entries at a time, so no store waits for the whole directory to rehash (a core
 //! answers queries between events, and a 7,168-entry rehash was ~280 µs of stall). The
-//! table is dropped when empty, and a page shrinks when it falls to an eighth of its
-//! capacity.
+//! table is dropped when empty, and so is each page's allocation; a page that still holds
+//! entries keeps its buckets (at most 128), so a directory that drains only in part keeps
+//! up to a page's buckets per 56 entries it once held.
 
 use crate::ids::EngineHash;
 use crate::paged::PagedTable;
@@ -160,7 +161,7 @@ impl<R: BlockRef> Directory<R> {
             return Some(found);
         }
         self.table
-            .remove(hash, |e| e.engine() == engine.0, |e| dir_hash(e.engine()))
+            .remove(hash, |e| e.engine() == engine.0)
             .map(|e| e.block())
     }
 

@@ -426,8 +426,8 @@ fn a_long_slice_is_applied_across_rounds_in_order() {
     host.run_to_end();
 }
 
-/// Events far longer than a core's apply chunk (`QUERY_CHUNK_BLOCKS`, 32): 100-block
-/// chains, 80-block tails under a block in the middle of one, removals of 70 blocks. A
+/// Events far longer than a core's apply chunk (`QUERY_CHUNK_BLOCKS`, 128): 300-block
+/// chains, 200-block tails under a block in the middle of one, removals of 190 blocks. A
 /// core applies them a chunk at a time, answering queries between chunks (shard_loop
 /// invariant 4); once synced, every answer and the applied count equal the
 /// single-threaded engine's, on one shard and across shards.
@@ -452,7 +452,7 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
     for w in 0..4u64 {
         let key = WorkerKey::new(w, 0);
         // Workers 0 and 1 share their root chain's tokens, so shards see shared blocks.
-        let (root, root_seqs) = chain(w, None, 0..100);
+        let (root, root_seqs) = chain(w, None, 0..300);
         events.push((
             key,
             KvEvent::Stored {
@@ -461,11 +461,11 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
             },
         ));
         queries.push(root_seqs.clone());
-        let fork = root_seqs[49];
+        let fork = root_seqs[149];
         for t in 0..3u64 {
             let base = 10_000 * (w + 1) + 1_000 * t;
-            let (tail, tail_seqs) = chain(w, Some(fork), base..base + 80);
-            let mut q = root_seqs[..50].to_vec();
+            let (tail, tail_seqs) = chain(w, Some(fork), base..base + 200);
+            let mut q = root_seqs[..150].to_vec();
             q.extend(&tail_seqs);
             queries.push(q);
             events.push((
@@ -476,13 +476,13 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
                 },
             ));
             if t == 1 {
-                // The tail's last 70 blocks, deepest first (as vLLM evicts).
+                // The tail's last 190 blocks, deepest first (as vLLM evicts).
                 let blocks = tail[10..].iter().rev().map(|b| b.engine_hash).collect();
                 events.push((key, KvEvent::Removed { blocks }));
             }
         }
     }
-    for (shards, depth) in [(1, 0), (2, 3), (3, 60)] {
+    for (shards, depth) in [(1, 0), (2, 3), (3, 160)] {
         let policy = FixedDepth::new(shards, depth).unwrap();
         let mut reference = ShardedIndex::new(policy);
         for (k, e) in &events {
@@ -500,7 +500,7 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
         let query = &mut st.query[0];
         for q in &queries {
             let want = reference.find_matches(q);
-            assert!(want.best() > 32, "the queries reach past one chunk");
+            assert!(want.best() > 128, "the queries reach past one chunk");
             assert_eq!(query.find_matches(q).unwrap(), want, "{shards} shards");
         }
         let applied: u64 = query.core_stats().unwrap().iter().map(|s| s.applied).sum();

@@ -67,9 +67,12 @@ const INGEST_BURST: usize = 2;
 /// ingest 10-15% in polls and peer messages (docs/benchmarks.md, issue 10).
 pub(crate) const HOSTED_STEP_BLOCKS: usize = 256;
 /// Blocks of one batch a core applies to its shard before it answers the queries waiting
-/// on its rings (invariant 4). Measured on W1 (issue 32), a whole 96-block event held a
-/// forwarded query ~60-100 µs; a chunk of 32 is a few µs.
-pub(crate) const QUERY_CHUNK_BLOCKS: usize = 32;
+/// on its rings (invariant 4): a long prefill's event (thousands of blocks) is applied a
+/// chunk at a time. Measured on W1 (issue 32), chunks of 32 split its 96-block stores into
+/// appends that grow their runs and cost 10-30% of the store rate, with no gain in the read
+/// p99 under ingest (the directory work's pauses, invariant 9, brought that from ~230 µs to
+/// ~20 µs); 128 leaves W1's events whole.
+pub(crate) const QUERY_CHUNK_BLOCKS: usize = 128;
 /// Messages taken from one peer per round.
 const PEER_BURST: usize = 16;
 /// Idle rounds spent spinning, then yielding, before parking.
