@@ -18,11 +18,12 @@
 //! 1. Every entry lives in the page the directory names for its hash's bits, and only there.
 //! 2. A page's local depth is at most the table's depth; the directory slots of a page of
 //!    local depth `d` are exactly those congruent to the page's pattern modulo `2^d`.
-//! 3. An insert rehashes at most one page: it splits the page (moving the entries whose bit
-//!    `d` is set into a new page) or lets a page still below [`PAGE`] entries grow, and
-//!    doubling the directory copies page numbers, not entries. A page whose entries cannot
-//!    be told apart by [`MAX_DEPTH`] bits (which needs 2^24-way collisions of the caller's
-//!    hash) grows like a plain table instead.
+//! 3. An insert rehashes at most one page: it splits the page (its entries go into two
+//!    fresh tables by bit `d` of their page bits) or lets a page still below [`PAGE`]
+//!    entries grow, and doubling the directory copies page numbers, not entries. A page
+//!    whose entries all agree on the bit that would split them (only a hostile hash does
+//!    that), or that sits at the deepest directory (2^24 slots), grows like a plain table
+//!    instead, so a hostile hash cannot deepen the directory.
 //! 4. `len` is the number of entries over all pages.
 //!
 //! # Concurrency
