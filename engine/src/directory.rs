@@ -119,27 +119,36 @@ impl<R: BlockRef> Directory<R> {
     #[inline]
     pub fn insert(&mut self, engine: EngineHash, block: R, same: impl Fn(R) -> bool) -> Insert<R> {
         let hash = dir_hash(engine.0);
-        if let Some(have) = self
-            .table
-            .find(hash, |e| e.engine() == engine.0)
-            .map(DirEntry::block)
-        {
-            if !same(have) {
-                return Insert::Conflict(have);
-            }
-            let extra = self.extra.entry(engine).or_insert(0);
-            *extra = extra.saturating_add(1);
-            return Insert::Again;
-        }
-        self.table.insert_unique(
+        let (inserted, have) = self.table.find_or_insert(
             hash,
-            DirEntry {
+            |e| e.engine() == engine.0,
+            || DirEntry {
                 engine: engine.0,
                 block,
             },
             |e| dir_hash(e.engine()),
         );
-        Insert::New
+        if inserted {
+            return Insert::New;
+        }
+        let Some(have) = have.map(|e| e.block()) else {
+            // Not reached (the table always has a page once asked); never drop the entry.
+            self.table.insert_unique(
+                hash,
+                DirEntry {
+                    engine: engine.0,
+                    block,
+                },
+                |e| dir_hash(e.engine()),
+            );
+            return Insert::New;
+        };
+        if !same(have) {
+            return Insert::Conflict(have);
+        }
+        let extra = self.extra.entry(engine).or_insert(0);
+        *extra = extra.saturating_add(1);
+        Insert::Again
     }
 
     /// Drops one copy of `engine`; returns what it stood for, or `None` if absent.

@@ -152,6 +152,58 @@ impl<T> PagedTable<T> {
         Some(value)
     }
 
+    /// The entry with this hash that `eq` accepts, or `make()` inserted as a new one; says
+    /// which (`true`: inserted). One probe of one page when the page has room, as
+    /// hashbrown's `entry`; a full page is split first (invariant 3).
+    #[inline]
+    pub fn find_or_insert(
+        &mut self,
+        hash: u64,
+        mut eq: impl FnMut(&T) -> bool,
+        make: impl FnOnce() -> T,
+        hasher: impl Fn(&T) -> u64,
+    ) -> (bool, Option<&T>) {
+        if self.pages.is_empty() {
+            self.pages.push(Page::root());
+            self.dir.push(0);
+        }
+        loop {
+            let Some(p) = self.page_of(hash) else {
+                return (false, None);
+            };
+            let full = match self.pages.get(p) {
+                Some(page) => page.table.len() >= PAGE && page.depth < MAX_DEPTH && !page.overflow,
+                None => return (false, None),
+            };
+            if full {
+                if self
+                    .pages
+                    .get(p)
+                    .and_then(|pg| pg.table.find(hash, &mut eq))
+                    .is_some()
+                {
+                    return (
+                        false,
+                        self.pages.get(p).and_then(|pg| pg.table.find(hash, eq)),
+                    );
+                }
+                self.split(p, &hasher);
+                continue;
+            }
+            let Some(page) = self.pages.get_mut(p) else {
+                return (false, None);
+            };
+            return match page.table.entry(hash, eq, &hasher) {
+                hashbrown::hash_table::Entry::Occupied(o) => (false, Some(o.into_mut())),
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    let e = v.insert(make()).into_mut();
+                    self.len += 1;
+                    (true, Some(e))
+                }
+            };
+        }
+    }
+
     /// Inserts `value`, whose hash is `hash`; the caller knows no entry equal to it is
     /// present. Moves at most one page's entries (invariant 3).
     pub fn insert_unique(&mut self, hash: u64, value: T, hasher: impl Fn(&T) -> u64) {
@@ -338,6 +390,17 @@ mod tests {
             if r >> 62 == 0 || round >= 40_000 && r >> 63 == 1 {
                 let got = t.remove(mix(k), |e| e.0 == k).map(|e| e.1);
                 assert_eq!(got, model.remove(&k));
+            } else if r & 1 == 0 {
+                // find_or_insert: inserts when absent, else finds the model's value.
+                let (inserted, got) = t.find_or_insert(mix(k), |e| e.0 == k, || (k, round), h);
+                let got = got.map(|e| e.1);
+                match model.get(&k) {
+                    Some(&v) => assert_eq!((inserted, got), (false, Some(v))),
+                    None => {
+                        assert_eq!((inserted, got), (true, Some(round)));
+                        model.insert(k, round);
+                    }
+                }
             } else if t.find(mix(k), |e| e.0 == k).is_none() {
                 t.insert_unique(mix(k), (k, round), h);
                 model.insert(k, round);
