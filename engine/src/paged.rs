@@ -114,6 +114,15 @@ impl<T> PagedTable<T> {
         self.len == 0
     }
 
+    /// The first page, for the first entry.
+    #[inline]
+    fn ensure_root(&mut self) {
+        if self.pages.is_empty() {
+            self.pages.push(Page::root());
+            self.dir.push(0);
+        }
+    }
+
     #[inline]
     fn page_of(&self, hash: u64) -> Option<usize> {
         let mask = (1usize << self.depth) - 1;
@@ -163,10 +172,7 @@ impl<T> PagedTable<T> {
         make: impl FnOnce() -> T,
         hasher: impl Fn(&T) -> u64,
     ) -> (bool, Option<&T>) {
-        if self.pages.is_empty() {
-            self.pages.push(Page::root());
-            self.dir.push(0);
-        }
+        self.ensure_root();
         loop {
             let Some(p) = self.page_of(hash) else {
                 return (false, None);
@@ -207,10 +213,7 @@ impl<T> PagedTable<T> {
     /// Inserts `value`, whose hash is `hash`; the caller knows no entry equal to it is
     /// present. Moves at most one page's entries (invariant 3).
     pub fn insert_unique(&mut self, hash: u64, value: T, hasher: impl Fn(&T) -> u64) {
-        if self.pages.is_empty() {
-            self.pages.push(Page::root());
-            self.dir.push(0);
-        }
+        self.ensure_root();
         loop {
             let Some(p) = self.page_of(hash) else {
                 return;
@@ -288,10 +291,7 @@ impl<T> PagedTable<T> {
     /// restore into an empty table); otherwise pages split as entries arrive.
     pub fn reserve(&mut self, n: usize, hasher: impl Fn(&T) -> u64) {
         if self.pages.len() <= 1 && self.len + n <= PAGE {
-            if self.pages.is_empty() {
-                self.pages.push(Page::root());
-                self.dir.push(0);
-            }
+            self.ensure_root();
             if let Some(page) = self.pages.first_mut() {
                 page.table.reserve(n, hasher);
             }

@@ -8,27 +8,34 @@ use engine::sharding::fixed_depth::FixedDepth;
 use engine::sharding::sharded::ShardedIndex;
 use engine::{EngineHash, SeqHash, TokensHash, WorkerKey};
 
+/// The chain of blocks with these token ids under `parent`, as worker `w` names them (its
+/// engine hash of a block is the seq_hash xor `w`), and their seq_hashes.
+fn chain(
+    w: u64,
+    parent: Option<SeqHash>,
+    ids: impl IntoIterator<Item = u64>,
+) -> (Vec<StoredBlock>, Vec<SeqHash>) {
+    let mut prev = parent;
+    let (mut blocks, mut seqs) = (vec![], vec![]);
+    for t in ids {
+        let s = seq_hash(prev, TokensHash(t));
+        blocks.push(StoredBlock {
+            engine_hash: EngineHash(s.0 ^ w),
+            tokens_hash: TokensHash(t),
+        });
+        seqs.push(s);
+        prev = Some(s);
+    }
+    (blocks, seqs)
+}
+
 /// Worker `w`'s events: 20 sequences of 12 blocks sharing a 3-block prompt (stored once),
 /// then the removal of every other sequence's tail.
 fn events(w: u64) -> (Vec<(WorkerKey, KvEvent)>, Vec<Vec<SeqHash>>) {
     let key = WorkerKey::new(w, (w % 2) as u32);
     let mut out = vec![];
     let mut queries = vec![];
-    let chain = |parent: Option<SeqHash>, ids: &[u64]| {
-        let mut prev = parent;
-        let mut blocks = vec![];
-        let mut seqs = vec![];
-        for &t in ids {
-            let s = seq_hash(prev, TokensHash(t));
-            blocks.push(StoredBlock {
-                engine_hash: EngineHash(s.0 ^ w),
-                tokens_hash: TokensHash(t),
-            });
-            seqs.push(s);
-            prev = Some(s);
-        }
-        (blocks, seqs)
-    };
+    let chain = |parent: Option<SeqHash>, ids: &[u64]| chain(w, parent, ids.iter().copied());
     let (prompt, prompt_seqs) = chain(None, &[1, 2, 3]);
     out.push((
         key,
@@ -433,20 +440,6 @@ fn a_long_slice_is_applied_across_rounds_in_order() {
 /// single-threaded engine's, on one shard and across shards.
 #[test]
 fn long_events_applied_in_chunks_answer_as_one_thread_does() {
-    let chain = |w: u64, parent: Option<SeqHash>, ids: std::ops::Range<u64>| {
-        let mut prev = parent;
-        let (mut blocks, mut seqs) = (vec![], vec![]);
-        for t in ids {
-            let s = seq_hash(prev, TokensHash(t));
-            blocks.push(StoredBlock {
-                engine_hash: EngineHash(s.0 ^ w),
-                tokens_hash: TokensHash(t),
-            });
-            seqs.push(s);
-            prev = Some(s);
-        }
-        (blocks, seqs)
-    };
     let mut events = vec![];
     let mut queries = vec![];
     for w in 0..4u64 {

@@ -507,11 +507,6 @@ impl<P: ShardPolicy> Core<P> {
     /// one before (the same chain, as a worker that sent it in several events would have
     /// made it), a removal in pieces of its list.
     fn apply_chunked(&mut self, st: &mut State, batch: &OpBatch) {
-        if batch.seqs.len() <= QUERY_CHUNK_BLOCKS {
-            self.shard.apply(batch);
-            self.serve_queries(st);
-            return;
-        }
         let mut parent = match batch.op {
             BlockOp::Store { parent } => parent,
             BlockOp::Remove => None,

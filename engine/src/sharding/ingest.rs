@@ -310,6 +310,25 @@ impl<P: ShardPolicy> Ingest<P> {
         }
     }
 
+    /// The directories and a sink over `out` (with `local` applied at once, and `pause`
+    /// called at the directories' pauses), borrowed side by side.
+    fn parts<'a>(
+        &'a mut self,
+        out: &'a mut Outbox,
+        local: Option<&'a mut Shard>,
+        pause: Option<&'a mut dyn FnMut()>,
+    ) -> (&'a mut Directories<Placed>, OutboxSink<'a, P>) {
+        let sink = OutboxSink {
+            policy: &self.policy,
+            outbox: out,
+            local,
+            scratch: &mut self.scratch,
+            junctions: &mut self.junctions,
+            pause,
+        };
+        (&mut self.dirs, sink)
+    }
+
     /// Caps each worker key at `max` engine hashes (`None`: no cap); a store past it is
     /// refused as a whole (see [`Directories::with_max_blocks_per_key`]).
     pub fn with_max_blocks_per_key(mut self, max: Option<usize>) -> Self {
@@ -335,15 +354,8 @@ impl<P: ShardPolicy> Ingest<P> {
     /// Applies one event of `key`, appending its operations to `out`. A refused event is
     /// counted and emits nothing.
     pub fn apply(&mut self, key: WorkerKey, event: &KvEvent, out: &mut Outbox) -> Result<Applied> {
-        let mut sink = OutboxSink {
-            policy: &self.policy,
-            outbox: out,
-            local: None,
-            scratch: &mut self.scratch,
-            junctions: &mut self.junctions,
-            pause: None,
-        };
-        self.dirs.apply(key, event, &mut sink)
+        let (dirs, mut sink) = self.parts(out, None, None);
+        dirs.apply(key, event, &mut sink)
     }
 
     /// Like [`Ingest::apply`], calling `pause` at the directories' pauses
@@ -356,15 +368,8 @@ impl<P: ShardPolicy> Ingest<P> {
         out: &mut Outbox,
         pause: &mut dyn FnMut(),
     ) -> Result<Applied> {
-        let mut sink = OutboxSink {
-            policy: &self.policy,
-            outbox: out,
-            local: None,
-            scratch: &mut self.scratch,
-            junctions: &mut self.junctions,
-            pause: Some(pause),
-        };
-        self.dirs.apply(key, event, &mut sink)
+        let (dirs, mut sink) = self.parts(out, None, Some(pause));
+        dirs.apply(key, event, &mut sink)
     }
 
     /// Like [`Ingest::apply`], but the operations for `local` are applied to it at once
@@ -376,15 +381,8 @@ impl<P: ShardPolicy> Ingest<P> {
         out: &mut Outbox,
         local: &mut Shard,
     ) -> Result<Applied> {
-        let mut sink = OutboxSink {
-            policy: &self.policy,
-            outbox: out,
-            local: Some(local),
-            scratch: &mut self.scratch,
-            junctions: &mut self.junctions,
-            pause: None,
-        };
-        self.dirs.apply(key, event, &mut sink)
+        let (dirs, mut sink) = self.parts(out, Some(local), None);
+        dirs.apply(key, event, &mut sink)
     }
 
     /// Empties `key`'s cache and forgets its worker's stream marks; returns how many block
@@ -393,29 +391,15 @@ impl<P: ShardPolicy> Ingest<P> {
     /// from a batch it no longer has, and count the restart a second time.
     pub fn clear(&mut self, key: WorkerKey, out: &mut Outbox) -> usize {
         self.marks.retain(|(w, _), _| *w != key.worker);
-        let mut sink = OutboxSink {
-            policy: &self.policy,
-            outbox: out,
-            local: None,
-            scratch: &mut self.scratch,
-            junctions: &mut self.junctions,
-            pause: None,
-        };
-        self.dirs.clear(key, &mut sink)
+        let (dirs, mut sink) = self.parts(out, None, None);
+        dirs.clear(key, &mut sink)
     }
 
     /// Forgets every dp rank of `worker`; returns how many worker keys it had.
     pub fn remove_worker(&mut self, worker: WorkerId, out: &mut Outbox) -> usize {
-        let mut sink = OutboxSink {
-            policy: &self.policy,
-            outbox: out,
-            local: None,
-            scratch: &mut self.scratch,
-            junctions: &mut self.junctions,
-            pause: None,
-        };
         self.marks.retain(|(w, _), _| *w != worker);
-        self.dirs.remove_worker(worker, &mut sink)
+        let (dirs, mut sink) = self.parts(out, None, None);
+        dirs.remove_worker(worker, &mut sink)
     }
 
     /// Records that batch `mark.seq` of a stream has been applied (after its events).
