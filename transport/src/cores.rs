@@ -19,6 +19,23 @@
 //!    ([`set_memory_release`]) once, the next time it is idle: allocators such as mimalloc
 //!    keep freed pages with the thread that freed them, and a core frees its own shard's
 //!    memory, so only the core's thread can hand those pages back.
+//! 5. [`drive`] gives the runtime a turn in every idle round, whatever
+//!    [`set_idle_polls`] says: a core that found something it cannot do yet (a reply
+//!    waiting for a task of this thread to collect it) yields instead of trying to park
+//!    again at once, which would spin without ever running that task.
+//! 6. A park is bounded by one timer per core that lives as long as [`drive`] and is armed
+//!    again only once it has fired, so at most one timer registration per [`PARK`] per
+//!    core. Registering a timer earlier than the time driver's next wake-up makes tokio
+//!    write the runtime's eventfd (`time::Handle::reregister` unparks the driver, even from
+//!    the runtime's own thread): a fresh timeout per park cost every park a system call and
+//!    an `epoll_wait` that returned at once (measured on the Mooncake replay,
+//!    docs/benchmarks.md, issue 31).
+//! 7. An idle round puts [`drive`] at the back of its runtime's run queue ([`Requeued`]):
+//!    the thread's other ready tasks run, but the sockets are not polled for it (the
+//!    runtime polls them every few dozen tasks and whenever the core parks). A
+//!    `yield_now` per idle round made each one an `epoll_wait` system call; the rounds are
+//!    there to catch a busy peer core's next message on the rings, which needs no system
+//!    call. After a round that did work, [`drive`] still yields with a poll of the sockets.
 
 use engine::runtime::{CoreHost, CoreSummary, Lookup};
 use engine::sharding::choice::Sharding;
@@ -31,16 +48,17 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-/// Idle rounds (each a yield to the runtime, which polls its sockets: one `epoll_wait`)
-/// before the core parks: long enough to catch the next message of a busy peer core without
-/// a wake-up, short enough that an idle core leaves its CPU to others. Measured on the
-/// Mooncake replay through the proxy (docs/benchmarks.md, "Issue 31"): 64 spent 0.5-0.7 s
-/// more router CPU per 1,000 requests than 8 with no better latency; 1 spent 60% more (every
-/// message then needs a cross-thread wake-up).
+/// Idle rounds (each lets the thread's other ready tasks run, invariant 7) before the core
+/// parks: long enough to catch the next message of a busy peer core without a wake-up,
+/// short enough that an idle core leaves its CPU to others. Measured on the Mooncake replay
+/// through the proxy (docs/benchmarks.md, "Issue 31"), when each round was a `yield_now`
+/// and so an `epoll_wait`: 64 spent 0.5-0.7 s more router CPU per 1,000 requests than 8
+/// with no better latency. (1 spent 80% more, but that was the spin invariant 5 removed.)
 pub const DEFAULT_IDLE_POLLS: u32 = 8;
 /// [`DEFAULT_IDLE_POLLS`] unless [`set_idle_polls`] said otherwise.
 static IDLE_POLLS: AtomicU32 = AtomicU32::new(DEFAULT_IDLE_POLLS);
-/// Longest park: bounds the cost of a missed wake-up (none is expected).
+/// Longest park: bounds the cost of a missed wake-up (none is expected). One timer per
+/// core, armed again only once it fired (invariant 6), so a park may end sooner.
 const PARK: Duration = Duration::from_millis(20);
 
 /// Returns the calling thread's free memory to the OS (the binary's allocator's collect).
@@ -170,6 +188,9 @@ pub fn with_core<R>(f: impl FnOnce(&mut CoreHost<Sharding>) -> R) -> Option<R> {
 /// on the core's runtime (a `LocalSet` or a current-thread runtime).
 pub async fn drive() {
     let mut idle = 0u32;
+    // The parks' bound (invariant 6): registered at the first park, re-armed once fired.
+    let bound = tokio::time::sleep(PARK);
+    tokio::pin!(bound);
     loop {
         let Some((progressed, finished)) = with_core(|c| (c.step(), c.finished())) else {
             return;
@@ -185,13 +206,26 @@ pub async fn drive() {
         }
         idle += 1;
         if idle < IDLE_POLLS.load(Relaxed) {
-            tokio::task::yield_now().await;
+            // An idle round lets the thread's other ready tasks run, without a poll of the
+            // sockets (invariant 7).
+            Requeued { polled: false }.await;
             continue;
         }
         release_if_asked();
-        let _ = tokio::time::timeout(PARK, Parked { polled: false }).await;
+        if bound.is_elapsed() {
+            bound.as_mut().reset(tokio::time::Instant::now() + PARK);
+        }
+        let slept = Parked {
+            polled: false,
+            bound: bound.as_mut(),
+        }
+        .await;
         with_core(|c| c.awake());
         idle = 0;
+        if !slept {
+            // Something is queued that this round could not take (invariant 5).
+            tokio::task::yield_now().await;
+        }
     }
 }
 
@@ -239,12 +273,14 @@ pub async fn find_matches(seqs: &[SeqHash]) -> Option<engine::Result<Matches>> {
     })
 }
 
-/// Pending until a message for the core arrives (its pusher wakes this task).
-struct Parked {
+/// Ready at its second poll: the task wakes itself at its first, which puts it at the back
+/// of the current-thread runtime's local run queue (a `yield_now` is deferred until the
+/// runtime has polled its I/O driver instead).
+struct Requeued {
     polled: bool,
 }
 
-impl Future for Parked {
+impl Future for Requeued {
     type Output = ();
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
@@ -252,9 +288,34 @@ impl Future for Parked {
             return Poll::Ready(());
         }
         self.polled = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+/// Pending until a message for the core arrives (its pusher wakes this task) or `bound`
+/// fires; `true` if it went to sleep, `false` if something was already queued.
+struct Parked<'a> {
+    polled: bool,
+    bound: Pin<&'a mut tokio::time::Sleep>,
+}
+
+impl Future for Parked<'_> {
+    type Output = bool;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<bool> {
+        if self.polled {
+            return Poll::Ready(true);
+        }
         match with_core(|c| c.sleep_as(cx.waker())) {
-            Some(true) => Poll::Pending,
-            _ => Poll::Ready(()),
+            Some(true) => {}
+            _ => return Poll::Ready(false),
+        }
+        self.polled = true;
+        // Registers the bound (only its waker, once it is registered): woken by either.
+        match self.bound.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(true),
+            Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -271,13 +332,103 @@ mod tests {
     use super::*;
 
     static RELEASES: AtomicU64 = AtomicU64::new(0);
+    /// Held by each test: the core threads of one would run the release the other counts.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn count_release() {
         RELEASES.fetch_add(1, Relaxed);
     }
 
+    /// Two hosted cores on threads of their own, each stepped by [`drive`] on a
+    /// current-thread runtime, with one idle round before a park: a query from core 0 for
+    /// core 1's shard is answered. Core 1 starts only once the query waits for its reply,
+    /// so the reply always lands while core 0's task waits. Before invariant 5, core 0 then
+    /// found the reply queued, could not park, and tried again at once without ever
+    /// yielding, so the task waiting for the reply never ran (a livelock whenever nothing
+    /// else came in).
+    #[test]
+    fn a_query_for_the_other_core_is_answered_with_one_idle_round() {
+        use engine::runtime::{RuntimeConfig, start_hosted};
+        use engine::sharding::{ShardId, ShardPolicy};
+        let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        set_idle_polls(1);
+        let policy = Sharding::adaptive(2).unwrap();
+        let seqs: Vec<SeqHash> = (1u64..)
+            .map(|h: u64| h.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .map(|h| vec![SeqHash(h), SeqHash(h.rotate_left(17))])
+            .find(|s| policy.query_shard(s) == ShardId(1))
+            .unwrap();
+        let config = RuntimeConfig {
+            pin_cores: false,
+            ..RuntimeConfig::default()
+        };
+        let hosted = start_hosted(policy, config).unwrap();
+        let (answer_tx, answer_rx) = std::sync::mpsc::channel();
+        let (waiting_tx, waiting_rx) = std::sync::mpsc::channel::<()>();
+        let mut waiting = (Some(waiting_tx), Some(waiting_rx));
+        let mut stops = Vec::new();
+        let mut threads = Vec::new();
+        for (k, host) in hosted.cores.into_iter().enumerate() {
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            stops.push(stop_tx);
+            let (answer_tx, seqs) = (answer_tx.clone(), seqs.clone());
+            let (tell, wait) = if k == 0 {
+                (waiting.0.take(), None)
+            } else {
+                (None, waiting.1.take())
+            };
+            threads.push(std::thread::spawn(move || {
+                if let Some(wait) = wait {
+                    wait.recv().unwrap();
+                }
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                install(host);
+                rt.block_on(async move {
+                    tokio::spawn(drive());
+                    if let Some(tell) = tell {
+                        let query = find_matches(&seqs);
+                        tokio::pin!(query);
+                        let first =
+                            std::future::poll_fn(|cx| Poll::Ready(query.as_mut().poll(cx))).await;
+                        let answer = match first {
+                            Poll::Ready(a) => a,
+                            Poll::Pending => {
+                                tell.send(()).unwrap();
+                                query.await
+                            }
+                        };
+                        let _ = answer_tx.send(answer);
+                    }
+                    let _ = stop_rx.await;
+                });
+                drop(rt);
+                finish()
+            }));
+        }
+        drop((hosted.ingest, hosted.query));
+        let answer = answer_rx.recv_timeout(Duration::from_secs(30));
+        set_idle_polls(DEFAULT_IDLE_POLLS);
+        let matches = answer
+            .expect("core 0 never collected core 1's reply")
+            .expect("core 0 is a core")
+            .expect("core 1 answers");
+        assert_eq!(
+            matches,
+            Matches::default(),
+            "an empty index matches nothing"
+        );
+        drop(stops);
+        for t in threads {
+            assert!(t.join().unwrap().is_some(), "each thread had its core");
+        }
+    }
+
     #[test]
     fn every_thread_releases_once_per_request() {
+        let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
         set_memory_release(count_release);
         let before = RELEASES.load(Relaxed);
         request_memory_release();

@@ -32,9 +32,9 @@ pub struct ServeArgs {
           default_value_t = Adaptive::DEFAULT_JUNCTION_FANOUT,
           value_parser = clap::value_parser!(u32).range(2..=(1 << 20)))]
     pub junction_fanout: u32,
-    /// Idle rounds a core thread polls its sockets (one `epoll_wait` each) before it parks:
-    /// more catch a busy peer core's next message without a wake-up, fewer leave an idle
-    /// CPU alone sooner.
+    /// Idle rounds a core thread spends before it parks (each lets the thread's other ready
+    /// tasks run; no system call): more catch a busy peer core's next message without a
+    /// wake-up, fewer leave an idle CPU alone sooner.
     #[arg(long, env = "KVENGINE_CORE_IDLE_POLLS",
           default_value_t = transport::cores::DEFAULT_IDLE_POLLS,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
