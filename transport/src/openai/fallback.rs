@@ -12,12 +12,45 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Token id of one word.
 pub fn word_token(word: &str) -> u32 {
-    (xxh3_64(word.as_bytes()) % 32_000) as u32 + 1_000
+    word_bytes_token(word.as_bytes())
 }
 
-/// Token ids of a text.
+/// Token ids of a text: its words as `str::split_whitespace` splits it.
 pub fn text_token_ids(text: &str) -> Vec<u32> {
-    text.split_whitespace().map(word_token).collect()
+    if text.is_ascii() {
+        ascii_token_ids(text.as_bytes())
+    } else {
+        text.split_whitespace().map(word_token).collect()
+    }
+}
+
+/// [`text_token_ids`] of an ASCII text, split byte by byte: the same words as
+/// `split_whitespace` (for ASCII, `char::is_whitespace` is space and `\t` to `\r`,
+/// vertical tab included) without decoding a `char` per byte. A Mooncake prompt is ~70 KB
+/// of words, tokenized on the core thread per request (docs/benchmarks.md, issue 31).
+fn ascii_token_ids(text: &[u8]) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(text.len() / 6 + 1);
+    let mut start = None;
+    for (i, &b) in text.iter().enumerate() {
+        let space = b == b' ' || (b'\t'..=b'\r').contains(&b);
+        match (space, start) {
+            (true, Some(s)) => {
+                ids.extend(text.get(s..i).map(word_bytes_token));
+                start = None;
+            }
+            (false, None) => start = Some(i),
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        ids.extend(text.get(s..).map(word_bytes_token));
+    }
+    ids
+}
+
+/// [`word_token`] of a word's bytes.
+fn word_bytes_token(word: &[u8]) -> u32 {
+    (xxh3_64(word) % 32_000) as u32 + 1_000
 }
 
 /// The text a chat is rendered to before tokenizing.
@@ -48,6 +81,31 @@ pub fn chat_token_ids(messages: &[ChatMessage]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The ASCII path splits exactly as `split_whitespace` does (the reference), on
+        /// texts of words, every ASCII whitespace byte and a few non-ASCII spaces and
+        /// letters (which take the `char` path).
+        #[test]
+        fn ascii_split_is_split_whitespace(
+            parts in proptest::collection::vec(
+                prop_oneof![
+                    Just(" "), Just("\t"), Just("\n"), Just("\x0b"), Just("\x0c"), Just("\r"),
+                    Just("\u{a0}"), Just("\u{2003}"), Just("\u{85}"), Just("é"), Just("\x1f"),
+                    Just("w"), Just("word"), Just("<|user|>"), Just("0"),
+                ],
+                0..40,
+            )
+        ) {
+            let text: String = parts.concat();
+            let reference: Vec<u32> = text.split_whitespace().map(word_token).collect();
+            prop_assert_eq!(text_token_ids(&text), reference.clone());
+            if text.is_ascii() {
+                prop_assert_eq!(ascii_token_ids(text.as_bytes()), reference);
+            }
+        }
+    }
 
     #[test]
     fn words_map_to_stable_ids_in_range() {
