@@ -24,13 +24,13 @@
 //!    waiting for a task of this thread to collect it) yields instead of trying to park
 //!    again at once, which would spin without ever running that task.
 //! 6. A park is bounded by one timer per core that lives as long as [`drive`] and is armed
-//!    again only once it has fired, so at most one timer registration per [`PARK`] per
+//!    again only once it has fired, so at most one timer registration per `PARK` (20 ms) per
 //!    core. Registering a timer earlier than the time driver's next wake-up makes tokio
 //!    write the runtime's eventfd (`time::Handle::reregister` unparks the driver, even from
 //!    the runtime's own thread): a fresh timeout per park cost every park a system call and
 //!    an `epoll_wait` that returned at once (measured on the Mooncake replay,
 //!    docs/benchmarks.md, issue 31).
-//! 7. An idle round puts [`drive`] at the back of its runtime's run queue ([`Requeued`]):
+//! 7. An idle round puts [`drive`] at the back of its runtime's run queue (`Requeued`):
 //!    the thread's other ready tasks run, but the sockets are not polled for it (the
 //!    runtime polls them every few dozen tasks and whenever the core parks). A
 //!    `yield_now` per idle round made each one an `epoll_wait` system call; the rounds are
