@@ -29,23 +29,10 @@ pub fn text_token_ids(text: &str) -> Vec<u32> {
 /// vertical tab included) without decoding a `char` per byte. A Mooncake prompt is ~70 KB
 /// of words, tokenized on the core thread per request (docs/benchmarks.md, issue 31).
 fn ascii_token_ids(text: &[u8]) -> Vec<u32> {
-    let mut ids = Vec::with_capacity(text.len() / 6 + 1);
-    let mut start = None;
-    for (i, &b) in text.iter().enumerate() {
-        let space = b == b' ' || (b'\t'..=b'\r').contains(&b);
-        match (space, start) {
-            (true, Some(s)) => {
-                ids.extend(text.get(s..i).map(word_bytes_token));
-                start = None;
-            }
-            (false, None) => start = Some(i),
-            _ => {}
-        }
-    }
-    if let Some(s) = start {
-        ids.extend(text.get(s..).map(word_bytes_token));
-    }
-    ids
+    text.split(|&b| b == b' ' || (b'\t'..=b'\r').contains(&b))
+        .filter(|word| !word.is_empty())
+        .map(word_bytes_token)
+        .collect()
 }
 
 /// [`word_token`] of a word's bytes.
