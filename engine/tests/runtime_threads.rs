@@ -505,3 +505,83 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
         assert!(summaries.iter().all(|s| s.inconsistencies == 0));
     }
 }
+
+/// Operations for a parked hosted core do not wake it until its ring is half full
+/// (shard_loop invariant 10), and a read in place on that core still sees them:
+/// `CoreHost` steps a parked core that has peer messages before it reads. Two hosted cores
+/// on the test's thread, rings of 4 messages; the worker is homed on core 0 and its chains
+/// live in shard 1.
+#[test]
+fn a_parked_core_is_not_woken_by_operations_and_its_reads_in_place_see_them() {
+    use engine::runtime::{home_core, start_hosted};
+    use engine::sharding::ShardPolicy;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    let policy = FixedDepth::new(2, 0).unwrap();
+    let config = RuntimeConfig {
+        pin_cores: false,
+        ring_capacity: 4,
+        ..RuntimeConfig::default()
+    };
+    let mut hosted = start_hosted(policy, config).unwrap();
+    let w = (0..1_000u64)
+        .find(|&w| home_core(engine::WorkerId(w), 2).idx() == 0)
+        .unwrap();
+    let key = WorkerKey::new(w, 0);
+    // Root seq_hashes are the tokens' hashes: spread them over the shards.
+    let chains: Vec<_> = (1..1_000u64)
+        .map(|t| {
+            let first = t.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            chain(w, None, first..first + 5)
+        })
+        .filter(|(_, seqs)| policy.query_shard(seqs).idx() == 1)
+        .take(2)
+        .collect();
+    assert_eq!(chains.len(), 2);
+    let mut host1 = hosted.cores.pop().unwrap();
+    let mut host0 = hosted.cores.pop().unwrap();
+    let count = Arc::new(Count(AtomicUsize::new(0)));
+    let task = Waker::from(count.clone());
+    assert!(host1.sleep_as(&task), "nothing is queued for core 1 yet");
+    let store = |host: &mut engine::runtime::CoreHost<FixedDepth>, blocks: &[StoredBlock]| {
+        let event = KvEvent::Stored {
+            parent: None,
+            blocks: blocks.to_vec(),
+        };
+        host.apply(key, &event).unwrap();
+    };
+    store(&mut host0, &chains[0].0);
+    assert_eq!(
+        count.0.load(Ordering::SeqCst),
+        0,
+        "one message on a ring of 4 did not wake core 1"
+    );
+    store(&mut host0, &chains[1].0);
+    assert_eq!(
+        count.0.load(Ordering::SeqCst),
+        1,
+        "a half-full ring woke core 1"
+    );
+    for (_, seqs) in &chains {
+        assert_eq!(
+            host1.find_matches(seqs).unwrap().overlap(key),
+            5,
+            "the read in place applied them first"
+        );
+    }
+    host1.awake();
+    drop(hosted);
+    let ends = std::thread::spawn(move || host1.run_to_end());
+    let s0 = host0.run_to_end();
+    let s1 = ends.join().unwrap();
+    assert_eq!(s0.inconsistencies + s1.inconsistencies, 0);
+}

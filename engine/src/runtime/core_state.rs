@@ -116,6 +116,10 @@ impl<P: ShardPolicy> Core<P> {
     /// Sends `msg` to core `peer`, or queues it behind what already waits for that peer's
     /// ring (never waits: `shard_loop` invariant 3). A message for a closed ring is lost
     /// and counted.
+    ///
+    /// Operations do not wake a parked peer unless its ring is half full (`shard_loop`
+    /// invariant 10): the peer applies them before the queries of its next round, which
+    /// its next message of any other kind or its park bound starts.
     pub(crate) fn send_peer(&mut self, st: &mut State, peer: usize, msg: PeerMsg) {
         let Some(queue) = st.pending.get_mut(peer) else {
             return;
@@ -124,11 +128,14 @@ impl<P: ShardPolicy> Core<P> {
             queue.push_back(msg);
             return;
         }
+        let urgent = !matches!(msg, PeerMsg::Ops(_));
         match self.peers_out.get_mut(peer) {
             Some(Some(ring)) => match ring.try_push(msg) {
                 Ok(()) => {
-                    if let Some(w) = self.wakers.get(peer) {
-                        w.wake();
+                    if urgent || ring.len() * 2 >= ring.capacity() {
+                        if let Some(w) = self.wakers.get(peer) {
+                            w.wake();
+                        }
                     }
                 }
                 Err(PushError::Full(m)) => queue.push_back(m),

@@ -83,6 +83,9 @@ pub struct CoreHost<P> {
     query: Link,
     waker: Arc<Waker>,
     cpu: Option<core_affinity::CoreId>,
+    /// Between a [`CoreHost::sleep_as`] that let it sleep and the next
+    /// [`CoreHost::awake`]: the driver is not stepping it, even once woken.
+    parked: std::cell::Cell<bool>,
 }
 
 impl<P> std::fmt::Debug for CoreHost<P> {
@@ -109,6 +112,7 @@ impl<P: ShardPolicy> CoreHost<P> {
             query,
             waker,
             cpu,
+            parked: std::cell::Cell::new(false),
         }
     }
 
@@ -141,6 +145,7 @@ impl<P: ShardPolicy> CoreHost<P> {
         self.waker.register_task(task);
         self.waker.prepare_sleep();
         if self.runner.quiet() && !self.query.replies_waiting() && !self.ingest.replies_waiting() {
+            self.parked.set(true);
             true
         } else {
             self.waker.cancel_sleep();
@@ -150,6 +155,7 @@ impl<P: ShardPolicy> CoreHost<P> {
 
     /// The host runs again after [`CoreHost::sleep_as`].
     pub fn awake(&self) {
+        self.parked.set(false);
         self.waker.cancel_sleep();
     }
 
@@ -173,6 +179,13 @@ impl<P: ShardPolicy> CoreHost<P> {
         self.policy.refresh();
         let shard = self.policy.query_shard(seqs);
         if shard == self.runner.shard_id() {
+            // A parked core has not seen the operations its peers sent since it parked
+            // (they do not wake it, `shard_loop` invariant 10; and one woken by a half-full
+            // ring may not have run yet): one round applies them, so a read in place sees
+            // what a forwarded query would.
+            if self.parked.get() && self.runner.peer_ops_waiting() {
+                self.runner.step();
+            }
             return Place::Here(self.runner.query_local(seqs));
         }
         Place::Core(shard.idx())

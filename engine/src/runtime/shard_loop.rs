@@ -40,6 +40,14 @@
 //!    and the shard is untouched until the directory work is done). A client's message of
 //!    another kind is held, one per client, and handled before anything else of that
 //!    client's, so per-client order (invariant 1) holds.
+//! 10. Operations for a peer do not wake it when it is parked, unless its ring is half
+//!     full: a parked core is idle, and its next round applies them before it answers any
+//!     query (its peers come first, invariant 4). That round starts with its next message
+//!     of any other kind (a query, a fence, a promotion step: they all wake it), its park
+//!     bound ([`PARK`], or the host's), or, for a hosted core, a read in place on its
+//!     thread (`CoreHost` steps a parked core that has peer messages first). Measured on
+//!     the Mooncake replay through the proxy (docs/benchmarks.md, issue 31): a wake-up per
+//!     operations message was most of what the second core cost.
 //! 7. Trunk promotions follow `promotion`'s protocol; while frozen for one, the core takes
 //!    no ingest-client message and does not close its peer rings.
 
@@ -265,6 +273,11 @@ impl<P: ShardPolicy> Runner<P> {
     /// The core has closed its rings and every peer has closed theirs: it has ended.
     pub(crate) fn finished(&self) -> bool {
         self.st.closed_peers && self.peers_open.iter().all(|o| !o)
+    }
+
+    /// A peer's message waits on this core's rings.
+    pub(crate) fn peer_ops_waiting(&self) -> bool {
+        self.core.peers_in.iter().any(|r| !r.is_empty())
     }
 
     /// Messages for peers wait for room: keep going rather than park.
