@@ -58,6 +58,10 @@ struct Cli {
     /// Overrides the queries per query phase.
     #[arg(long)]
     anchor_queries: Option<usize>,
+    /// Time every indexer on this workload directory in the neutral file format
+    /// (`kvengine bench indexer --export`) instead of generating --workload.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["anchor_size", "anchor_queries"])]
+    import: Option<PathBuf>,
     /// Writes every indexer's full report here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -111,13 +115,19 @@ fn main() -> Result<()> {
     args.anchor_size = cli.anchor_size;
     args.anchor_queries = cli.anchor_queries;
     args.quiet = cli.quiet;
-    let Some(spec) = args.anchor_spec()? else {
-        bail!(
-            "{} is not an anchor workload (dynamo-w1 .. dynamo-w4)",
-            cli.workload.name()
-        );
+    let plan = match &cli.import {
+        Some(dir) => lab::workload::export::import(dir)?,
+        None => {
+            let Some(spec) = args.anchor_spec()? else {
+                bail!(
+                    "{} is not an anchor workload (dynamo-w1 .. dynamo-w4)",
+                    cli.workload.name()
+                );
+            };
+            AnchorPlan::generate(&spec)?
+        }
     };
-    let plan = AnchorPlan::generate(&spec)?;
+    let workload = plan.spec.kind.name();
 
     // Index 0 is kvengine, then the anchors in --against order.
     let names: Vec<&str> = std::iter::once("kvengine").chain(against).collect();
@@ -161,7 +171,7 @@ fn main() -> Result<()> {
     let ratios = print_table(&names, &reports);
     if let Some(path) = &cli.json {
         let out = Output {
-            workload: cli.workload.name(),
+            workload,
             runs: cli.runs,
             warmup: cli.warmup,
             ratios,

@@ -17,11 +17,15 @@ fn small(kind: WorkloadKind) -> AnchorPlan {
 }
 
 fn passes(name: &str, kind: WorkloadKind) {
-    let plan = small(kind);
-    let prepared = Prepared::new(&plan, [name]);
+    passes_on(name, &small(kind));
+}
+
+fn passes_on(name: &str, plan: &AnchorPlan) {
+    let kind = plan.spec.kind;
+    let prepared = Prepared::new(plan, [name]);
     let report = anchor::run(
         &mut || build(name, 2, &prepared),
-        &plan,
+        plan,
         &AnchorOptions {
             repeat: 2,
             ..AnchorOptions::default()
@@ -51,6 +55,24 @@ fn every_anchor_passes_the_harness_checks_on_w4() {
     for name in ANCHORS {
         passes(name, WorkloadKind::DynamoW4);
     }
+}
+
+/// The anchors time and pass their checks on a workload read back from the neutral file
+/// format (`kvengine bench indexer --export` / `--import`), W2 here.
+#[test]
+fn every_anchor_passes_the_harness_checks_on_an_imported_workload() {
+    let dir = std::env::temp_dir().join(format!("kvengine-anchors-import-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    lab::workload::export::export(&small(WorkloadKind::DynamoW2), &dir).expect("exported");
+    let plan = lab::workload::export::import(&dir).expect("imported");
+    assert!(
+        plan.hit_sequences.is_empty(),
+        "the files' answers, not the generator's"
+    );
+    for name in ANCHORS {
+        passes_on(name, &plan);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

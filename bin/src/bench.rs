@@ -12,7 +12,7 @@ use lab::harness::run;
 use lab::replay::disagg::{self, DisaggSpec};
 use lab::replay::{self, ReplayConfig, RunMode, plot, report};
 use lab::workload::Plan;
-use lab::workload::anchor::{AnchorPlan, AnchorSpec};
+use lab::workload::anchor::AnchorPlan;
 use sim::engine::EngineConfig;
 use std::path::PathBuf;
 use transport::openai::disagg::Protocol;
@@ -206,8 +206,16 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
             return Ok(());
         }
     };
+    if let Some(dir) = &b.args.export {
+        return export_anchors(&b.args, dir);
+    }
+    if let Some(dir) = &b.args.import {
+        b.args.check_import()?;
+        let plan = lab::workload::export::import(dir)?;
+        return run_anchor(b, plan);
+    }
     if let Some(spec) = b.args.anchor_spec()? {
-        return run_anchor(b, &spec);
+        return run_anchor(b, AnchorPlan::generate(&spec)?);
     }
     let opts = b.args.run_options()?;
     let plan = Plan::generate(&b.args.spec())?;
@@ -225,9 +233,31 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
     Ok(())
 }
 
-/// `kvengine bench indexer --workload dynamo-wN`: the anchor-exact harness.
-fn run_anchor(b: &IndexerBench, spec: &AnchorSpec) -> Result<()> {
-    let plan = AnchorPlan::generate(spec)?;
+/// `kvengine bench indexer --export DIR`: each anchor workload into `DIR/<name>`.
+fn export_anchors(args: &lab::args::IndexerArgs, dir: &std::path::Path) -> Result<()> {
+    for spec in args.export_specs()? {
+        let plan = AnchorPlan::generate(&spec)?;
+        let to = dir.join(spec.kind.name());
+        let bytes = lab::workload::export::export(&plan, &to)?;
+        println!(
+            "{}: {} + {} + {} events, {} + {} queries, {} answers, {:.1} MB in {}",
+            spec.kind.name(),
+            plan.base.events,
+            plan.extra.events,
+            plan.remove.events,
+            plan.hit_queries.len(),
+            plan.prefix_queries.len(),
+            plan.answers.len(),
+            bytes as f64 / 1e6,
+            to.display()
+        );
+    }
+    Ok(())
+}
+
+/// `kvengine bench indexer --workload dynamo-wN` (or `--import DIR`): the anchor-exact
+/// harness.
+fn run_anchor(b: &IndexerBench, plan: AnchorPlan) -> Result<()> {
     let (indexer, args) = (b.indexer, &b.args);
     let opts = anchor::AnchorOptions {
         release_memory: Some(crate::memory::release_allocator_memory),

@@ -108,6 +108,22 @@ pub struct IndexerArgs {
     /// process pays for every page the allocator gets from the OS); reported apart.
     #[arg(long, default_value_t = 1, env = "KVENGINE_BENCH_WARMUP")]
     pub warmup: usize,
+    /// Write the anchor workloads in the neutral file format (events, queries, expected
+    /// answers; docs/benchmarks.md, "The exported workload format"), one directory each
+    /// under DIR, and time nothing: the workload --workload names if it is dynamo-w1 ..
+    /// dynamo-w4, otherwise all four (scaled by --anchor-size and --anchor-queries).
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "KVENGINE_BENCH_EXPORT",
+        conflicts_with = "import"
+    )]
+    pub export: Option<PathBuf>,
+    /// Time the indexer on a workload directory in the neutral file format (written by
+    /// --export, or by anyone) instead of generating one; the anchor harness's phases and
+    /// checks, with the files' answers.
+    #[arg(long, value_name = "DIR", env = "KVENGINE_BENCH_IMPORT")]
+    pub import: Option<PathBuf>,
     /// Write the JSON report here.
     #[arg(long, env = "KVENGINE_BENCH_JSON")]
     pub json: Option<PathBuf>,
@@ -142,7 +158,7 @@ impl IndexerArgs {
     /// The anchor workload these flags select, with `--anchor-size` and `--anchor-queries`
     /// applied; `None` for the other workloads (invariant 3).
     pub fn anchor_spec(&self) -> Result<Option<AnchorSpec>> {
-        let Some(mut spec) = AnchorSpec::of(self.workload) else {
+        if AnchorSpec::of(self.workload).is_none() {
             if self.anchor_size.is_some() || self.anchor_queries.is_some() || self.repeat != 1 {
                 bail!(
                     "--anchor-size, --anchor-queries and --repeat apply to --workload \
@@ -150,13 +166,60 @@ impl IndexerArgs {
                 );
             }
             return Ok(None);
+        }
+        self.scaled_anchor(self.workload).map(Some)
+    }
+
+    /// The anchor workloads `--export` writes (see its help): scaled, checked as
+    /// [`IndexerArgs::anchor_spec`] checks one.
+    pub fn export_specs(&self) -> Result<Vec<AnchorSpec>> {
+        if self.workload.is_anchor() {
+            return Ok(vec![self.scaled_anchor(self.workload)?]);
+        }
+        [
+            WorkloadKind::DynamoW1,
+            WorkloadKind::DynamoW2,
+            WorkloadKind::DynamoW3,
+            WorkloadKind::DynamoW4,
+        ]
+        .into_iter()
+        .map(|k| self.scaled_anchor(k))
+        .collect()
+    }
+
+    /// `--import` takes its workload from the files: no workload flag may be set.
+    pub fn check_import(&self) -> Result<()> {
+        let mut set = self.fixed_by_anchor();
+        if self.workload != WorkloadKind::default() {
+            set.push("--workload");
+        }
+        if self.anchor_size.is_some() {
+            set.push("--anchor-size");
+        }
+        if self.anchor_queries.is_some() {
+            set.push("--anchor-queries");
+        }
+        if !set.is_empty() {
+            bail!(
+                "--import takes the workload from its files: drop {}",
+                set.join(", ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Anchor `kind` with `--anchor-size` and `--anchor-queries` applied, refusing the
+    /// workload flags it fixes.
+    fn scaled_anchor(&self, kind: WorkloadKind) -> Result<AnchorSpec> {
+        let Some(mut spec) = AnchorSpec::of(kind) else {
+            bail!("{} is not an anchor workload", kind.name());
         };
         let fixed = self.fixed_by_anchor();
         if !fixed.is_empty() {
             bail!(
                 "--workload {} fixes its workload: drop {} (scale it with --anchor-size and \
                  --anchor-queries)",
-                self.workload.name(),
+                kind.name(),
                 fixed.join(", ")
             );
         }
@@ -167,7 +230,7 @@ impl IndexerArgs {
             spec.queries = queries;
         }
         spec.validate()?;
-        Ok(Some(spec))
+        Ok(spec)
     }
 
     /// Workload flags set away from their defaults, which an anchor workload fixes.

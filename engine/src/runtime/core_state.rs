@@ -132,10 +132,10 @@ impl<P: ShardPolicy> Core<P> {
         match self.peers_out.get_mut(peer) {
             Some(Some(ring)) => match ring.try_push(msg) {
                 Ok(()) => {
-                    if urgent || ring.len() * 2 >= ring.capacity() {
-                        if let Some(w) = self.wakers.get(peer) {
-                            w.wake();
-                        }
+                    if (urgent || ring.len() * 2 >= ring.capacity())
+                        && let Some(w) = self.wakers.get(peer)
+                    {
+                        w.wake();
                     }
                 }
                 Err(PushError::Full(m)) => queue.push_back(m),

@@ -17,13 +17,13 @@
 use crate::driver::{AnswerSummary, CallersOutcome, IndexerUnderTest};
 use crate::workload::Query;
 use anyhow::Result;
-use engine::{Matches, WorkerKey};
+use engine::Matches;
 
 /// Queries per caller in one re-run chunk.
 pub const CHUNK: usize = 1024;
 
 /// What the plan expects of one query: (worker key, overlap), sorted by key.
-pub type Expected = Vec<(WorkerKey, u32)>;
+pub use crate::workload::anchor::Expected;
 
 /// `m`'s overlaps sorted by worker key.
 fn sorted(m: &Matches) -> Expected {
@@ -41,7 +41,7 @@ fn summary_of(want: &Expected) -> AnswerSummary {
 }
 
 /// Wrong queries of a timed pass (invariant 1): `lists[c]` ran on caller `c`, asking for
-/// `asked[c][i]` (a sequence or a group) whose answer should be `expect(asked[c][i])`.
+/// `asked[c][i]` (an answer id) whose answer should be `expect(asked[c][i])`.
 pub fn verify(
     ix: &mut dyn IndexerUnderTest,
     lists: &[&[Query]],

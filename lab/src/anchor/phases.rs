@@ -89,8 +89,7 @@ pub fn run_once(
             eprintln!("{line}");
         }
     };
-    let expect_hit = |k| plan.expected_hit(k);
-    let expect_prefix = |g| plan.expected_prefix(g);
+    let expect = |id| plan.answer(id);
     let mixed_list = vec![plan.hit_queries.clone()];
     let rss_before = rss();
     let mut ix = make()?;
@@ -123,12 +122,12 @@ pub fn run_once(
     let hits: &[&[Query]] = &[&plan.hit_queries];
     let out = ix.query_callers(hits, false)?;
     let hit = timed(&out)?;
-    let hit_bad = verify(ix.as_mut(), hits, &[&plan.hit_sequences], &out, &expect_hit)?;
+    let hit_bad = verify(ix.as_mut(), hits, &[&plan.hit_answers], &out, &expect)?;
     let prefixes: &[&[Query]] = &[&plan.prefix_queries];
     let out = ix.query_callers(prefixes, false)?;
     let prefix = timed(&out)?;
-    let groups: &[&[u64]] = &[&plan.prefix_groups];
-    let prefix_bad = verify(ix.as_mut(), prefixes, groups, &out, &expect_prefix)?;
+    let asked: &[&[u64]] = &[&plan.prefix_answers];
+    let prefix_bad = verify(ix.as_mut(), prefixes, asked, &out, &expect)?;
     note(format!(
         "  2 query: {} hits in {:.3} s (p50 {:.2} us), {} prefix-only in {:.3} s (p50 {:.2} us)",
         plan.hit_queries.len(),
@@ -141,10 +140,10 @@ pub fn run_once(
 
     let half = plan.hit_queries.len() / 2;
     let (qa, qb) = plan.hit_queries.split_at(half);
-    let (sa, sb) = plan.hit_sequences.split_at(half);
+    let (sa, sb) = plan.hit_answers.split_at(half);
     let out = ix.query_callers(&[qa, qb], false)?;
     let two = timed(&out)?;
-    let hit_2_bad = verify(ix.as_mut(), &[qa, qb], &[sa, sb], &out, &expect_hit)?;
+    let hit_2_bad = verify(ix.as_mut(), &[qa, qb], &[sa, sb], &out, &expect)?;
     note(format!(
         "  3 query x{PHASE_3_CALLERS}: {} hits in {:.3} s (p50 {:.2} us)",
         plan.hit_queries.len(),

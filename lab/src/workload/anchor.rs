@@ -46,7 +46,7 @@ use anyhow::{Result, bail};
 use engine::event::{KvEvent, StoredBlock};
 use engine::hash::{BASE_SEED, seq_hash};
 use engine::{EngineHash, SeqHash, TokensHash, WorkerKey};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -73,7 +73,7 @@ pub fn block_tokens_hash(id: u64) -> TokensHash {
 }
 
 /// The parameters of one anchor workload.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AnchorSpec {
     /// Which anchor.
     #[serde(skip)]
@@ -176,7 +176,7 @@ impl AnchorSpec {
 }
 
 /// Sizes of a generated anchor workload.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AnchorShape {
     /// N.
     #[serde(rename = "N")]
@@ -220,12 +220,31 @@ pub struct AnchorPlan {
     pub prefix_groups: Vec<u64>,
     /// Per group, the worker keys holding its prefix after the base phase, sorted.
     pub holders: Vec<Vec<WorkerKey>>,
+    /// The tokens hashes of each hit query's blocks (`hit_queries[i]` chains them from
+    /// the root), for indexers keyed by them and for the exported format.
+    pub hit_tokens: Vec<Arc<[TokensHash]>>,
+    /// The tokens hashes of each prefix-only query's blocks.
+    pub prefix_tokens: Vec<Arc<[TokensHash]>>,
+    /// The distinct answers the queries must get on the built index.
+    pub answers: Vec<Expected>,
+    /// Hit query `i` must get `answers[hit_answers[i]]`.
+    pub hit_answers: Vec<u64>,
+    /// Prefix-only query `i` must get `answers[prefix_answers[i]]`.
+    pub prefix_answers: Vec<u64>,
 }
+
+/// An answer as the checks compare it: (worker key, overlap), sorted by key.
+pub type Expected = Vec<(WorkerKey, u32)>;
 
 /// Prefix chains, one per group.
 struct Prefixes {
     blocks: Vec<Vec<StoredBlock>>,
     seqs: Vec<Vec<SeqHash>>,
+}
+
+/// The tokens hashes of blocks.
+fn tokens_of(blocks: &[StoredBlock]) -> impl Iterator<Item = TokensHash> + '_ {
+    blocks.iter().map(|b| b.tokens_hash)
 }
 
 impl Prefixes {
@@ -276,8 +295,8 @@ struct Events {
     holders: Vec<Vec<WorkerKey>>,
     /// Base sequences some hit query asks for.
     wanted: Vec<bool>,
-    /// Full seq_hashes of the wanted base sequences, once generated.
-    full: Vec<Option<Query>>,
+    /// Full seq_hashes and tokens hashes of the wanted base sequences, once generated.
+    full: Vec<Option<(Query, Arc<[TokensHash]>)>>,
 }
 
 impl Events {
@@ -312,7 +331,12 @@ impl Events {
         self.remove.push(key, KvEvent::Removed { blocks });
         let pre = prefixes.seqs.get(g as usize).map_or(&[][..], Vec::as_slice);
         if let (Some(true), Some(slot)) = (self.wanted.get(k), self.full.get_mut(k)) {
-            *slot = Some(Arc::from([pre, &tail_seqs].concat()));
+            let pre_blocks = prefixes
+                .blocks
+                .get(g as usize)
+                .map_or(&[][..], Vec::as_slice);
+            let tokens: Arc<[TokensHash]> = tokens_of(pre_blocks).chain(tokens_of(&tail)).collect();
+            *slot = Some((Arc::from([pre, &tail_seqs].concat()), tokens));
         }
         let event = if self.stored.insert((key, g)) {
             self.order.push((key, g));
@@ -354,26 +378,54 @@ impl Events {
 }
 
 /// Prefix-only queries: for each pick, its group's prefix plus `T` fresh blocks, with ids
-/// from `fresh` on; returns the queries and their groups.
+/// from `fresh` on; returns the queries, their tokens hashes and their groups.
 fn prefix_only(
     spec: &AnchorSpec,
     prefixes: &Prefixes,
     groups: &[u64],
     picks: &[usize],
     mut fresh: u64,
-) -> (Vec<Query>, Vec<u64>) {
+) -> (Vec<Query>, Vec<Arc<[TokensHash]>>, Vec<u64>) {
     let t = spec.tail_blocks() as u64;
-    let (mut queries, mut asked) = (Vec::new(), Vec::new());
+    let (mut queries, mut tokens, mut asked) = (Vec::new(), Vec::new(), Vec::new());
     for &k in picks {
         let g = groups.get(k).copied().unwrap_or(0);
         let mut seqs = prefixes.seqs.get(g as usize).cloned().unwrap_or_default();
-        let (_, more) = chain(prefixes.last(g), fresh..fresh + t);
+        let pre_blocks = prefixes
+            .blocks
+            .get(g as usize)
+            .map_or(&[][..], Vec::as_slice);
+        let (more_blocks, more) = chain(prefixes.last(g), fresh..fresh + t);
         fresh += t;
         seqs.extend(more);
         queries.push(Arc::from(seqs));
+        tokens.push(
+            tokens_of(pre_blocks)
+                .chain(tokens_of(&more_blocks))
+                .collect(),
+        );
         asked.push(g);
     }
-    (queries, asked)
+    (queries, tokens, asked)
+}
+
+/// Numbers each distinct answer once, in the order first asked for.
+#[derive(Default)]
+struct AnswerTable {
+    answers: Vec<Expected>,
+    ids: std::collections::HashMap<Expected, u64>,
+}
+
+impl AnswerTable {
+    fn id(&mut self, answer: Expected) -> u64 {
+        if let Some(&id) = self.ids.get(&answer) {
+            return id;
+        }
+        let id = self.answers.len() as u64;
+        self.answers.push(answer.clone());
+        self.ids.insert(answer, id);
+        id
+    }
 }
 
 impl AnchorPlan {
@@ -398,15 +450,15 @@ impl AnchorPlan {
         for h in &mut ev.holders {
             h.sort_unstable();
         }
-        let Some(hit_queries) = hit_sequences
+        let Some((hit_queries, hit_tokens)) = hit_sequences
             .iter()
             .map(|&k| ev.full.get(k as usize).cloned().flatten())
-            .collect::<Option<Vec<Query>>>()
+            .collect::<Option<(Vec<Query>, Vec<Arc<[TokensHash]>>)>>()
         else {
             bail!("a hit query's sequence was not generated");
         };
         let fresh = 1 + (n + e) as u64 * t;
-        let (prefix_queries, prefix_groups) =
+        let (prefix_queries, prefix_tokens, prefix_groups) =
             prefix_only(spec, &prefixes, &groups, &prefix_picks, fresh);
         let base_pairs = ev.holders.iter().map(|h| h.len() as u64).sum::<u64>();
         let shape = AnchorShape {
@@ -417,7 +469,7 @@ impl AnchorPlan {
             all_pairs: ev.order.len() as u64,
             entries_after_base: n as u64 * t + base_pairs * p,
         };
-        Ok(Self {
+        let mut plan = Self {
             spec: spec.clone(),
             shape,
             groups,
@@ -429,7 +481,34 @@ impl AnchorPlan {
             prefix_queries,
             prefix_groups,
             holders: ev.holders,
-        })
+            hit_tokens,
+            prefix_tokens,
+            answers: Vec::new(),
+            hit_answers: Vec::new(),
+            prefix_answers: Vec::new(),
+        };
+        let mut table = AnswerTable::default();
+        plan.hit_answers = plan
+            .hit_sequences
+            .iter()
+            .map(|&k| table.id(plan.expected_hit(k)))
+            .collect();
+        plan.prefix_answers = plan
+            .prefix_groups
+            .iter()
+            .map(|&g| table.id(plan.expected_prefix(g)))
+            .collect();
+        plan.answers = table.answers;
+        Ok(plan)
+    }
+
+    /// The answer `answers[id]` (none for an id out of range, which no query has).
+    pub fn answer(&self, id: u64) -> Expected {
+        usize::try_from(id)
+            .ok()
+            .and_then(|i| self.answers.get(i))
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// The worker key sequence `k` belongs to.

@@ -35,6 +35,7 @@
 //! [`KvEvent`]: engine::event::KvEvent
 
 pub mod anchor;
+pub mod export;
 mod phase;
 mod plan;
 mod query;

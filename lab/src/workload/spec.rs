@@ -7,12 +7,13 @@ use serde::Serialize;
 use std::path::PathBuf;
 
 /// The named workloads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum WorkloadKind {
     /// No common prompt: prefix ratio 0.
     Uniform,
     /// Dynamo's defaults: a quarter of each sequence is one of 4 common prompts.
+    #[default]
     Dynamo,
     /// One common prompt shared by every sequence (breaks naive first-block sharding).
     SharedPrefix,
@@ -49,6 +50,11 @@ impl WorkloadKind {
             Self::DynamoW3 => "dynamo-w3",
             Self::DynamoW4 => "dynamo-w4",
         }
+    }
+
+    /// The workload called `name` ([`WorkloadKind::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        <Self as clap::ValueEnum>::from_str(name, false).ok()
     }
 
     /// An anchor-exact workload (run by [`crate::anchor`], not by [`crate::harness`]).
