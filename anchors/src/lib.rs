@@ -5,6 +5,7 @@
 //!
 //! * [`dynamo`]: `dynamo-kv-router` 1.6.1's `ConcurrentRadixTreeCompressed` and
 //!   `PositionalIndexer`, in Dynamo's `ThreadPoolIndexer`.
+//! * [`dynamo_radix`]: its `RadixTree`, in Dynamo's `KvIndexer` (one thread owns the tree).
 //! * [`smg`]: `kv-index` 2.0.0's `ChainIndex`.
 //!
 //! Its own workspace (see Cargo.toml): `dynamo-kv-router` pins tokio, which must not enter
@@ -12,6 +13,7 @@
 
 pub mod common;
 pub mod dynamo;
+pub mod dynamo_radix;
 pub mod smg;
 
 use anyhow::{Result, bail};
@@ -20,7 +22,12 @@ use lab::workload::anchor::AnchorPlan;
 use std::sync::Arc;
 
 /// The anchors `--against` names.
-pub const ANCHORS: &[&str] = &["dynamo-crtc", "dynamo-positional", "smg"];
+pub const ANCHORS: &[&str] = &[
+    "dynamo-crtc",
+    "dynamo-positional",
+    "dynamo-radix-tree",
+    "smg",
+];
 
 /// What the adapters need from the plan, built once before the first run (outside every
 /// timed window and resident-memory difference).
@@ -55,6 +62,7 @@ pub fn build(
     match name {
         "dynamo-crtc" => dynamo::build(dynamo::Backend::Crtc, event_threads, q),
         "dynamo-positional" => dynamo::build(dynamo::Backend::Positional, event_threads, q),
+        "dynamo-radix-tree" => dynamo_radix::build(),
         "smg" => smg::build(),
         other => bail!("unknown anchor {other:?}; known: {}", ANCHORS.join(", ")),
     }

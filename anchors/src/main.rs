@@ -37,7 +37,8 @@ struct Cli {
     /// The anchor workload: dynamo-w1 .. dynamo-w4.
     #[arg(long, value_enum, default_value_t = WorkloadKind::DynamoW1)]
     workload: WorkloadKind,
-    /// Anchors to run beside kvengine, comma-separated: dynamo-crtc, dynamo-positional, smg.
+    /// Anchors to run beside kvengine, comma-separated: dynamo-crtc, dynamo-positional,
+    /// dynamo-radix-tree, smg.
     #[arg(long, value_delimiter = ',', default_value = "dynamo-crtc,smg")]
     against: Vec<String>,
     /// Timed runs per indexer.
