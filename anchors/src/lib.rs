@@ -5,7 +5,8 @@
 //!
 //! * [`dynamo`]: `dynamo-kv-router` 1.6.1's `ConcurrentRadixTreeCompressed` and
 //!   `PositionalIndexer`, in Dynamo's `ThreadPoolIndexer`.
-//! * [`dynamo_radix`]: its `RadixTree`, in Dynamo's `KvIndexer` (one thread owns the tree).
+//! * [`dynamo_async`]: its `RadixTree`, in Dynamo's `KvIndexer` (one thread owns the tree),
+//!   and its `BranchShardedIndexer` over CRTC shards.
 //! * [`smg`]: `kv-index` 2.0.0's `ChainIndex`.
 //!
 //! Its own workspace (see Cargo.toml): `dynamo-kv-router` pins tokio, which must not enter
@@ -13,7 +14,7 @@
 
 pub mod common;
 pub mod dynamo;
-pub mod dynamo_radix;
+pub mod dynamo_async;
 pub mod smg;
 
 use anyhow::{Result, bail};
@@ -26,6 +27,7 @@ pub const ANCHORS: &[&str] = &[
     "dynamo-crtc",
     "dynamo-positional",
     "dynamo-radix-tree",
+    "dynamo-branch-sharded",
     "smg",
 ];
 
@@ -62,7 +64,8 @@ pub fn build(
     match name {
         "dynamo-crtc" => dynamo::build(dynamo::Backend::Crtc, event_threads, q),
         "dynamo-positional" => dynamo::build(dynamo::Backend::Positional, event_threads, q),
-        "dynamo-radix-tree" => dynamo_radix::build(),
+        "dynamo-radix-tree" => dynamo_async::radix_tree(),
+        "dynamo-branch-sharded" => dynamo_async::branch_sharded(),
         "smg" => smg::build(),
         other => bail!("unknown anchor {other:?}; known: {}", ANCHORS.join(", ")),
     }

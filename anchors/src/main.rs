@@ -38,7 +38,7 @@ struct Cli {
     #[arg(long, value_enum, default_value_t = WorkloadKind::DynamoW1)]
     workload: WorkloadKind,
     /// Anchors to run beside kvengine, comma-separated: dynamo-crtc, dynamo-positional,
-    /// dynamo-radix-tree, smg.
+    /// dynamo-radix-tree, dynamo-branch-sharded, smg.
     #[arg(long, value_delimiter = ',', default_value = "dynamo-crtc,smg")]
     against: Vec<String>,
     /// Timed runs per indexer.
