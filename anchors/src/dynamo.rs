@@ -273,7 +273,8 @@ fn find<T: SyncIndexer>(backend: &T, keys: &Keys, seqs: &[SeqHash]) -> Matches {
     Matches::from_overlaps(scores.scores.iter().map(|(w, &o)| (key_of(*w), o)))
 }
 
-fn key_of(w: WorkerWithDpRank) -> WorkerKey {
+/// Dynamo's worker and dp rank as kvengine's worker key.
+pub(crate) fn key_of(w: WorkerWithDpRank) -> WorkerKey {
     WorkerKey {
         worker: WorkerId(w.worker_id),
         dp_rank: DpRank(w.dp_rank),
@@ -337,20 +338,24 @@ impl<T: SyncIndexer> IndexerUnderTest for DynamoUnderTest<T> {
             .rt
             .block_on(self.pool.dump_events())
             .map_err(|e| anyhow!("{}: dump_events: {e}", self.name))?;
-        let live_entries = dump
-            .iter()
-            .map(|e| match &e.event.data {
-                KvCacheEventData::Stored(s) => s.blocks.len() as u64,
-                _ => 0,
-            })
-            .sum();
         Ok(IndexerStats {
-            live_entries,
+            live_entries: live_entries(&dump),
             bytes: 0,
             shard_ops: Vec::new(),
             anomalies: self.refused,
         })
     }
+}
+
+/// Live (block, worker) entries of a Dynamo indexer's `dump_events`: the blocks of its
+/// stored events (one per block per worker).
+pub fn live_entries(dump: &[RouterEvent]) -> u64 {
+    dump.iter()
+        .map(|e| match &e.event.data {
+            KvCacheEventData::Stored(s) => s.blocks.len() as u64,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Builds `backend` with `threads` event threads (`queries`: the positional indexer's

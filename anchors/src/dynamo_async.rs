@@ -33,14 +33,14 @@
 //! Dynamo's indexers log and drop an event they cannot apply; `anomalies` stays 0. Live
 //! entries come from `dump_events` (one entry per block per worker).
 
-use crate::dynamo::router_event;
+use crate::dynamo::{key_of, live_entries, router_event};
 use anyhow::{Context, Result, anyhow};
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{
     BranchShardedIndexer, KvIndexer, KvIndexerInterface, KvIndexerMetrics, ThreadPoolIndexer,
 };
-use dynamo_kv_router::protocols::{KvCacheEventData, LocalBlockHash, WorkerWithDpRank};
-use engine::{DpRank, Matches, SeqHash, WorkerId, WorkerKey};
+use dynamo_kv_router::protocols::LocalBlockHash;
+use engine::{Matches, SeqHash};
 use lab::driver::{
     CallersOutcome, IndexerStats, IndexerUnderTest, MixedMode, MixedOutcome, MixedPlan,
     callers::run_callers, concurrent_mixed, round_robin,
@@ -143,13 +143,6 @@ fn find<I: KvIndexerInterface>(
     ))
 }
 
-fn key_of(w: WorkerWithDpRank) -> WorkerKey {
-    WorkerKey {
-        worker: WorkerId(w.worker_id),
-        dp_rank: DpRank(w.dp_rank),
-    }
-}
-
 /// Sends every event of `streams` (one from each stream in turn), then waits on the
 /// indexer's flush barrier (module docs, "Visibility").
 fn send_and_flush<I: KvIndexerInterface>(
@@ -229,15 +222,8 @@ impl<I: KvIndexerInterface + Send + Sync> IndexerUnderTest for AsyncUnderTest<I>
             .rt
             .block_on(self.indexer.dump_events())
             .map_err(|e| anyhow!("{}: dump_events: {e}", self.name))?;
-        let live_entries = dump
-            .iter()
-            .map(|e| match &e.event.data {
-                KvCacheEventData::Stored(s) => s.blocks.len() as u64,
-                _ => 0,
-            })
-            .sum();
         Ok(IndexerStats {
-            live_entries,
+            live_entries: live_entries(&dump),
             bytes: 0,
             shard_ops: Vec::new(),
             anomalies: 0,
