@@ -235,8 +235,17 @@ pub fn run_bench(cmd: &BenchCommand) -> Result<()> {
 
 /// `kvengine bench indexer --export DIR`: each anchor workload into `DIR/<name>`.
 fn export_anchors(args: &lab::args::IndexerArgs, dir: &std::path::Path) -> Result<()> {
-    for spec in args.export_specs()? {
-        let plan = AnchorPlan::generate(&spec)?;
+    let plans: Vec<Result<AnchorPlan>> = if args.workload == lab::workload::WorkloadKind::Trace {
+        vec![lab::workload::trace_anchor::anchor_plan(&args.spec())]
+    } else {
+        args.export_specs()?
+            .iter()
+            .map(AnchorPlan::generate)
+            .collect()
+    };
+    for plan in plans {
+        let plan = plan?;
+        let spec = &plan.spec;
         let to = dir.join(spec.kind.name());
         let bytes = lab::workload::export::export(&plan, &to)?;
         println!(

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Reads a workload directory in kvengine's neutral indexer-workload format (version 1,
 docs/benchmarks.md, "The exported workload format") with the standard library only, and
-checks it with an exact index of its own: the base phase's events applied to a radix tree
-keyed by tokens hashes, every query of both lists must get exactly its expected answer.
+checks it with an exact index of its own: the base phase's events (stores, removals,
+clears) applied to a radix tree keyed by tokens hashes, every query of both lists must get
+exactly its expected answer.
 
     python3 lab/export/check_workload.py DIR/dynamo-w1
 
@@ -96,6 +97,15 @@ class Tree:
             self.node_of[(key, engine)] = child
             node = child
 
+    def remove(self, key, engines):
+        for engine in engines:
+            node = self.node_of.pop((key, engine))
+            self.holders[node].discard(key)
+
+    def clear(self, key):
+        for k, engine in [k for k in self.node_of if k[0] == key]:
+            self.holders[self.node_of.pop((k, engine))].discard(key)
+
     def overlaps(self, tokens):
         scores, node, alive = {}, 0, None
         for depth, t in enumerate(tokens, 1):
@@ -118,9 +128,12 @@ def main(dir_):
     phases = {p["name"]: p for p in m["phases"]}
     tree = Tree()
     for ev in events(d / phases["base"]["file"]):
-        if ev[0] != "stored":
-            raise SystemExit("this checker replays base phases of stores only")
-        tree.store(ev[1], ev[2], ev[3])
+        if ev[0] == "stored":
+            tree.store(ev[1], ev[2], ev[3])
+        elif ev[0] == "removed":
+            tree.remove(ev[1], ev[2])
+        else:
+            tree.clear(ev[1])
     for name in ("extra", "remove"):
         n = sum(1 for _ in events(d / phases[name]["file"]))
         if n != phases[name]["events"]:
@@ -133,8 +146,11 @@ def main(dir_):
             if got != want[a]:
                 raise SystemExit(f"{q['name']} query {i}: {got[:3]}... != {want[a][:3]}...")
             checked += 1
+    live = len(tree.node_of)
+    if live != m["entries_after_base"]:
+        raise SystemExit(f"{live} live entries after base, the manifest says {m['entries_after_base']}")
     print(f"{m['workload']}: {checked} queries answered as the files say "
-          f"({len(tree.children) - 1} tree nodes after base)")
+          f"({len(tree.children) - 1} tree nodes, {live} live entries after base)")
 
 
 if __name__ == "__main__":

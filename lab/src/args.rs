@@ -111,7 +111,8 @@ pub struct IndexerArgs {
     /// Write the anchor workloads in the neutral file format (events, queries, expected
     /// answers; docs/benchmarks.md, "The exported workload format"), one directory each
     /// under DIR, and time nothing: the workload --workload names if it is dynamo-w1 ..
-    /// dynamo-w4, otherwise all four (scaled by --anchor-size and --anchor-queries).
+    /// dynamo-w4 or trace (the trace replay, with --trace and its flags), otherwise all
+    /// four anchors (scaled by --anchor-size and --anchor-queries).
     #[arg(
         long,
         value_name = "DIR",

@@ -160,3 +160,88 @@ fn damaged_files_are_errors() {
     }
     assert!(import(&dir.0).is_ok(), "restored");
 }
+
+/// A small Mooncake trace, generated here: 60 requests over 8 prompt families, so
+/// prefixes repeat and bounded caches evict.
+fn small_trace() -> String {
+    (0..60u64)
+        .map(|i| {
+            let family = i % 8;
+            let ids: Vec<String> = (0..2 + i % 5)
+                .map(|j| (family * 100 + j * (1 + (j > 2) as u64 * i)).to_string())
+                .collect();
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": 2000, \"output_length\": 4, \"hash_ids\": [{}]}}\n",
+                i * 10,
+                ids.join(", ")
+            )
+        })
+        .collect()
+}
+
+/// The trace replay as an anchor plan (`lab::workload::trace_anchor`): its engine hashes
+/// are renamed to seq_hashes consistently (the exact index refuses nothing and ends
+/// empty), its answers are the exact index's, it round-trips through the files, and the
+/// harness passes its checks on it.
+#[test]
+fn the_trace_replay_becomes_an_anchor_plan_that_round_trips() {
+    use lab::workload::{TraceAssign, TraceSpec, WorkloadSpec};
+    let dir = TempDir::new("trace");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("trace.jsonl");
+    std::fs::write(&path, small_trace()).unwrap();
+    let spec = WorkloadSpec {
+        kind: WorkloadKind::Trace,
+        workers: 3,
+        queries: 50,
+        trace: Some(TraceSpec {
+            path,
+            assign: TraceAssign::RoundRobin,
+            capacity: Some(200),
+        }),
+        ..WorkloadSpec::default()
+    };
+    let plan = lab::workload::trace_anchor::anchor_plan(&spec).unwrap();
+    assert!(
+        plan.base.removed_blocks > 0,
+        "bounded caches evict during base"
+    );
+    assert!(!plan.hit_queries.is_empty() && plan.prefix_queries.len() == 50);
+    // Renamed consistently: every event applies, the index ends empty, the engine hash of
+    // every stored block is its seq_hash.
+    let mut ix = KvIndex::new();
+    for phase in [&plan.base, &plan.extra, &plan.remove] {
+        for (key, ev) in phase.iter() {
+            ix.apply(*key, ev).unwrap();
+        }
+    }
+    assert_eq!(ix.stats().index.entries, 0);
+    assert_eq!(ix.rejects().total(), 0);
+    let mut ix = KvIndex::new();
+    for (key, ev) in plan.base.iter() {
+        ix.apply(*key, ev).unwrap();
+    }
+    assert_eq!(ix.stats().index.entries, plan.shape.entries_after_base);
+    for (q, &a) in plan.hit_queries.iter().zip(&plan.hit_answers) {
+        let want = plan.answer(a);
+        assert_eq!(sorted(&ix.find_matches(q)), want);
+        assert!(!want.is_empty(), "a hit query is held by someone");
+    }
+    for (q, t) in plan.prefix_queries.iter().zip(&plan.prefix_tokens) {
+        assert_eq!(q.len(), t.len());
+    }
+    let out = TempDir::new("trace-out");
+    export(&plan, &out.0).unwrap();
+    let back = import(&out.0).unwrap();
+    assert_eq!(back.spec.kind, WorkloadKind::Trace);
+    assert_eq!(events(&back.base), events(&plan.base));
+    assert_eq!(back.hit_queries, plan.hit_queries);
+    assert_eq!(back.prefix_queries, plan.prefix_queries);
+    let report = anchor::run(
+        &mut || Ok(Box::new(KvIndexUnderTest::new())),
+        &back,
+        &AnchorOptions::default(),
+    )
+    .unwrap();
+    assert!(report.checks_passed, "{:?}", report.problems);
+}

@@ -1,5 +1,6 @@
 //! The neutral workload format: an anchor workload's events, queries and expected answers
-//! in files any indexer can be timed against (`kvengine bench indexer --export DIR`,
+//! (W1-W4, or the trace replay as [`super::trace_anchor`] makes it an anchor plan) in files
+//! any indexer can be timed against (`kvengine bench indexer --export DIR`,
 //! `--import DIR`). Documented, with a worked example, in docs/benchmarks.md ("The
 //! exported workload format").
 //!
@@ -211,9 +212,11 @@ pub fn import(dir: &Path) -> Result<AnchorPlan> {
             manifest.version
         );
     }
-    let Some(kind) = WorkloadKind::from_name(&manifest.workload).filter(|k| k.is_anchor()) else {
+    let Some(kind) = WorkloadKind::from_name(&manifest.workload)
+        .filter(|k| k.is_anchor() || *k == WorkloadKind::Trace)
+    else {
         bail!(
-            "{}: workload {:?} is not one of dynamo-w1 .. dynamo-w4",
+            "{}: workload {:?} is not one of dynamo-w1 .. dynamo-w4, trace",
             path.display(),
             manifest.workload
         );

@@ -43,6 +43,7 @@ mod rng;
 mod spec;
 pub mod synthetic;
 pub mod trace;
+pub mod trace_anchor;
 
 pub use phase::{EventStream, Phase, PhaseBuilder};
 pub use plan::{MixedPhases, Plan, PlanShape};
