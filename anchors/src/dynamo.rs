@@ -334,28 +334,35 @@ impl<T: SyncIndexer> IndexerUnderTest for DynamoUnderTest<T> {
     }
 
     fn stats(&mut self) -> Result<IndexerStats> {
-        let dump = self
-            .rt
-            .block_on(self.pool.dump_events())
-            .map_err(|e| anyhow!("{}: dump_events: {e}", self.name))?;
-        Ok(IndexerStats {
-            live_entries: live_entries(&dump),
-            bytes: 0,
-            shard_ops: Vec::new(),
-            anomalies: self.refused,
-        })
+        dump_stats(
+            self.rt.block_on(self.pool.dump_events()),
+            self.name,
+            self.refused,
+        )
     }
 }
 
-/// Live (block, worker) entries of a Dynamo indexer's `dump_events`: the blocks of its
-/// stored events (one per block per worker).
-pub fn live_entries(dump: &[RouterEvent]) -> u64 {
-    dump.iter()
+/// A Dynamo indexer's figures from its `dump_events`: live (block, worker) entries are
+/// the blocks of its stored events (one per block per worker); it reports no bytes.
+pub(crate) fn dump_stats(
+    dump: std::result::Result<Vec<RouterEvent>, dynamo_kv_router::indexer::KvRouterError>,
+    name: &str,
+    anomalies: u64,
+) -> Result<IndexerStats> {
+    let dump = dump.map_err(|e| anyhow!("{name}: dump_events: {e}"))?;
+    let live_entries = dump
+        .iter()
         .map(|e| match &e.event.data {
             KvCacheEventData::Stored(s) => s.blocks.len() as u64,
             _ => 0,
         })
-        .sum()
+        .sum();
+    Ok(IndexerStats {
+        live_entries,
+        bytes: 0,
+        shard_ops: Vec::new(),
+        anomalies,
+    })
 }
 
 /// Builds `backend` with `threads` event threads (`queries`: the positional indexer's

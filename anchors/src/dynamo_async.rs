@@ -33,7 +33,7 @@
 //! Dynamo's indexers log and drop an event they cannot apply; `anomalies` stays 0. Live
 //! entries come from `dump_events` (one entry per block per worker).
 
-use crate::dynamo::{key_of, live_entries, router_event};
+use crate::dynamo::{dump_stats, key_of, router_event};
 use anyhow::{Context, Result, anyhow};
 use dynamo_kv_router::ConcurrentRadixTreeCompressed;
 use dynamo_kv_router::indexer::{
@@ -218,15 +218,6 @@ impl<I: KvIndexerInterface + Send + Sync> IndexerUnderTest for AsyncUnderTest<I>
     }
 
     fn stats(&mut self) -> Result<IndexerStats> {
-        let dump = self
-            .rt
-            .block_on(self.indexer.dump_events())
-            .map_err(|e| anyhow!("{}: dump_events: {e}", self.name))?;
-        Ok(IndexerStats {
-            live_entries: live_entries(&dump),
-            bytes: 0,
-            shard_ops: Vec::new(),
-            anomalies: 0,
-        })
+        dump_stats(self.rt.block_on(self.indexer.dump_events()), self.name, 0)
     }
 }
