@@ -21,10 +21,9 @@
 //!     from the query's local hashes to verify each hit, so it gets the real tokens hashes
 //!     in events, and each query is translated to its tokens hashes through a
 //!     [`LocalQueries`] table (one lookup per query, keyed by the query's last seq_hash,
-//!     which names its whole prefix) built from the plan before the first run, outside
-//!     every timed window and every resident-memory difference. A block the plan never
-//!     stored (the prefix-only queries' fresh blocks) keeps its seq_hash as local hash:
-//!     nobody holds it either way.
+//!     which names its whole prefix) built from the tokens hashes the plan keeps for its
+//!     queries, before the first run, outside every timed window and every
+//!     resident-memory difference.
 //!
 //!   Either way, workloads whose engine hashes are not seq_hashes cannot be driven this way.
 //! * `OverlapScores.scores` -> [`Matches::from_overlaps`].
@@ -85,28 +84,15 @@ pub enum Keys {
 pub struct LocalQueries(HashMap<u64, Arc<[LocalBlockHash]>>);
 
 impl LocalQueries {
-    /// The hit and prefix-only queries of `plan`, with the tokens hashes its stored blocks
-    /// carry (a block never stored keeps its seq_hash).
+    /// The hit and prefix-only queries of `plan` with the tokens hashes the plan keeps for
+    /// them (`AnchorPlan::hit_tokens`, `prefix_tokens`).
     pub fn of(plan: &AnchorPlan) -> Self {
-        let mut tokens: HashMap<u64, u64> = HashMap::new();
-        for phase in [&plan.base, &plan.extra] {
-            for stream in &phase.streams {
-                for (_, ev) in stream.iter() {
-                    if let KvEvent::Stored { blocks, .. } = ev {
-                        for b in blocks {
-                            tokens.insert(b.engine_hash.0, b.tokens_hash.0);
-                        }
-                    }
-                }
-            }
-        }
+        let queries = plan.hit_queries.iter().zip(&plan.hit_tokens);
+        let prefixes = plan.prefix_queries.iter().zip(&plan.prefix_tokens);
         let mut table = HashMap::new();
-        for q in plan.hit_queries.iter().chain(&plan.prefix_queries) {
+        for (q, tokens) in queries.chain(prefixes) {
             let Some(last) = q.last() else { continue };
-            let local: Arc<[LocalBlockHash]> = q
-                .iter()
-                .map(|s| LocalBlockHash(tokens.get(&s.0).copied().unwrap_or(s.0)))
-                .collect();
+            let local: Arc<[LocalBlockHash]> = tokens.iter().map(|t| LocalBlockHash(t.0)).collect();
             table.insert(last.0, local);
         }
         Self(table)

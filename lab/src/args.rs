@@ -177,15 +177,11 @@ impl IndexerArgs {
         if self.workload.is_anchor() {
             return Ok(vec![self.scaled_anchor(self.workload)?]);
         }
-        [
-            WorkloadKind::DynamoW1,
-            WorkloadKind::DynamoW2,
-            WorkloadKind::DynamoW3,
-            WorkloadKind::DynamoW4,
-        ]
-        .into_iter()
-        .map(|k| self.scaled_anchor(k))
-        .collect()
+        <WorkloadKind as clap::ValueEnum>::value_variants()
+            .iter()
+            .filter(|k| k.is_anchor())
+            .map(|&k| self.scaled_anchor(k))
+            .collect()
     }
 
     /// `--import` takes its workload from the files: no workload flag may be set.

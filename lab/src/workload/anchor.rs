@@ -409,15 +409,16 @@ fn prefix_only(
     (queries, tokens, asked)
 }
 
-/// Numbers each distinct answer once, in the order first asked for.
+/// Numbers each distinct answer once, in the order first asked for (the plan's `answers`).
 #[derive(Default)]
-struct AnswerTable {
-    answers: Vec<Expected>,
+pub(crate) struct AnswerTable {
+    pub(crate) answers: Vec<Expected>,
     ids: std::collections::HashMap<Expected, u64>,
 }
 
 impl AnswerTable {
-    fn id(&mut self, answer: Expected) -> u64 {
+    /// The id of `answer`, numbering it if it is new.
+    pub(crate) fn id(&mut self, answer: Expected) -> u64 {
         if let Some(&id) = self.ids.get(&answer) {
             return id;
         }

@@ -409,7 +409,7 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     /// Checks the magic and reads the record count, which must fit in what is left at
     /// `min_record` bytes each (invariant 2).
-    fn open(bytes: &'a [u8], magic: &[u8; 8], min_record: usize) -> Result<(Self, u64)> {
+    fn open(bytes: &'a [u8], magic: &[u8; 8], min_record: usize) -> Result<(Self, usize)> {
         let mut r = Self { bytes, at: 0 };
         if r.take(8)? != magic {
             bail!(
@@ -418,7 +418,7 @@ impl<'a> Reader<'a> {
             );
         }
         let count = r.u64()?;
-        r.fits(count, min_record)?;
+        let count = r.fits(count, min_record)?;
         Ok((r, count))
     }
 
@@ -528,7 +528,6 @@ struct Queries {
 fn read_queries(bytes: &[u8], answers: u64) -> Result<Queries> {
     // The shortest query: no blocks, an answer id.
     let (mut r, count) = Reader::open(bytes, QUERIES_MAGIC, 12)?;
-    let count = r.fits(count, 12)?;
     let mut out = Queries {
         seqs: Vec::with_capacity(count),
         tokens: Vec::with_capacity(count),
@@ -558,7 +557,7 @@ fn read_queries(bytes: &[u8], answers: u64) -> Result<Queries> {
 
 fn read_answers(bytes: &[u8]) -> Result<Vec<Expected>> {
     let (mut r, count) = Reader::open(bytes, ANSWERS_MAGIC, 4)?;
-    let mut out = Vec::with_capacity(r.fits(count, 4)?);
+    let mut out = Vec::with_capacity(count);
     for i in 0..count {
         let n = r.u32()?;
         let n = r.fits(u64::from(n), 16)?;

@@ -24,7 +24,7 @@
 //! 2. The plan is a pure function of the spec and the trace file.
 
 use super::Plan;
-use super::anchor::{AnchorPlan, AnchorShape, AnchorSpec, Expected};
+use super::anchor::{AnchorPlan, AnchorShape, AnchorSpec, AnswerTable};
 use super::phase::{Phase, PhaseBuilder};
 use super::query::Query;
 use super::rng::Rng;
@@ -158,18 +158,15 @@ pub fn anchor_plan(spec: &WorkloadSpec) -> Result<AnchorPlan> {
         }
     }
     let entries_after_base = ix.stats().index.entries;
-    let mut answers: Vec<Expected> = Vec::new();
-    let mut ids: HashMap<Expected, u64> = HashMap::new();
+    let mut table = AnswerTable::default();
     let mut answer = |q: &[SeqHash]| -> u64 {
         let mut a = ix.find_matches(q).overlaps;
         a.sort_unstable_by_key(|p| p.0);
-        *ids.entry(a.clone()).or_insert_with(|| {
-            answers.push(a);
-            answers.len() as u64 - 1
-        })
+        table.id(a)
     };
     let hit_answers: Vec<u64> = hit_queries.iter().map(|q| answer(q)).collect();
     let prefix_answers = prefix_queries.iter().map(|q| answer(q)).collect();
+    let answers = table.answers;
     // A hit query whose request the store phase evicted everywhere is no hit: dropped.
     let empty = answers.iter().position(Vec::is_empty).map(|i| i as u64);
     let keep: Vec<bool> = hit_answers.iter().map(|&a| Some(a) != empty).collect();
