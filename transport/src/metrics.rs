@@ -58,6 +58,11 @@ pub struct EdgeCounters {
     pub write_stalls: AtomicU64,
     /// TLS handshakes that failed or timed out.
     pub handshake_failures: AtomicU64,
+    /// Connections a core accepted and handed to a lower core (`http::placement`).
+    pub handed: AtomicU64,
+    /// Connections closed because moving one between cores failed (the socket could not be
+    /// taken off one core's reactor or put on the other's).
+    pub handoff_failures: AtomicU64,
 }
 
 /// A fixed-bucket histogram: cumulative counts are computed when rendered.

@@ -39,6 +39,14 @@ pub struct ServeArgs {
           default_value_t = transport::cores::DEFAULT_IDLE_POLLS,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub core_idle_polls: u32,
+    /// New HTTP connections fill the cores in order: a core hands a connection it accepted
+    /// to the lowest core whose thread was awake less than this share of the last 100 ms
+    /// (at most 4 a core per 100 ms, so a burst still spreads). 0: every core serves what
+    /// the kernel gives its listener.
+    #[arg(long, env = "KVENGINE_EDGE_FILL",
+          default_value_t = transport::http::placement::DEFAULT_FILL_SHARE,
+          value_parser = parse_share)]
+    pub edge_fill: f64,
     /// Messages each client-to-shard ring holds.
     #[arg(long, env = "KVENGINE_RING_CAPACITY", default_value_t = 1024,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 24)))]
@@ -402,6 +410,14 @@ pub struct ServeArgs {
     pub disagg: DisaggArgs,
     #[command(flatten)]
     pub replicas: crate::replicas::ReplicaArgs,
+}
+
+pub(super) fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is not a share between 0 and 1")),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
 }
 
 pub(super) fn parse_mode(s: &str) -> Result<RouteMode, String> {

@@ -47,16 +47,19 @@ pub(super) fn run_on_cores(
     let mut app_tx = Some(app_tx);
     let mut handle_rx = Some(handle_rx);
     let shared_tls = edge_tls(args)?;
+    let placement = (args.edge_fill > 0.0 && cores > 1)
+        .then(|| transport::http::placement::Placement::new(cores, args.edge_fill));
     let results: Vec<Result<CoreSummary>> = std::thread::scope(|scope| {
         let mut threads = Vec::with_capacity(cores);
         for (k, (host, listener)) in hosted.cores.into_iter().zip(listeners).enumerate() {
-            let (hub, stop, handle_tx, app_rx, tls, policy) = (
+            let (hub, stop, handle_tx, app_rx, tls, policy, placement) = (
                 hub.clone(),
                 stop.clone(),
                 handle_tx.clone(),
                 app_rx.clone(),
                 shared_tls.clone(),
                 policy.clone(),
+                placement.clone(),
             );
             let setup = if k == 0 {
                 app_tx
@@ -70,10 +73,16 @@ pub(super) fn run_on_cores(
                 .name(format!("kvengine-core-{k}"))
                 .spawn_scoped(scope, move || -> Result<CoreSummary> {
                     let pinned = host.pin_current_thread();
-                    let rt = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .context("cannot start a core's runtime")?;
+                    let mut builder = tokio::runtime::Builder::new_current_thread();
+                    builder.enable_all();
+                    if let Some(p) = &placement {
+                        // The busy shares the edge places connections by.
+                        let (parks, wakes) = (p.clone(), p.clone());
+                        builder
+                            .on_thread_park(move || parks.parked(k))
+                            .on_thread_unpark(move || wakes.woke(k));
+                    }
+                    let rt = builder.build().context("cannot start a core's runtime")?;
                     let _ = handle_tx.send((k, pinned, rt.handle().clone()));
                     drop(handle_tx);
                     cores::install(host);
@@ -85,10 +94,15 @@ pub(super) fn run_on_cores(
                             Some((app_tx, handles, warm)) => {
                                 let handles = collect_handles(handles, cores, args.no_pin)?;
                                 let share = Some(app_tx);
-                                let startup = Startup { tls, warm, policy };
+                                let startup = Startup {
+                                    tls,
+                                    warm,
+                                    policy,
+                                    placement,
+                                };
                                 serve(hub, args, stop, listener, handles, share, startup).await
                             }
-                            None => serve_share(listener, app_rx, stop).await,
+                            None => serve_share(listener, k, app_rx, stop).await,
                         }
                     });
                     // Ends every task left (subscriptions, connections, health checks).
@@ -146,6 +160,7 @@ pub(super) fn collect_handles(
 /// Another core's share of the HTTP edge: the edge core 0 built, on this core's listener.
 pub(super) async fn serve_share(
     listener: tokio::net::TcpListener,
+    core: usize,
     mut app: tokio::sync::watch::Receiver<Option<Edge>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
@@ -159,7 +174,7 @@ pub(super) async fn serve_share(
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    transport::http::conn::serve(listener, edge, shutdown)
+    transport::http::conn::serve_on_core(listener, edge, core, shutdown)
         .await
         .context("HTTP edge")
 }
@@ -269,6 +284,7 @@ pub(super) fn run_threaded(
                 tls: edge_tls(args)?,
                 warm,
                 policy: policy.clone(),
+                placement: None,
             },
         )
         .await

@@ -61,6 +61,8 @@ pub(super) struct Startup {
     pub(super) warm: Option<crate::warm::Warm>,
     /// The sharding policy (snapshots record it).
     pub(super) policy: String,
+    /// Where the cores' listeners place connections (`--edge-fill`; the edge on the cores).
+    pub(super) placement: Option<std::sync::Arc<transport::http::placement::Placement>>,
 }
 
 /// The setup and this thread's share of the edge: registrations and subscriptions, simulated
@@ -73,7 +75,12 @@ pub(super) async fn serve(
     listener: tokio::net::TcpListener,
     spawner: Homes,
     share: Option<tokio::sync::watch::Sender<Option<Edge>>>,
-    Startup { tls, warm, policy }: Startup,
+    Startup {
+        tls,
+        warm,
+        policy,
+        placement,
+    }: Startup,
 ) -> Result<()> {
     let outbound = Outbound::new(args.worker_ca.as_deref()).context("--worker-ca")?;
     if args.worker_ca.is_some() {
@@ -270,6 +277,7 @@ pub(super) async fn serve(
         tls: tls.clone(),
         limits: args.conn_limits(),
         counters: hub.metrics().edge.clone(),
+        placement,
     };
     if let Some(share) = share {
         let _ = share.send(Some(edge.clone()));
@@ -303,7 +311,8 @@ pub(super) async fn serve(
     let shutdown = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let served = transport::http::conn::serve(listener, edge, shutdown).await;
+    // This is core 0 (or the one listener of the layout with HTTP threads).
+    let served = transport::http::conn::serve_on_core(listener, edge, 0, shutdown).await;
     health.abort();
     if let Some(s) = snapshots {
         s.abort();

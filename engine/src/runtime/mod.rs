@@ -30,6 +30,7 @@ mod core_state;
 mod deadline_tests;
 mod home;
 mod hosted;
+mod load;
 mod msg;
 mod promotion;
 mod promotion_state;
@@ -39,6 +40,7 @@ mod waker;
 pub use client::{IngestHandle, QueryHandle};
 pub use home::home_core;
 pub use hosted::{CoreHost, Lookup, SentQuery};
+pub use load::CoreLoads;
 pub use msg::CoreSummary;
 
 /// For the loom model of the sync protocol (`loom-tests/tests/barrier.rs`) only.

@@ -19,6 +19,11 @@
 //!
 //! Every refusal and closure is counted ([`EdgeCounters`], `/metrics`).
 //!
+//! On the cores ([`serve_on_core`]), a connection a core accepts may be served by a lower
+//! core instead ([`super::placement`]): it is handed over before anything is read from it,
+//! and the core it lands on serves it as one of its own accepts (its permits, its bounds,
+//! its shutdown).
+//!
 //! # Invariants
 //! 1. Accepting never waits on a peer: each connection (handshake included) runs in its own
 //!    task; only the refusal's few bytes are written from the accept loop, without waiting.
@@ -30,6 +35,7 @@
 //!    was read on them), and served connections finish the request in flight (HTTP/1
 //!    graceful shutdown) before [`serve`] returns.
 
+use super::placement::{Handed, Placement};
 use crate::error::Result;
 use crate::metrics::EdgeCounters;
 use axum::Router;
@@ -47,6 +53,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::{Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
 use tower::Layer;
@@ -96,6 +103,9 @@ pub struct Edge {
     pub limits: ConnLimits,
     /// Where refusals and closures are counted (the hub's `metrics().edge`).
     pub counters: Arc<EdgeCounters>,
+    /// Where the cores' listeners place their connections ([`super::placement`]); `None`:
+    /// each listener serves what it accepts.
+    pub placement: Option<Arc<Placement>>,
 }
 
 /// The answer to a connection past the cap (plain HTTP).
@@ -116,14 +126,37 @@ pub async fn serve(
     edge: Edge,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    serve_listener(listener, edge, None, shutdown).await
+}
+
+/// [`serve`] as core `core`'s share of the edge: with `edge.placement`, connections this
+/// listener accepts may go to a lower core, and those handed to this core are served here.
+pub async fn serve_on_core(
+    listener: TcpListener,
+    edge: Edge,
+    core: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    serve_listener(listener, edge, Some(core), shutdown).await
+}
+
+async fn serve_listener(
+    listener: TcpListener,
+    edge: Edge,
+    core: Option<usize>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let Edge {
         router,
         tls,
         limits,
         counters,
+        placement,
     } = edge;
-    let acceptor = tls.map(TlsAcceptor::from);
+    let seat = placement.zip(core);
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut inbox = seat.as_ref().and_then(|(p, k)| p.seat(*k, permits.clone()));
+    let acceptor = tls.map(TlsAcceptor::from);
     let lingering = Arc::new(Semaphore::new(MAX_LINGERING));
     // Served connections are watched by `graceful`; handshakes are not connections hyper
     // knows yet, so they listen to `stopping` instead and give up when it changes.
@@ -133,10 +166,25 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             () = &mut shutdown => break,
-            accepted = listener.accept() => accepted,
+            accepted = listener.accept() => accepted.map(|(tcp, peer)| (tcp, peer, None)),
+            handed = next_handed(&mut inbox) => match TcpStream::from_std(handed.tcp) {
+                Ok(tcp) => Ok((tcp, handed.peer, Some(handed.permit))),
+                Err(e) => {
+                    counters.handoff_failures.fetch_add(1, Relaxed);
+                    tracing::warn!("a connection handed to this core from {}: {e}", handed.peer);
+                    continue;
+                }
+            },
         };
-        let (tcp, peer) = match accepted {
-            Ok(conn) => conn,
+        let (tcp, peer, permit) = match accepted {
+            Ok((tcp, peer, Some(permit))) => (tcp, peer, Ok(permit)),
+            Ok((tcp, peer, None)) => match &seat {
+                Some((placement, me)) => match place(placement, *me, tcp, peer, &counters) {
+                    Some((tcp, peer)) => (tcp, peer, permits.clone().try_acquire_owned()),
+                    None => continue,
+                },
+                None => (tcp, peer, permits.clone().try_acquire_owned()),
+            },
             Err(e) => {
                 if !is_per_connection(&e) {
                     // Out of descriptors or the like: retrying at once would spin.
@@ -149,7 +197,7 @@ pub async fn serve(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
+        let Ok(permit) = permit else {
             counters.refused.fetch_add(1, Relaxed);
             tracing::debug!("refused a connection from {peer}: at the connection limit");
             refuse(tcp, acceptor.is_none(), &lingering);
@@ -225,12 +273,64 @@ pub async fn serve(
             }
         });
     }
-    // Stop accepting first: new clients are refused rather than left waiting.
+    // Stop accepting first: new clients are refused rather than left waiting, and so are
+    // connections handed to this core and not taken (placement invariant 3).
     drop(listener);
+    drop(inbox);
     // `send` errs only when every handshake task is gone already, which is fine.
     let _ = stopping_tx.send(());
     graceful.shutdown().await;
     Ok(())
+}
+
+/// The next connection another core handed to this one; pending forever without an inbox.
+async fn next_handed(inbox: &mut Option<UnboundedReceiver<Handed>>) -> Handed {
+    loop {
+        match inbox {
+            Some(rx) => match rx.recv().await {
+                Some(handed) => return handed,
+                // Every sender is gone: the placement was dropped.
+                None => *inbox = None,
+            },
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Hands a connection core `me` accepted to the core placement chooses; `Some`: it stays
+/// here (no other core, or that core takes no more: placement invariant 3).
+fn place(
+    placement: &Placement,
+    me: usize,
+    tcp: TcpStream,
+    peer: std::net::SocketAddr,
+    counters: &EdgeCounters,
+) -> Option<(TcpStream, std::net::SocketAddr)> {
+    let Some((to, permit)) = placement.target(me) else {
+        return Some((tcp, peer));
+    };
+    let handed = match tcp.into_std() {
+        Ok(tcp) => Handed { tcp, peer, permit },
+        Err(e) => {
+            counters.handoff_failures.fetch_add(1, Relaxed);
+            tracing::warn!("a connection from {peer}: cannot take it off this core: {e}");
+            return None;
+        }
+    };
+    match placement.hand(to, handed) {
+        Ok(()) => {
+            counters.handed.fetch_add(1, Relaxed);
+            None
+        }
+        Err(back) => match TcpStream::from_std(back.tcp) {
+            Ok(tcp) => Some((tcp, peer)),
+            Err(e) => {
+                counters.handoff_failures.fetch_add(1, Relaxed);
+                tracing::warn!("a connection from {peer}: cannot serve it back here: {e}");
+                None
+            }
+        },
+    }
 }
 
 /// A served connection: counted open until dropped, holding its permit.

@@ -102,6 +102,7 @@ async fn serve(
             ..super::conn::ConnLimits::default()
         },
         counters: Arc::default(),
+        placement: None,
     };
     super::conn::serve(listener, edge, shutdown).await
 }

@@ -509,11 +509,18 @@ fn register_bounds(reg: &mut Registry, hub: &Hub, cores: &[CoreSummary]) {
         ("body_timeout", &edge.body_timeouts),
         ("write_stall", &edge.write_stalls),
         ("tls_handshake", &edge.handshake_failures),
+        ("handoff_failed", &edge.handoff_failures),
     ] {
         closed
             .get_or_create(&[("reason", reason.to_owned())])
             .inc_by(n.load(Relaxed));
     }
+    reg.register(
+        "kvengine_http_connections_handed",
+        "HTTP connections a core accepted and handed to a lower core that was not busy \
+         (--edge-fill)",
+        counter(edge.handed.load(Relaxed)),
+    );
     reg.register(
         "kvengine_http_connections_refused",
         "HTTP connections refused or closed by the edge's bounds, by reason (body_timeout: \

@@ -21,6 +21,7 @@ mod events;
 pub mod health;
 pub mod metrics_text;
 mod misses;
+pub mod placement;
 pub mod process;
 pub mod route_body;
 mod routing;
@@ -107,6 +108,7 @@ pub async fn serve_http(
         tls: None,
         limits: conn::ConnLimits::default(),
         counters: Arc::default(),
+        placement: None,
     };
     conn::serve(listener, edge, shutdown).await
 }
