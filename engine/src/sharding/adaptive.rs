@@ -113,9 +113,13 @@ impl ShardPolicy for Adaptive {
 
     #[inline]
     fn query_shard(&self, seqs: &[SeqHash]) -> ShardId {
-        let past = seqs.iter().position(|&s| !self.trunk.contains(s));
-        match past {
-            Some(i) => ShardId(self.anchored(seqs[i], i > 0).0 as u16),
+        // A query's blocks are a chain from its first block, and the trunk is closed under
+        // parents (trunk invariant 1): its members are a prefix of the chain, so the first
+        // block past the trunk is found by binary search, not by asking for every block of
+        // a long shared prompt (a 128-block system prompt was 128 set lookups a query).
+        let past = seqs.partition_point(|&s| self.trunk.contains(s));
+        match seqs.get(past) {
+            Some(&first) => ShardId(self.anchored(first, past > 0).0 as u16),
             // All trunk: every shard can answer; spread by the request's last block.
             None => seqs
                 .last()
@@ -161,6 +165,37 @@ mod tests {
 
     fn routes(p: &Adaptive, seqs: &[SeqHash]) -> Vec<Placement> {
         crate::sharding::chain_placements(p, seqs)
+    }
+
+    /// The binary search of `query_shard` answers what a scan for the first block past the
+    /// trunk answers, for chains that leave a 40-block trunk at every depth.
+    #[test]
+    fn the_query_shard_is_the_first_block_past_the_trunk() {
+        let mut p = Adaptive::new(4, 8).unwrap();
+        let prompt: Vec<u32> = (0..40 * 16).collect();
+        let prompt_seqs = seq_hashes(&prompt, 16, BASE_SEED);
+        p.promote(&prompt_seqs, &[], ShardId(0));
+        let scan = |seqs: &[SeqHash]| match seqs.iter().position(|&s| !p.in_trunk(s)) {
+            Some(i) => ShardId(p.anchored(seqs[i], i > 0).0 as u16),
+            None => seqs
+                .last()
+                .map_or(ShardId(0), |s| shard_of(s.0, p.shards.into())),
+        };
+        for keep in 0..=40 {
+            for tail in [0usize, 1, 7] {
+                let tokens: Vec<u32> = prompt[..keep * 16]
+                    .iter()
+                    .copied()
+                    .chain((0..tail * 16).map(|t| t as u32 * 7 + 100_000 + keep as u32))
+                    .collect();
+                let seqs = seq_hashes(&tokens, 16, BASE_SEED);
+                assert_eq!(
+                    p.query_shard(&seqs),
+                    scan(&seqs),
+                    "keep {keep}, tail {tail}"
+                );
+            }
+        }
     }
 
     #[test]

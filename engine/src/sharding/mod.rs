@@ -95,7 +95,9 @@ pub trait ShardPolicy: Send + Sync + fmt::Debug {
     /// Where the entries of the block `seq`, placed at `route`, live now.
     fn placement(&self, seq: SeqHash, route: Route) -> Placement;
 
-    /// The shard that answers a query for `seqs`.
+    /// The shard that answers a query for `seqs`, a prompt's chain of seq_hashes from its
+    /// first block (what `crate::hash` computes; a slice that is not a chain gets some
+    /// shard, and its answer may miss blocks, never a panic).
     fn query_shard(&self, seqs: &[SeqHash]) -> ShardId;
 
     /// Picks up the latest trunk, if the policy has one (called by the policy's owner
