@@ -166,12 +166,14 @@ pub.setsockopt(zmq.HEARTBEAT_IVL, 50)
 pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 200)
 monitor = pub.get_monitor_socket(zmq.EVENT_ACCEPTED)
 accepted = [0]
-def watch():
+def count_accepts():
+    # Every accept queued its event on the monitor's pipe when it happened: drain them all,
+    # waiting (up to 10 s) only while none has come. A thread reading them could still be
+    # behind when asked, under load (it once answered 0).
     from zmq.utils.monitor import recv_monitor_message
-    while True:
+    while monitor.poll(0 if accepted[0] else 10000):
         if recv_monitor_message(monitor)["event"] == zmq.EVENT_ACCEPTED:
             accepted[0] += 1
-threading.Thread(target=watch, daemon=True).start()
 pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
 router = ctx.socket(zmq.ROUTER)
 router_port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -194,6 +196,7 @@ for line in sys.stdin:
     if not parts or parts[0] == "quit":
         break
     if parts[0] == "count":
+        count_accepts()
         print("accepted", accepted[0], flush=True)
         continue
     seq, payload = int(parts[1]), bytes.fromhex(parts[2])
