@@ -129,7 +129,49 @@ fn approx(c: &mut Criterion) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Blocks of a Mooncake-sized prompt (~10k tokens at 16 a block).
+const LONG_BLOCKS: u64 = 640;
+/// Requests in flight while the lifecycle bench runs: their blocks keep the active-block
+/// map at ~164k entries, past the L2 cache, as a busy router's is.
+const IN_FLIGHT: u64 = 256;
+
+/// One request's life in the scheduler's load accounting: `add_active` of a long private
+/// prompt on one of 4 workers, and `free` of the oldest request in flight (issue 31: the two
+/// were 2.7% of the router's CPU on the Mooncake replay, a cache miss per block).
+fn lifecycle(c: &mut Criterion) -> anyhow::Result<()> {
+    let now = Instant::now();
+    let mut s = Scheduler::new(SchedulerConfig::default())?;
+    let ks = keys(4);
+    for &k in &ks {
+        s.add_worker(k)?;
+    }
+    let mut live = std::collections::VecDeque::new();
+    let mut id = 0u64;
+    let add = |s: &mut Scheduler, id: u64| {
+        let k = ks[(id % 4) as usize];
+        s.add_active(now, k, RequestId(id), &blocks(id, LONG_BLOCKS), LONG_BLOCKS * 16, 0)
+    };
+    for _ in 0..IN_FLIGHT {
+        id += 1;
+        add(&mut s, id)?;
+        live.push_back(id);
+    }
+    let mut g = c.benchmark_group("schedule/lifecycle");
+    g.bench_function(BenchmarkId::from_parameter(LONG_BLOCKS), |b| {
+        b.iter(|| {
+            id += 1;
+            let added = add(&mut s, id).is_ok();
+            live.push_back(id);
+            let freed = live.pop_front().is_some_and(|old| s.free(RequestId(old)).is_ok());
+            added && freed
+        })
+    });
+    g.finish();
+    Ok(())
+}
+
 fn run(c: &mut Criterion) -> anyhow::Result<()> {
+    lifecycle(c)?;
     decide(c, "schedule/decide", 0.0)?;
     decide(c, "schedule/decide_t1", 1.0)?;
     approx(c)
