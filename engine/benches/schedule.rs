@@ -149,7 +149,14 @@ fn lifecycle(c: &mut Criterion) -> anyhow::Result<()> {
     let mut id = 0u64;
     let add = |s: &mut Scheduler, id: u64| {
         let k = ks[(id % 4) as usize];
-        s.add_active(now, k, RequestId(id), &blocks(id, LONG_BLOCKS), LONG_BLOCKS * 16, 0)
+        s.add_active(
+            now,
+            k,
+            RequestId(id),
+            &blocks(id, LONG_BLOCKS),
+            LONG_BLOCKS * 16,
+            0,
+        )
     };
     for _ in 0..IN_FLIGHT {
         id += 1;
@@ -162,7 +169,9 @@ fn lifecycle(c: &mut Criterion) -> anyhow::Result<()> {
             id += 1;
             let added = add(&mut s, id).is_ok();
             live.push_back(id);
-            let freed = live.pop_front().is_some_and(|old| s.free(RequestId(old)).is_ok());
+            let freed = live
+                .pop_front()
+                .is_some_and(|old| s.free(RequestId(old)).is_ok());
             added && freed
         })
     });

@@ -99,7 +99,9 @@ pub const PAUSE_BLOCKS: usize = 16;
 pub const DEFAULT_MAX_BLOCKS_PER_KEY: usize = 1 << 22;
 
 /// [`Directory::touch`] on the next [`PAUSE_BLOCKS`] engine hashes of `rest`: the chunk of
-/// directory work about to run, so its cache misses overlap (measured on W1's removals).
+/// removals about to run, so its cache misses overlap (W1's removals 9.2M to 15.1M blocks/s,
+/// docs/benchmarks.md). Stores do not do this: their entries are new, and reading ahead
+/// made W1's and W4's stores slower in 4 of 5 pairs.
 #[inline]
 fn touch_chunk<R: BlockRef>(dir: &Directory<R>, rest: impl Iterator<Item = EngineHash>) {
     let mut chunk = [EngineHash(0); PAUSE_BLOCKS];
@@ -229,9 +231,6 @@ impl<R: BlockRef> Directories<R> {
         let mut recorded = 0;
         let mut conflict = None;
         for (b, &r) in blocks.iter().zip(&self.refs) {
-            if recorded % PAUSE_BLOCKS == 0 {
-                touch_chunk(dir, blocks.iter().skip(recorded).map(|b| b.engine_hash));
-            }
             if let Insert::Conflict(_) =
                 dir.insert(b.engine_hash, r, |have| store.same_block(have, r))
             {
