@@ -98,21 +98,6 @@ pub const PAUSE_BLOCKS: usize = 16;
 /// than any GPU's KV cache holds. The library's own default is no cap.
 pub const DEFAULT_MAX_BLOCKS_PER_KEY: usize = 1 << 22;
 
-/// [`Directory::touch`] on the next [`PAUSE_BLOCKS`] engine hashes of `rest`: the chunk of
-/// removals about to run, so its cache misses overlap (W1's removals 9.2M to 15.1M blocks/s,
-/// docs/benchmarks.md). Stores do not do this: their entries are new, and reading ahead
-/// made W1's and W4's stores slower in 4 of 5 pairs.
-#[inline]
-fn touch_chunk<R: BlockRef>(dir: &Directory<R>, rest: impl Iterator<Item = EngineHash>) {
-    let mut chunk = [EngineHash(0); PAUSE_BLOCKS];
-    let mut n = 0;
-    for (slot, e) in chunk.iter_mut().zip(rest) {
-        *slot = e;
-        n += 1;
-    }
-    dir.touch(chunk.get(..n).unwrap_or(&[]));
-}
-
 /// Every worker key's directory.
 #[derive(Debug)]
 pub struct Directories<R> {
@@ -299,7 +284,12 @@ impl<R: BlockRef> Directories<R> {
                 self.refs.clear();
                 for (i, &e) in blocks.iter().enumerate() {
                     if i % PAUSE_BLOCKS == 0 {
-                        touch_chunk(dir, blocks.iter().skip(i).copied());
+                        // The chunk of removals about to run: its lookups' cache misses
+                        // overlap (W1's removals 9.2M to 15.1M blocks/s, docs/benchmarks.md).
+                        // Stores do not do this: their entries are new, and reading ahead
+                        // made W1's and W4's stores slower in 4 of 5 pairs.
+                        let end = blocks.len().min(i + PAUSE_BLOCKS);
+                        dir.touch(blocks.get(i..end).unwrap_or(&[]));
                     }
                     match dir.remove(e) {
                         Some(found) => self.refs.push(found),
