@@ -170,9 +170,11 @@ fn ties_go_to_fewer_cached_blocks() {
         _ => 7,
     };
     for seed in 0..32 {
+        // The footprint term off: the totals only break the tie.
         let mut s = scheduler(
             SchedulerConfig {
                 seed,
+                footprint_weight: 0.0,
                 ..Default::default()
             },
             &keys,
@@ -182,6 +184,54 @@ fn ties_go_to_fewer_cached_blocks() {
             .unwrap();
         assert!(d.candidates.iter().all(|c| c.logit == 4.0));
         assert_eq!(d.worker, key(2, 0));
+    }
+}
+
+#[test]
+fn the_footprint_term_charges_blocks_beyond_the_least_filled_candidate() {
+    let now = Instant::now();
+    let (a, b) = (key(1, 0), key(2, 0));
+    // A cold request of 2 blocks (32 tokens); B carries one prefilled block of another
+    // request, so its logit is 1 above A's (2 + 2 against 2 + 2 + 1).
+    let blocks = hs(&[1, 2]);
+    // A caches 1,000 blocks more than B.
+    let cached = |k: WorkerKey| if k == a { 1_500 } else { 500 };
+    let route = |weight: f64| {
+        let mut s = scheduler(
+            SchedulerConfig {
+                footprint_weight: weight,
+                ..Default::default()
+            },
+            &[a, b],
+        );
+        s.add_active(now, b, RequestId(9), &hs(&[99]), 16, 1)
+            .unwrap();
+        s.prefilled(RequestId(9)).unwrap();
+        s.route(now, &req(1, &blocks, 32), &Matches::default(), cached)
+            .unwrap()
+    };
+    // Weight 0: the load alone decides (A, 4 against 5).
+    let d = route(0.0);
+    let logits: Vec<_> = d.candidates.iter().map(|c| (c.key, c.logit)).collect();
+    assert_eq!(logits, vec![(a, 4.0), (b, 5.0)]);
+    assert_eq!(d.worker, a);
+    // 0.0005 per block: A pays 0.5 more, still below B's 5.
+    let d = route(0.0005);
+    let logits: Vec<_> = d.candidates.iter().map(|c| (c.key, c.logit)).collect();
+    assert_eq!(logits, vec![(a, 4.5), (b, 5.0)]);
+    assert_eq!(d.worker, a);
+    // 0.002 per block: A pays 2 more (6 against 5): the emptier cache wins.
+    let d = route(0.002);
+    let logits: Vec<_> = d.candidates.iter().map(|c| (c.key, c.logit)).collect();
+    assert_eq!(logits, vec![(a, 6.0), (b, 5.0)]);
+    assert_eq!(d.worker, b);
+    // The weight is validated like every other.
+    for bad in [-1.0, f64::NAN, f64::INFINITY] {
+        let cfg = SchedulerConfig {
+            footprint_weight: bad,
+            ..Default::default()
+        };
+        assert!(Scheduler::new(cfg).is_err(), "{bad}");
     }
 }
 

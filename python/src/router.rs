@@ -107,11 +107,12 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 18] = [
+const SETTINGS: [&str; 19] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
     "router_recompute_weight",
+    "router_footprint_weight",
     "predict_on_route_ms",
     "kv_cache_block_size",
     "router_temperature",
@@ -160,6 +161,9 @@ fn settings_from(
                 "router_stall_weight" => s.scheduler.stall_weight = v.extract().map_err(bad)?,
                 "router_recompute_weight" => {
                     s.scheduler.recompute_weight = v.extract().map_err(bad)?
+                }
+                "router_footprint_weight" => {
+                    s.scheduler.footprint_weight = v.extract().map_err(bad)?
                 }
                 "predict_on_route_ms" => {
                     let ms: u64 = v.extract().map_err(bad)?;

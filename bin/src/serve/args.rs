@@ -122,6 +122,13 @@ pub struct ServeArgs {
     #[arg(long, env = "KVENGINE_ROUTER_RECOMPUTE_WEIGHT",
           default_value_t = engine::sched::config::DEFAULT_RECOMPUTE_WEIGHT)]
     pub router_recompute_weight: f64,
+    /// What each KV block a worker caches beyond the least-filled candidate costs, in
+    /// blocks of prefill: a fuller cache evicts sooner, so new prefixes go where they live
+    /// longest (SGLang's router sends a cold prompt to its smallest tree). 0: cache
+    /// footprints only break exact ties.
+    #[arg(long, env = "KVENGINE_ROUTER_FOOTPRINT_WEIGHT",
+          default_value_t = engine::sched::config::DEFAULT_FOOTPRINT_WEIGHT)]
+    pub router_footprint_weight: f64,
     /// Predict-on-route: each routing decision also counts as the chosen worker holding
     /// the prompt's blocks for this many milliseconds (refreshed by each later decision for
     /// them), so that requests sharing a prefix that arrive before the worker's KV events
@@ -486,6 +493,7 @@ impl ServeArgs {
             cost: self.router_cost,
             stall_weight: self.router_stall_weight,
             recompute_weight: self.router_recompute_weight,
+            footprint_weight: self.router_footprint_weight,
             max_active_per_key: (self.max_active_requests_per_worker > 0)
                 .then_some(self.max_active_requests_per_worker),
             predict_on_route: (self.predict_on_route_ms > 0)

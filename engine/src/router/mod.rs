@@ -318,7 +318,9 @@ impl Router {
         self.cached = totals.into_iter().collect();
     }
 
-    /// `key`'s cached-block total as of the last [`Router::set_cached_blocks`].
+    /// `key`'s cached-block total as of the last [`Router::set_cached_blocks`], plus the
+    /// blocks routed to it since that it did not cache yet (an estimate that only grows
+    /// until the next refresh replaces it).
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
         self.cached.get(&key).copied().unwrap_or(0)
     }
@@ -406,6 +408,12 @@ impl Router {
             .map_err(RouteError::Engine)?;
         if let Some(sid) = call.session {
             self.sessions.assign(now, sid, decision.worker);
+        }
+        // Until the next refresh, the chosen key's footprint grows by what it will store.
+        let stored = (seqs.len() as u64).saturating_sub(u64::from(decision.overlap_blocks));
+        if stored > 0 {
+            let n = self.cached.entry(decision.worker).or_insert(0);
+            *n = n.saturating_add(stored);
         }
         self.next_id += 1;
         self.ids.insert(name.clone(), id);

@@ -310,6 +310,36 @@ fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
 }
 
 #[test]
+fn cached_totals_grow_by_what_each_route_will_store_until_the_next_refresh() {
+    let mut r = router();
+    let k = WorkerKey::new(1, 0);
+    let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
+    let tokens = [7u32; 128];
+    let call = |name: &str| RouteCall {
+        request_id: Some(name.into()),
+        tokens: &tokens,
+        ..RouteCall::default()
+    };
+    let t0 = Instant::now();
+    // Never refreshed: the routes alone count (8 new blocks).
+    r.route(t0, &call("r0"), &seqs, &Matches::default())
+        .unwrap();
+    assert_eq!(r.cached_blocks(k), 8);
+    r.set_cached_blocks([(k, 100)]);
+    // 3 of the 8 blocks cached already: 5 more to store.
+    let three = Matches::from_overlaps([(k, 3)]);
+    r.route(t0, &call("r1"), &seqs, &three).unwrap();
+    assert_eq!(r.cached_blocks(k), 105);
+    // All cached: nothing to store.
+    let all = Matches::from_overlaps([(k, 8)]);
+    r.route(t0, &call("r2"), &seqs, &all).unwrap();
+    assert_eq!(r.cached_blocks(k), 105);
+    // The next refresh replaces the estimate with the index's count.
+    r.set_cached_blocks([(k, 90)]);
+    assert_eq!(r.cached_blocks(k), 90);
+}
+
+#[test]
 fn predict_on_route_off_leaves_overlaps_to_the_index() {
     let mut r = router();
     let seqs: Vec<SeqHash> = (1..=4).map(SeqHash).collect();

@@ -232,6 +232,10 @@ pub struct SchedulerConfig {
     /// request's own cost (see [`crate::sched::cost`]): the cluster's compute spent twice,
     /// which slows every later request. 0: the request's own cost alone decides.
     pub recompute_weight: f64,
+    /// What each block a key caches beyond the least-filled candidate costs, in the unit of
+    /// the cost's prefill term (see [`crate::sched::cost`]): a fuller cache evicts sooner,
+    /// so new prefixes go where they live longest. 0: footprints only break exact ties.
+    pub footprint_weight: f64,
     /// The most active requests one worker key may carry; a key at the limit is no
     /// candidate, and a call finding every key there fails with `AtCapacity`. `None`: no
     /// limit. The default keeps a runaway client (or requests never freed) from piling
@@ -262,6 +266,16 @@ pub const DEFAULT_STALL_WEIGHT: f64 = 0.03;
 /// p99 was no worse, because the queue term still moves a request when a queue is long.
 pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 32.0;
 
+/// The default [`SchedulerConfig::footprint_weight`]: a worker caching 20,000 blocks more
+/// than the emptiest candidate charges a request 1,000 blocks of prefill, about one
+/// Mooncake prompt. It only matters while caches fill (once every worker is full their
+/// footprints are equal) and for prefixes nobody caches (the recompute term outweighs it
+/// elsewhere). Chosen side by side with sglang-router on the Mooncake trace at 131,072
+/// blocks per worker, where one LRU of the cluster's size bounds the hit rate at 16.91%:
+/// without it kvengine's runs scored 16.46-16.88%, at 0.05 16.86-16.91% (docs/benchmarks.md,
+/// "Issue 31", eighth session).
+pub const DEFAULT_FOOTPRINT_WEIGHT: f64 = 0.05;
+
 /// The default [`SchedulerConfig::predict_on_route`]: long enough to bridge the time from a
 /// decision to the worker's KV events for it (its prefill), short enough that a prediction
 /// the events did not confirm lapses quickly. With the recompute term, 300 ms brought the
@@ -285,6 +299,7 @@ impl Default for SchedulerConfig {
             cost: RouterCost::default(),
             stall_weight: DEFAULT_STALL_WEIGHT,
             recompute_weight: DEFAULT_RECOMPUTE_WEIGHT,
+            footprint_weight: DEFAULT_FOOTPRINT_WEIGHT,
             max_active_per_key: Some(DEFAULT_MAX_ACTIVE_PER_KEY),
             predict_on_route: Some(DEFAULT_PREDICT_ON_ROUTE),
         }
@@ -311,6 +326,12 @@ impl SchedulerConfig {
         if !(self.recompute_weight.is_finite() && self.recompute_weight >= 0.0) {
             return Err(EngineError::InvalidArgument {
                 name: "recompute_weight",
+                reason: "must be finite and non-negative",
+            });
+        }
+        if !(self.footprint_weight.is_finite() && self.footprint_weight >= 0.0) {
+            return Err(EngineError::InvalidArgument {
+                name: "footprint_weight",
                 reason: "must be finite and non-negative",
             });
         }

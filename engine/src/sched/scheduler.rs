@@ -647,6 +647,12 @@ fn pick(
             },
         },
     );
+    let mut gathered = gathered;
+    charge_footprints(
+        &mut gathered.candidates,
+        config.footprint_weight,
+        cached_blocks,
+    );
     if gathered.candidates.is_empty()
         && gathered.full > 0
         && let Some(limit) = config.max_active_per_key
@@ -683,6 +689,24 @@ fn pick(
         chosen,
         gathered,
     })
+}
+
+/// Adds `weight` per block each candidate caches beyond the least-filled one to its logit
+/// (`crate::sched::cost`, the footprint term). Nothing at weight 0 or with one candidate.
+fn charge_footprints(
+    candidates: &mut [CandidateScore],
+    weight: f64,
+    cached_blocks: &dyn Fn(WorkerKey) -> u64,
+) {
+    if weight == 0.0 || candidates.len() < 2 {
+        return;
+    }
+    let Some(least) = candidates.iter().map(|c| cached_blocks(c.key)).min() else {
+        return;
+    };
+    for c in candidates.iter_mut() {
+        c.logit += weight * (cached_blocks(c.key) - least) as f64;
+    }
 }
 
 #[cfg(test)]
