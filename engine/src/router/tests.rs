@@ -253,6 +253,15 @@ fn approximate_mode_predicts_what_it_routed() {
     assert_eq!(m.overlap(WorkerKey::new(8, 0)), 3);
 }
 
+/// A call named `name` with prompt `tokens`.
+fn named<'a>(name: &str, tokens: &'a [u32]) -> RouteCall<'a> {
+    RouteCall {
+        request_id: Some(name.into()),
+        tokens,
+        ..RouteCall::default()
+    }
+}
+
 #[test]
 fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
     use std::time::Duration;
@@ -268,11 +277,7 @@ fn predict_on_route_lends_a_decision_to_the_next_request_until_it_expires() {
     }
     let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
     let tokens = [7u32; 128];
-    let call = |name: &str| RouteCall {
-        request_id: Some(name.into()),
-        tokens: &tokens,
-        ..RouteCall::default()
-    };
+    let call = |name: &str| named(name, &tokens);
     let t0 = Instant::now();
     let first = r
         .route(t0, &call("r1"), &seqs, &Matches::default())
@@ -315,11 +320,7 @@ fn cached_totals_grow_by_what_each_route_will_store_until_the_next_refresh() {
     let k = WorkerKey::new(1, 0);
     let seqs: Vec<SeqHash> = (1..=8).map(SeqHash).collect();
     let tokens = [7u32; 128];
-    let call = |name: &str| RouteCall {
-        request_id: Some(name.into()),
-        tokens: &tokens,
-        ..RouteCall::default()
-    };
+    let call = |name: &str| named(name, &tokens);
     let t0 = Instant::now();
     // Never refreshed: the routes alone count (8 new blocks).
     r.route(t0, &call("r0"), &seqs, &Matches::default())
