@@ -272,8 +272,9 @@ pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 32.0;
 /// footprints are equal) and for prefixes nobody caches (the recompute term outweighs it
 /// elsewhere). Chosen side by side with sglang-router on the Mooncake trace at 131,072
 /// blocks per worker, where one LRU of the cluster's size bounds the hit rate at 16.91%:
-/// without it kvengine's runs scored 16.46-16.88%, at 0.05 16.86-16.91% (docs/benchmarks.md,
-/// "Issue 31", eighth session).
+/// the medians were equal with and without it (16.88%), but without it one run in ten lost
+/// a long prefix (16.46%), with it none in fifteen did (lowest 16.86%); 0.2 cost E2E p50
+/// (docs/benchmarks.md, "Issue 31", eighth session).
 pub const DEFAULT_FOOTPRINT_WEIGHT: f64 = 0.05;
 
 /// The default [`SchedulerConfig::predict_on_route`]: long enough to bridge the time from a

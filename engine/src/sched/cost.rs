@@ -39,7 +39,8 @@
 //! have been hit later, while the others still have room. Load alone does not see this: on
 //! the Mooncake trace at 131,072 blocks per worker, a cache no router can beat (one LRU of
 //! the cluster's size) hits 16.91% of the prompt tokens, and where the load put each new
-//! prefix moved kvengine's runs between 16.46% and 16.88%. The term sends new prefixes to
+//! prefix decided whether a long prefix outlived its worker's LRU (one run in ten fell to
+//! 16.46%; with the term none of fifteen fell below 16.86%). The term sends new prefixes to
 //! the emptier caches, as SGLang's router does with its smallest tree. It vanishes when
 //! every cache is full (their footprints are equal), and for a prefix some worker holds the
 //! recompute term outweighs it.

@@ -624,7 +624,7 @@ fn pick(
             ranks => ranks,
         },
     };
-    let gathered = scratch.gather(
+    let mut gathered = scratch.gather(
         scope,
         &Context {
             workers,
@@ -647,7 +647,6 @@ fn pick(
             },
         },
     );
-    let mut gathered = gathered;
     charge_footprints(
         &mut gathered.candidates,
         config.footprint_weight,
