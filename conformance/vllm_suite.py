@@ -777,6 +777,7 @@ class Suite:
             self.mismatch(f"prediction {info} ({cause})")
         else:
             log(f"    ok {info}")
+        self.await_stored(wid, ids, salt)
         best = max(pred.values()) if pred else 0
         if pred.get(wid, 0) < best:
             msg = (f"routing {name}: chose worker {wid} (overlap {pred.get(wid, 0)}) while "
@@ -791,6 +792,18 @@ class Suite:
     def wait_shadows_idle(self):
         for sh in self.shadows.values():
             sh.wait_idle()
+
+    def await_stored(self, wid, ids, salt, deadline_s=2.0):
+        """After a request answered: vLLM publishes the prompt's blocks an engine step or
+        more later, which can be after the shadows' quiet period (a later request then
+        found them cached while no event had said so yet). Wait until worker `wid`'s shadow
+        holds the prompt's full blocks, or the deadline passes (an eviction may have taken
+        them; the comparisons report whatever is left)."""
+        sh = self.shadows.get(wid)
+        full = len(ids) // BS
+        end = time.time() + deadline_s
+        while sh is not None and sh.overlap(ids, salt) < full and time.time() < end:
+            time.sleep(0.05)
 
     def sync_probe(self, probe, deadline_s=5.0):
         """Before a routed request: kvengine has caught up with the shadow for this prompt."""
