@@ -17,9 +17,10 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use transport::hub::Registration;
+use transport::TransportError;
+use transport::hub::{Hub, Registration};
 
 /// Where a request went, and why: every candidate with its cost.
 #[pyclass(frozen, get_all, module = "kvengine")]
@@ -107,12 +108,13 @@ impl Decision {
 
 /// Settings, named as the `kvengine` command line names them (`--router-mode` is
 /// `router_mode`).
-const SETTINGS: [&str; 19] = [
+const SETTINGS: [&str; 20] = [
     "router_mode",
     "router_cost",
     "router_stall_weight",
     "router_recompute_weight",
     "router_footprint_weight",
+    "cached_refresh_ms",
     "predict_on_route_ms",
     "kv_cache_block_size",
     "router_temperature",
@@ -129,10 +131,16 @@ const SETTINGS: [&str; 19] = [
     "seed",
 ];
 
+/// How long the per-worker cached-block totals the footprint term and tie-breaks read stay
+/// in use before a route re-reads them from the index (the router process's health loop
+/// refreshes them at this interval; in-process there is no loop, so `route` does).
+const DEFAULT_CACHED_REFRESH: Duration = Duration::from_secs(2);
+
 fn settings_from(
     config: Option<&Bound<'_, PyDict>>,
     kwargs: Option<&Bound<'_, PyDict>>,
-) -> PyResult<EngineSettings> {
+) -> PyResult<(EngineSettings, Duration)> {
+    let mut cached_refresh = DEFAULT_CACHED_REFRESH;
     let mut s = EngineSettings {
         scheduler: SchedulerConfig::default(),
         cores: 1,
@@ -164,6 +172,9 @@ fn settings_from(
                 }
                 "router_footprint_weight" => {
                     s.scheduler.footprint_weight = v.extract().map_err(bad)?
+                }
+                "cached_refresh_ms" => {
+                    cached_refresh = Duration::from_millis(v.extract().map_err(bad)?)
                 }
                 "predict_on_route_ms" => {
                     let ms: u64 = v.extract().map_err(bad)?;
@@ -213,7 +224,7 @@ fn settings_from(
     if s.ring_capacity < 2 {
         return Err(PyValueError::new_err("ring_capacity must be at least 2"));
     }
-    Ok(s)
+    Ok((s, cached_refresh))
 }
 
 /// The KV-aware router, in-process: an index of the workers' caches plus the scheduler.
@@ -232,6 +243,27 @@ pub struct KvRouter {
     shared: Arc<Shared>,
     policy: Option<Py<PyAny>>,
     config: SchedulerConfig,
+    /// See [`DEFAULT_CACHED_REFRESH`].
+    cached_refresh: Duration,
+    /// When the cached-block totals were last read from the index (`None`: never).
+    refreshed: Mutex<Option<Instant>>,
+}
+
+impl KvRouter {
+    /// Re-reads the per-worker cached-block totals from the index if they are older than
+    /// `cached_refresh` (or were never read). Called with the GIL released.
+    fn refresh_if_stale(&self, hub: &Hub, now: Instant) -> Result<(), TransportError> {
+        let mut last = self
+            .refreshed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|t| now.saturating_duration_since(t) < self.cached_refresh) {
+            return Ok(());
+        }
+        hub.refresh_cached_blocks()?;
+        *last = Some(now);
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -244,7 +276,7 @@ impl KvRouter {
         policy: Option<Py<PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let settings = settings_from(config, kwargs)?;
+        let (settings, cached_refresh) = settings_from(config, kwargs)?;
         if let Some(p) = &policy
             && !p.bind(py).is_callable()
         {
@@ -263,6 +295,8 @@ impl KvRouter {
             shared,
             policy,
             config: settings.scheduler,
+            cached_refresh,
+            refreshed: Mutex::new(None),
         })
     }
 
@@ -429,7 +463,12 @@ impl KvRouter {
             _ => None,
         };
         let shared = Arc::clone(&self.shared);
-        let (routed, policy_error) = py.detach(move || {
+        let (routed, policy_error) = py.detach(|| {
+            let hub = shared.hub();
+            let now = Instant::now();
+            if let Err(e) = self.refresh_if_stale(hub, now) {
+                return (Err(e), None);
+            }
             let call = RouteCall {
                 request_id,
                 tokens: &tokens,
@@ -438,13 +477,12 @@ impl KvRouter {
                 overrides,
                 session: None,
             };
-            let hub = shared.hub();
             match policy {
                 Some(mut p) => {
-                    let r = hub.route_with(None, &call, Instant::now(), &mut p);
+                    let r = hub.route_with(None, &call, now, &mut p);
                     (r, p.error.take())
                 }
-                None => (hub.route(None, &call, Instant::now()), None),
+                None => (hub.route(None, &call, now), None),
             }
         });
         if let Some(e) = policy_error {
@@ -482,6 +520,23 @@ impl KvRouter {
         not_in_policy()?;
         let shared = Arc::clone(&self.shared);
         py.detach(move || shared.hub().finish(&request_id).map_err(from_transport))
+    }
+
+    /// Re-reads the per-worker cached-block totals from the index now (`route` does it
+    /// itself once they are `cached_refresh_ms` old). Until the next read, each route adds
+    /// the blocks the chosen worker will store to its total.
+    fn refresh_cached_blocks(&self, py: Python<'_>) -> PyResult<()> {
+        not_in_policy()?;
+        py.detach(|| {
+            let hub = self.shared.hub();
+            hub.refresh_cached_blocks()?;
+            *self
+                .refreshed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+            Ok::<_, TransportError>(())
+        })
+        .map_err(from_transport)
     }
 
     /// Requests routed and not freed yet.

@@ -38,8 +38,14 @@ def rows(decision):
 
 def test_hand_computed_costs_match_the_rust_scheduler_test():
     # Dynamo's formula as DESIGN.md writes it (the default cost, named here since the test
-    # checks its numbers by hand), without the recompute term the default adds.
-    r = kvengine.KvRouter(kv_cache_block_size=BS, router_cost="dynamo", router_recompute_weight=0.0)
+    # checks its numbers by hand), without the recompute and footprint terms the default adds
+    # (the footprint term has its own test below).
+    r = kvengine.KvRouter(
+        kv_cache_block_size=BS,
+        router_cost="dynamo",
+        router_recompute_weight=0.0,
+        router_footprint_weight=0.0,
+    )
     for w in (1, 2, 3):
         r.add_worker(w)
     new = tokens(1, 100)  # 6 full blocks, 100 tokens
@@ -76,6 +82,56 @@ def test_hand_computed_costs_match_the_rust_scheduler_test():
     }
     # Prefill weightless: decode blocks alone; C (6) beats B (7 + 6 now).
     assert r.route(new, overlap_weight=0.0).worker_id == 3
+
+
+def test_the_footprint_term_reads_the_index_and_counts_routed_blocks_until_the_next_read():
+    # Dynamo's cost without the recompute term: a logit is prefill + decode blocks plus the
+    # footprint term, 0.05 per block a candidate caches beyond the least-filled one.
+    def router(refresh_ms):
+        r = kvengine.KvRouter(
+            kv_cache_block_size=BS,
+            router_cost="dynamo",
+            router_recompute_weight=0.0,
+            predict_on_route_ms=0,
+            cached_refresh_ms=refresh_ms,
+        )
+        for w in (1, 2, 3):
+            r.add_worker(w)
+        store(r, 1, tokens(9, 10 * BS), 100)  # worker 1 caches 10 blocks
+        store(r, 2, tokens(8, 4 * BS), 200)  # worker 2 caches 4, worker 3 none
+        return r
+
+    def route_and_check(r, model, tag):
+        # `model`: the totals the router should be using; a routed cold prompt adds its
+        # blocks to the chosen worker's.
+        d = r.route(tokens(tag, 3 * BS))
+        least = min(model.values())
+        charged = {c.worker_id: c.logit - c.prefill_blocks - c.decode_blocks for c in d.candidates}
+        assert charged == pytest.approx({w: 0.05 * (n - least) for w, n in model.items()})
+        model[d.worker_id] += d.blocks - d.overlap_blocks
+        return d.worker_id
+
+    # An hour between reads: the first route reads the index, then only refresh_cached_blocks().
+    r = router(3_600_000)
+    model = {1: 10, 2: 4, 3: 0}
+    chosen = [route_and_check(r, model, tag) for tag in range(1, 7)]
+    assert chosen[0] == 3  # no load yet: the emptiest cache takes the first new prefix
+    store(r, 3, tokens(7, 20 * BS), 300)  # not read yet: the routed totals stay in use
+    route_and_check(r, model, 7)
+    r.refresh_cached_blocks()  # the routes stored nothing: the index says 10, 4, 20
+    model = {1: 10, 2: 4, 3: 20}
+    for tag in range(8, 11):
+        route_and_check(r, model, tag)
+
+    # 0 ms: every route reads the index, so a store is seen by the next route and routed
+    # prompts (stored nowhere) leave no trace.
+    r = router(0)
+    for tag in range(1, 4):
+        route_and_check(r, {1: 10, 2: 4, 3: 0}, tag)
+    store(r, 3, tokens(7, 20 * BS), 300)
+    route_and_check(r, {1: 10, 2: 4, 3: 20}, 4)
+    with pytest.raises(ValueError, match="cached_refresh_ms"):
+        kvengine.KvRouter(cached_refresh_ms=-1)
 
 
 def test_requests_live_until_freed_and_ids_are_checked():
