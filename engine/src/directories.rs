@@ -90,8 +90,16 @@ pub trait BlockStore<R> {
 /// Blocks of directory work between two [`BlockStore::pause`] calls. Each block's directory
 /// entry is a random access into the worker's table, often a cache miss: measured on W1,
 /// a 96-block event's directory work took 20-40 µs, held queries that long, and was the
-/// largest share of the read stall while ingest runs (issue 32).
-pub const PAUSE_BLOCKS: usize = 16;
+/// largest share of the read stall while ingest runs (issue 32). At 16 blocks the gaps
+/// between pauses were still 8-12 µs at times; 4, with the core's doorbell making an idle
+/// pause one load, took W1's read p99 under ingest from 17.1 to 14.3 µs (docs/benchmarks.md,
+/// issue 32 sixth pass).
+pub const PAUSE_BLOCKS: usize = 4;
+
+/// Removals whose directory entries are read ahead together ([`Directory::touch`]): the
+/// more lookups overlap, the fewer misses a removal waits for; 16 took W1's removals from
+/// 9.2M to 15.1M blocks/s.
+const READ_AHEAD_BLOCKS: usize = 16;
 
 /// The cap on one worker key's engine hashes that `kvengine` applies unless told otherwise
 /// (`--max-blocks-per-worker`): 4,194,304 blocks, 64 Mi tokens at 16 tokens a block, more
@@ -283,12 +291,12 @@ impl<R: BlockRef> Directories<R> {
             Some(dir) => {
                 self.refs.clear();
                 for (i, &e) in blocks.iter().enumerate() {
-                    if i % PAUSE_BLOCKS == 0 {
+                    if i % READ_AHEAD_BLOCKS == 0 {
                         // The chunk of removals about to run: its lookups' cache misses
                         // overlap (W1's removals 9.2M to 15.1M blocks/s, docs/benchmarks.md).
                         // Stores do not do this: their entries are new, and reading ahead
                         // made W1's and W4's stores slower in 4 of 5 pairs.
-                        let end = blocks.len().min(i + PAUSE_BLOCKS);
+                        let end = blocks.len().min(i + READ_AHEAD_BLOCKS);
                         dir.touch(blocks.get(i..end).unwrap_or(&[]));
                     }
                     match dir.remove(e) {

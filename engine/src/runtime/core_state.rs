@@ -76,6 +76,8 @@ pub(crate) struct State {
     /// Per client, a message taken off its ring at a pause but not answerable there
     /// (`shard_loop` invariant 9); handled before the client's next.
     pub(super) held: Vec<Option<Tagged<ToCore>>>,
+    /// This core's doorbell as the last pause read it (`waker` module docs).
+    pub(super) rung_seen: u64,
 }
 
 impl State {
@@ -92,6 +94,7 @@ impl State {
             rest: None,
             rest_mark: None,
             held: Vec::new(),
+            rung_seen: 0,
         }
     }
 

@@ -37,7 +37,9 @@
 //! 9. While it applies one event's directory work, the core answers the `Query` messages
 //!    waiting on its query clients' rings every
 //!    [`PAUSE_BLOCKS`](crate::directories::PAUSE_BLOCKS) blocks (only the shard is read,
-//!    and the shard is untouched until the directory work is done). A client's message of
+//!    and the shard is untouched until the directory work is done), scanning the rings
+//!    only when its doorbell moved (`waker` module docs: a hint; the round scans every
+//!    ring whatever it says). A client's message of
 //!    another kind is held, one per client, and handled before anything else of that
 //!    client's, so per-client order (invariant 1) holds.
 //! 10. Operations for a peer do not wake it when it is parked, unless its ring is half
@@ -108,9 +110,16 @@ fn answer_waiting_queries(
     clients_in: &mut [Consumer<Tagged<ToCore>>],
     clients_out: &mut [crate::ring::Producer<Tagged<FromCore>>],
     client_wakers: &[std::sync::Arc<super::waker::Waker>],
+    doorbell: Option<&super::waker::Waker>,
     first: usize,
     st: &mut State,
 ) {
+    // Nothing pushed since the last look: no ring to scan (the round scans them anyway).
+    if let Some(d) = doorbell
+        && !d.rung_since(&mut st.rung_seen)
+    {
+        return;
+    }
     for (i, inbox) in clients_in.iter_mut().enumerate().skip(first) {
         if st.held.get(i).is_some_and(Option::is_some) {
             continue;
@@ -577,11 +586,21 @@ impl<P: ShardPolicy> Core<P> {
             clients_out,
             client_wakers,
             ingest_clients,
+            wakers,
             ..
         } = self;
         let first = *ingest_clients;
+        let doorbell = wakers.get(shard.id().idx()).map(|w| &**w);
         let mut pause = || {
-            answer_waiting_queries(shard, clients_in, clients_out, client_wakers, first, st);
+            answer_waiting_queries(
+                shard,
+                clients_in,
+                clients_out,
+                client_wakers,
+                doorbell,
+                first,
+                st,
+            );
         };
         // Refusals are counted by the directories.
         let _ = ingest.apply_pausing(key, ev, outbox, &mut pause);
