@@ -250,14 +250,14 @@ pub struct KvRouter {
 }
 
 impl KvRouter {
-    /// Re-reads the per-worker cached-block totals from the index if they are older than
-    /// `cached_refresh` (or were never read). Called with the GIL released.
-    fn refresh_if_stale(&self, hub: &Hub, now: Instant) -> Result<(), TransportError> {
+    /// Re-reads the per-worker cached-block totals from the index if `force`, or if they
+    /// are older than `cached_refresh` (or were never read). Called with the GIL released.
+    fn refresh_cached(&self, hub: &Hub, now: Instant, force: bool) -> Result<(), TransportError> {
         let mut last = self
             .refreshed
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if last.is_some_and(|t| now.saturating_duration_since(t) < self.cached_refresh) {
+        if !force && last.is_some_and(|t| now.saturating_duration_since(t) < self.cached_refresh) {
             return Ok(());
         }
         hub.refresh_cached_blocks()?;
@@ -466,7 +466,7 @@ impl KvRouter {
         let (routed, policy_error) = py.detach(|| {
             let hub = shared.hub();
             let now = Instant::now();
-            if let Err(e) = self.refresh_if_stale(hub, now) {
+            if let Err(e) = self.refresh_cached(hub, now, false) {
                 return (Err(e), None);
             }
             let call = RouteCall {
@@ -527,16 +527,8 @@ impl KvRouter {
     /// the blocks the chosen worker will store to its total.
     fn refresh_cached_blocks(&self, py: Python<'_>) -> PyResult<()> {
         not_in_policy()?;
-        py.detach(|| {
-            let hub = self.shared.hub();
-            hub.refresh_cached_blocks()?;
-            *self
-                .refreshed
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
-            Ok::<_, TransportError>(())
-        })
-        .map_err(from_transport)
+        py.detach(|| self.refresh_cached(self.shared.hub(), Instant::now(), true))
+            .map_err(from_transport)
     }
 
     /// Requests routed and not freed yet.

@@ -145,7 +145,7 @@ impl Link {
         loop {
             match ring.try_push(Tagged { tag, msg }) {
                 Ok(()) => {
-                    waker.wake();
+                    waker.ring();
                     return Ok(());
                 }
                 Err(PushError::Closed(_)) => return Err(EngineError::RuntimeStopped),
@@ -385,7 +385,7 @@ impl Link {
         };
         match ring.try_push(msg) {
             Ok(()) => {
-                waker.wake();
+                waker.ring();
                 self.awaited.insert((core, tag), None);
                 Ok(Some(tag))
             }

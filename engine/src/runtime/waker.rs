@@ -14,8 +14,8 @@
 //! the cost of any wake-up this reasoning might miss.
 //!
 //! # The doorbell
-//! Every [`Waker::wake`] also counts the push it follows (`rung`, a Release increment after
-//! the push). A core in the middle of an event's directory work checks its doorbell at each
+//! A client that has pushed a message for a core calls [`Waker::ring`], which counts the
+//! push (`rung`, a Release increment after it) and then wakes the core. A core in the middle of an event's directory work checks its doorbell at each
 //! pause ([`Waker::rung_since`], an Acquire load) and scans its query rings only when the
 //! count moved; seeing an increment means seeing the push before it. The doorbell is only a
 //! hint: a push whose increment a pause did not see is found by the next pause or by the
@@ -44,7 +44,7 @@ enum Target {
 #[derive(Debug, Default)]
 pub(crate) struct Waker {
     sleeping: AtomicBool,
-    /// Pushes announced by [`Waker::wake`] (see the module docs, "The doorbell").
+    /// Pushes announced by [`Waker::ring`] (see the module docs, "The doorbell").
     rung: AtomicU64,
     target: Mutex<Option<Target>>,
 }
@@ -87,11 +87,19 @@ impl Waker {
     /// Pusher side, after a push: unpark the waiter if it is parked or about to park.
     #[inline]
     pub(crate) fn wake(&self) {
-        self.rung.fetch_add(1, Ordering::Release);
         fence(Ordering::SeqCst);
         if self.sleeping.load(Ordering::Relaxed) {
             self.unpark();
         }
+    }
+
+    /// Pusher side, after a client pushed a message for this core: count it on the
+    /// doorbell, then [`Waker::wake`]. (Replies to clients only wake: nobody reads a
+    /// client's doorbell.)
+    #[inline]
+    pub(crate) fn ring(&self) {
+        self.rung.fetch_add(1, Ordering::Release);
+        self.wake();
     }
 
     /// Waiter side: has anyone pushed since `seen` was last brought up to date (by this
@@ -168,7 +176,7 @@ mod loom_tests {
             let w = waker.clone();
             let producer = loom::thread::spawn(move || {
                 tx.try_push(7).unwrap();
-                w.wake();
+                w.ring();
             });
             let mut seen = 0;
             if waker.rung_since(&mut seen) {
