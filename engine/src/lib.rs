@@ -41,6 +41,7 @@ pub mod runtime;
 pub mod sched;
 pub mod sharding;
 pub mod snapshot;
+mod sole_writer;
 mod sync;
 
 pub use error::{EngineError, RejectCounts, RejectReason, Result};

@@ -35,6 +35,15 @@ impl<T> UnsafeCell<T> {
         Self(Inner::new(value))
     }
 
+    /// Runs `f` with a shared pointer to the value.
+    #[inline(always)]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        #[cfg(kvengine_loom)]
+        return self.0.with(f);
+        #[cfg(not(kvengine_loom))]
+        return f(self.0.get());
+    }
+
     /// Runs `f` with a mutable pointer to the value.
     #[inline(always)]
     pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {

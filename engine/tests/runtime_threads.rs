@@ -585,3 +585,105 @@ fn a_parked_core_is_not_woken_by_operations_and_its_reads_in_place_see_them() {
     let s1 = ends.join().unwrap();
     assert_eq!(s0.inconsistencies + s1.inconsistencies, 0);
 }
+
+/// A hosted query for another core's shard is read in place (hosted invariant 3): it is
+/// answered at once, without that core taking a step, and sees what that core applied;
+/// operations still on the ring of a running core are seen after its next round; and a
+/// parked core that holds this host's operations is asked over the ring instead, which
+/// answers after applying them. Two hosted cores on the test's thread; the worker is homed
+/// on core 0 and its chains live in shard 1.
+#[test]
+fn a_query_for_another_cores_shard_is_read_in_place_unless_that_core_is_parked_behind_our_operations()
+ {
+    use engine::runtime::{Lookup, home_core, start_hosted};
+    use engine::sharding::ShardPolicy;
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    struct Nobody;
+    impl Wake for Nobody {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    let policy = FixedDepth::new(2, 0).unwrap();
+    let config = RuntimeConfig {
+        pin_cores: false,
+        ..RuntimeConfig::default()
+    };
+    let mut hosted = start_hosted(policy, config).unwrap();
+    let w = (0..1_000u64)
+        .find(|&w| home_core(engine::WorkerId(w), 2).idx() == 0)
+        .unwrap();
+    let key = WorkerKey::new(w, 0);
+    let chains: Vec<_> = (1..1_000u64)
+        .map(|t| {
+            let first = t.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            chain(w, None, first..first + 5)
+        })
+        .filter(|(_, seqs)| policy.query_shard(seqs).idx() == 1)
+        .take(2)
+        .collect();
+    assert_eq!(chains.len(), 2);
+    let mut host1 = hosted.cores.pop().unwrap();
+    let mut host0 = hosted.cores.pop().unwrap();
+    let store = |host: &mut engine::runtime::CoreHost<FixedDepth>, blocks: &[StoredBlock]| {
+        let event = KvEvent::Stored {
+            parent: None,
+            blocks: blocks.to_vec(),
+        };
+        host.apply(key, &event).unwrap();
+    };
+    let overlap = |l: Lookup| match l {
+        Lookup::Done(m) => Some(m.unwrap().overlap(key)),
+        Lookup::Sent(_) => None,
+    };
+
+    // Parked behind our operations: asked, and it answers once it has applied them.
+    let task = Waker::from(Arc::new(Nobody));
+    assert!(host1.sleep_as(&task), "nothing is queued for core 1 yet");
+    store(&mut host0, &chains[0].0);
+    let sent = match host0.start_query(&chains[0].1) {
+        Lookup::Sent(s) => s,
+        Lookup::Done(_) => {
+            panic!("read in place on a parked core that has not taken our operations")
+        }
+    };
+    assert_eq!(sent.core(), 1);
+    host1.awake();
+    let mut answer = None;
+    for _ in 0..1_000 {
+        host1.step();
+        answer = host0.poll_query(&sent);
+        if answer.is_some() {
+            break;
+        }
+    }
+    let answer = answer.expect("core 1 answered within 1,000 of its rounds");
+    assert_eq!(
+        answer.unwrap().overlap(key),
+        5,
+        "answered after our operations"
+    );
+
+    // Running, everything taken: read in place, with no step of core 1.
+    assert_eq!(overlap(host0.start_query(&chains[0].1)), Some(5));
+    assert_eq!(host0.find_matches(&chains[0].1).unwrap().overlap(key), 5);
+
+    // Running, our operations on its ring: read in place, and seen after its next round.
+    store(&mut host0, &chains[1].0);
+    assert_eq!(overlap(host0.start_query(&chains[1].1)), Some(0));
+    host1.step();
+    assert_eq!(overlap(host0.start_query(&chains[1].1)), Some(5));
+
+    let queries_of = |s: &engine::runtime::CoreSummary| s.queries;
+    drop(hosted);
+    let ends = std::thread::spawn(move || host1.run_to_end());
+    let s0 = host0.run_to_end();
+    let s1 = ends.join().unwrap();
+    assert_eq!(s0.inconsistencies + s1.inconsistencies, 0);
+    assert_eq!(
+        (queries_of(&s0), queries_of(&s1)),
+        (4, 1),
+        "core 0 answered the reads in place, core 1 the one it was asked"
+    );
+}

@@ -25,12 +25,15 @@ use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::StreamMark;
 use crate::snapshot::image::EngineImage;
+use crate::sole_writer::SoleWriter;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// One core's parts: its shard, its share of the ingest, and its rings.
 pub(crate) struct Core<P> {
-    pub shard: Shard,
+    /// Written only by this core; the other cores' hosts read it in place (`hosted`
+    /// invariant 3), so every write section is one chunk at most (`shard_loop` invariant 4).
+    pub shard: SoleWriter<Shard>,
     pub ingest: Ingest<P>,
     pub outbox: Outbox,
     pub clients_in: Vec<Consumer<Tagged<ToCore>>>,
@@ -108,7 +111,7 @@ impl State {
 impl<P: ShardPolicy> Core<P> {
     /// This core's id (its shard's).
     pub(crate) fn me(&self) -> ShardId {
-        self.shard.id()
+        self.shard.read(Shard::id)
     }
 
     /// The number of cores.

@@ -17,8 +17,18 @@
 //!    for another core's answer to a query, it serves only the queries on its rings
 //!    (`Runner::step_queries`): the answer needs nothing else from it, and an event begun
 //!    meanwhile would delay the caller by the event's whole work.
-//! 3. A query for the host's own shard reads the shard in place; any other goes over the
-//!    host's query ring to the shard's core, exactly as a [`QueryHandle`]'s would.
+//! 3. A query reads its shard in place: the host's own, on its own thread; another core's,
+//!    through that shard's [`Reader`] (`sole_writer`: the owning core writes it a chunk
+//!    per section, so a read waits at most for one chunk, never for a whole event or for
+//!    the owner to look at its rings). It sees every operation the owner has applied.
+//!    Operations still on the owner's rings are applied by its next round, unless it is
+//!    parked (they do not wake it, `shard_loop` invariant 10): a query for a parked core
+//!    that this host has sent operations it has not taken yet goes over the host's query
+//!    ring instead, exactly as a [`QueryHandle`]'s would, which wakes it and is answered
+//!    after them. So a host's query sees its own earlier operations as a forwarded one
+//!    would; [`CoreHost::sync`] is the barrier for everyone's.
+//!
+//! [`Reader`]: crate::sole_writer::Reader
 //! 4. Events, clears and syncs go over the host's ingest ring, even to its own core, so the
 //!    core's ordering and backpressure rules (shard_loop invariants 1, 3, 7) hold for them
 //!    unchanged.
@@ -35,8 +45,10 @@ use crate::error::Result;
 use crate::event::KvEvent;
 use crate::ids::{SeqHash, WorkerId, WorkerKey};
 use crate::matches::Matches;
+use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::StreamMark;
+use crate::sole_writer::Reader;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +87,15 @@ pub enum Lookup {
     Sent(SentQuery),
 }
 
+/// What a host reads the other cores' shards with (invariant 3), by core id.
+#[derive(Clone)]
+pub(crate) struct Peers {
+    /// Every core's shard (this host's own is read through its core instead).
+    pub(crate) shards: Vec<Reader<Shard>>,
+    /// Every core's waker: whether a core is parked.
+    pub(crate) wakers: Arc<[Arc<Waker>]>,
+}
+
 /// One core, to be driven by the thread it is moved to. See the module docs.
 pub struct CoreHost<P> {
     runner: Runner<P>,
@@ -83,6 +104,7 @@ pub struct CoreHost<P> {
     query: Link,
     waker: Arc<Waker>,
     cpu: Option<core_affinity::CoreId>,
+    peers: Peers,
     /// Between a [`CoreHost::sleep_as`] that let it sleep and the next
     /// [`CoreHost::awake`]: the driver is not stepping it, even once woken.
     parked: std::cell::Cell<bool>,
@@ -104,6 +126,7 @@ impl<P: ShardPolicy> CoreHost<P> {
         query: Link,
         waker: Arc<Waker>,
         cpu: Option<core_affinity::CoreId>,
+        peers: Peers,
     ) -> Self {
         Self {
             runner,
@@ -112,6 +135,7 @@ impl<P: ShardPolicy> CoreHost<P> {
             query,
             waker,
             cpu,
+            peers,
             parked: std::cell::Cell::new(false),
         }
     }
@@ -159,8 +183,8 @@ impl<P: ShardPolicy> CoreHost<P> {
         self.waker.cancel_sleep();
     }
 
-    /// Overlaps of `seqs`: read in place when this core owns the query's shard, otherwise
-    /// asked of the core that does (stepping this core meanwhile).
+    /// Overlaps of `seqs`: read in place (invariant 3), or asked of the core that owns the
+    /// query's shard (stepping this core meanwhile).
     pub fn find_matches(&mut self, seqs: &[SeqHash]) -> Result<Matches> {
         match self.place(seqs) {
             Place::Here(m) => Ok(m),
@@ -188,7 +212,22 @@ impl<P: ShardPolicy> CoreHost<P> {
             }
             return Place::Here(self.runner.query_local(seqs));
         }
-        Place::Core(shard.idx())
+        let core = shard.idx();
+        match self.peers.shards.get(core) {
+            Some(other) if !self.unseen_by_parked(core) => {
+                Place::Here(self.runner.query_other(other, seqs))
+            }
+            _ => Place::Core(core),
+        }
+    }
+
+    /// This host has sent `core` operations it has not taken yet, and `core` is parked, so
+    /// it would not apply them before a read in place (invariant 3). Dekker's pattern with
+    /// the core's park (`waker` module docs): our push came before this check's fence, its
+    /// `sleeping` store before its look at its rings, so either it sees the operations and
+    /// does not park, or this sees it parked.
+    fn unseen_by_parked(&self, core: usize) -> bool {
+        self.runner.sent_untaken(core) && self.peers.wakers.get(core).is_some_and(|w| w.asleep())
     }
 
     /// Starts a query without waiting for another core: answered in place when this core

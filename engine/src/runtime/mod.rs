@@ -54,8 +54,10 @@ use crate::sharding::ingest::{Ingest, Outbox};
 use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::image::ArchivedEngineImage;
+use crate::sole_writer::{Reader, SoleWriter};
 use client::Link;
 use core_state::Core;
+use hosted::Peers;
 use shard_loop::Runner;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -219,13 +221,19 @@ pub fn start_hosted_from<P: ShardPolicy + Clone + 'static>(
     let (Some(ingest), Some(query)) = (ingest, query) else {
         return Err(EngineError::RuntimeStopped);
     };
+    // Every host reads the other cores' shards in place (`hosted` invariant 3).
+    let shards: Vec<Reader<Shard>> = built.cores.iter().map(|(c, _)| c.shard.reader()).collect();
     let hosts = built
         .cores
         .into_iter()
         .zip(core_ingest.into_iter().zip(core_query))
         .zip(built.wakers.iter().cloned())
         .map(|(((core, cpu), (i, q)), waker)| {
-            CoreHost::new(Runner::new(core), policy.clone(), i, q, waker, cpu)
+            let peers = Peers {
+                shards: shards.clone(),
+                wakers: built.wakers.clone(),
+            };
+            CoreHost::new(Runner::new(core), policy.clone(), i, q, waker, cpu, peers)
         })
         .collect();
     Ok(Hosted {
@@ -376,7 +384,7 @@ fn build<P: ShardPolicy + Clone>(
         .map(|(k, ((cin, cout), (pin, pout)))| {
             let cpu = cpus.get(k).copied();
             let core = Core {
-                shard: Shard::new(ShardId(k as u16)),
+                shard: SoleWriter::new(Shard::new(ShardId(k as u16))),
                 ingest: Ingest::new(policy.clone())
                     .with_max_blocks_per_key(config.max_blocks_per_key),
                 outbox: Outbox::new(cores),
@@ -417,7 +425,7 @@ fn restore_cores<P: ShardPolicy>(
         .par_iter_mut()
         .zip(image.cores.as_slice().par_iter())
         .map(|((core, _), img)| {
-            core.shard.restore_image(img)?;
+            core.shard.write(|s| s.restore_image(img))?;
             core.ingest.restore(img)
         })
         .collect::<Result<Vec<()>>>()

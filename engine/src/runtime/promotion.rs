@@ -48,6 +48,7 @@ use super::msg::PeerMsg;
 use super::promotion_state::{Active, Deferred, Round};
 use crate::ids::SeqHash;
 use crate::sharding::promote::Promotion;
+use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
 use crate::snapshot::image::{CoreImage, EngineImage};
 use std::sync::Arc;
@@ -73,7 +74,7 @@ impl<P: ShardPolicy> Core<P> {
     /// the ingest as it routed stores, or by the shard as it branched) to the coordinator.
     pub(crate) fn note_junctions(&mut self, st: &mut State) {
         let mut junctions = self.ingest.take_junctions();
-        if let Some((tip, fanout)) = self.shard.take_branch()
+        if let Some((tip, fanout)) = self.shard.write(Shard::take_branch)
             && self.ingest.policy().is_junction(tip, fanout)
         {
             junctions.push((self.me(), tip));
@@ -275,7 +276,7 @@ impl<P: ShardPolicy> Core<P> {
                 .as_mut()
                 .and_then(|r| r.image.take())
                 .unwrap_or_default();
-            self.shard.image_into(&mut image);
+            self.shard.read(|s| s.image_into(&mut image));
             self.ingest.export(&mut image);
             if let Some(r) = st.promo.frozen.as_mut() {
                 r.exported = true;
@@ -292,8 +293,10 @@ impl<P: ShardPolicy> Core<P> {
         // One round's paths are published together, so they are exported together:
         // disjoint, or the other shards would graft shared blocks twice (invariant 5).
         let tips = junctions.iter().filter(|h| h.0 == me).map(|h| h.1);
-        let promotions: Arc<[Promotion]> =
-            self.shard.export_round(tips, |s| policy.in_trunk(s)).into();
+        let promotions: Arc<[Promotion]> = self
+            .shard
+            .read(|s| s.export_round(tips, |h| policy.in_trunk(h)))
+            .into();
         self.broadcast(st, || PeerMsg::Graft {
             epoch,
             promotions: promotions.clone(),
@@ -308,7 +311,7 @@ impl<P: ShardPolicy> Core<P> {
 
     fn graft(&mut self, st: &mut State, epoch: u64, promotions: Arc<[Promotion]>) {
         for p in promotions.iter() {
-            self.shard.import(p);
+            self.shard.write(|s| s.import(p));
             st.promo.rounds += 1;
         }
         if let Some(r) = st.promo.frozen.as_mut().filter(|r| r.epoch == epoch) {

@@ -4,7 +4,11 @@
 //! A core applies the KV events of its own workers (directories, seq_hash chaining,
 //! routing), applies the resulting operations for its own shard at once, and sends the
 //! others to the cores that own them, over one SPSC ring per ordered pair of cores. It also
-//! answers queries for its shard. Nothing is shared between cores but the rings.
+//! answers queries for its shard. Nothing is shared between cores but the rings and, for
+//! reading only, the shards: a hosted core's host reads another core's shard in place
+//! (`hosted` invariant 3), between that core's write sections (`sole_writer`), each of
+//! which applies at most one chunk of operations (invariant 4) or one promoted path
+//! (rare: a trunk promotion's graft).
 //!
 //! Layers: the core's parts and its send / reply primitives are `core_state`'s, the trunk
 //! promotion protocol is `promotion`'s (over those parts), and this loop, on top, serves the
@@ -61,7 +65,9 @@ use crate::ids::{SeqHash, WorkerKey};
 use crate::matches::Matches;
 use crate::ring::{Consumer, PopError};
 use crate::sharding::ops::{BlockOp, OpBatch};
+use crate::sharding::shard::Shard;
 use crate::sharding::{ShardId, ShardPolicy};
+use crate::sole_writer::{Reader, SoleWriter};
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -106,7 +112,7 @@ const PARK: Duration = Duration::from_millis(20);
 ///
 /// [`BlockStore::pause`]: crate::directories::BlockStore::pause
 fn answer_waiting_queries(
-    shard: &crate::sharding::shard::Shard,
+    shard: &SoleWriter<Shard>,
     clients_in: &mut [Consumer<Tagged<ToCore>>],
     clients_out: &mut [crate::ring::Producer<Tagged<FromCore>>],
     client_wakers: &[std::sync::Arc<super::waker::Waker>],
@@ -131,7 +137,7 @@ fn answer_waiting_queries(
             match msg {
                 ToCore::Query(seqs) => {
                     st.queries += 1;
-                    let m = shard.find_matches(&seqs);
+                    let m = shard.read(|s| s.find_matches(&seqs));
                     push_reply(clients_out, client_wakers, i, tag, FromCore::Matches(m));
                 }
                 other => {
@@ -289,6 +295,17 @@ impl<P: ShardPolicy> Runner<P> {
         self.core.peers_in.iter().any(|r| !r.is_empty())
     }
 
+    /// Messages this core sent `peer` wait on its ring, or for room on it.
+    pub(crate) fn sent_untaken(&self, peer: usize) -> bool {
+        let on_ring = self
+            .core
+            .peers_out
+            .get(peer)
+            .and_then(Option::as_ref)
+            .is_some_and(|r| !r.is_empty());
+        on_ring || self.st.pending.get(peer).is_some_and(|q| !q.is_empty())
+    }
+
     /// Messages for peers wait for room: keep going rather than park.
     pub(crate) fn peers_backed_up(&self) -> bool {
         self.st.pending.iter().any(|q| !q.is_empty())
@@ -321,7 +338,15 @@ impl<P: ShardPolicy> Runner<P> {
     pub(crate) fn query_local(&mut self, seqs: &[SeqHash]) -> Matches {
         let _guard = AbortOnPanic(self.core.me().idx());
         self.st.queries += 1;
-        self.core.shard.find_matches(seqs)
+        self.core.shard.read(|s| s.find_matches(seqs))
+    }
+
+    /// Answers a query for another core's shard in place, on this core's thread (counted
+    /// as this core's: it answered).
+    pub(crate) fn query_other(&mut self, shard: &Reader<Shard>, seqs: &[SeqHash]) -> Matches {
+        let _guard = AbortOnPanic(self.core.me().idx());
+        self.st.queries += 1;
+        shard.read(|s| s.find_matches(seqs))
     }
 
     pub(crate) fn summary(&self) -> CoreSummary {
@@ -423,9 +448,7 @@ impl<P: ShardPolicy> Core<P> {
                 self.continue_events(st);
             }
             ToCore::Apply(key, ev) => {
-                let r = self
-                    .ingest
-                    .apply_local(key, &ev, &mut self.outbox, &mut self.shard);
+                let r = self.apply_event(st, key, &ev);
                 self.flush_outbox(st);
                 self.note_junctions(st);
                 self.reply(client, tag, FromCore::Applied(r));
@@ -446,7 +469,7 @@ impl<P: ShardPolicy> Core<P> {
             }
             ToCore::Query(seqs) => {
                 st.queries += 1;
-                let m = self.shard.find_matches(&seqs);
+                let m = self.shard.read(|s| s.find_matches(&seqs));
                 self.reply(client, tag, FromCore::Matches(m));
             }
             ToCore::Sync => {
@@ -493,7 +516,8 @@ impl<P: ShardPolicy> Core<P> {
                 // This shard's share is applied at once, a chunk at a time, and queries
                 // are answered at the directories' pauses, so a waiting query sees at most
                 // one chunk's work ahead of it; peers' shares go at the end of the round.
-                self.apply_event(st, *key, ev);
+                // Refusals are counted by the directories.
+                let _ = self.apply_event(st, *key, ev);
                 budget = budget.saturating_sub(ev.blocks().max(1));
             }
         }
@@ -536,10 +560,10 @@ impl<P: ShardPolicy> Core<P> {
         for chunk in batch.seqs.chunks(QUERY_CHUNK_BLOCKS) {
             match batch.op {
                 BlockOp::Store { .. } => {
-                    self.shard.store_seqs(batch.key, parent, chunk);
+                    self.shard.write(|s| s.store_seqs(batch.key, parent, chunk));
                     parent = chunk.last().copied();
                 }
-                BlockOp::Remove => self.shard.remove_seqs(batch.key, chunk),
+                BlockOp::Remove => self.shard.write(|s| s.remove_seqs(batch.key, chunk)),
             }
             self.serve_queries(st);
         }
@@ -577,7 +601,12 @@ impl<P: ShardPolicy> Core<P> {
 
     /// Applies one event of this core's workers, answering the queries waiting on the
     /// rings at the directories' pauses (invariant 9), then applies this shard's share.
-    fn apply_event(&mut self, st: &mut State, key: WorkerKey, ev: &KvEvent) {
+    fn apply_event(
+        &mut self,
+        st: &mut State,
+        key: WorkerKey,
+        ev: &KvEvent,
+    ) -> crate::error::Result<crate::directories::Applied> {
         let Core {
             ingest,
             outbox,
@@ -590,7 +619,7 @@ impl<P: ShardPolicy> Core<P> {
             ..
         } = self;
         let first = *ingest_clients;
-        let doorbell = wakers.get(shard.id().idx()).map(|w| &**w);
+        let doorbell = wakers.get(shard.read(Shard::id).idx()).map(|w| &**w);
         let mut pause = || {
             answer_waiting_queries(
                 shard,
@@ -602,9 +631,9 @@ impl<P: ShardPolicy> Core<P> {
                 st,
             );
         };
-        // Refusals are counted by the directories.
-        let _ = ingest.apply_pausing(key, ev, outbox, &mut pause);
+        let r = ingest.apply_pausing(key, ev, outbox, &mut pause);
         self.apply_own(st);
+        r
     }
 
     /// Applies this core's share of the outbox, queues the rest for the peers.
@@ -616,8 +645,9 @@ impl<P: ShardPolicy> Core<P> {
                 continue;
             }
             if s == me {
+                // A chunk per write section: the other hosts read this shard meanwhile.
                 for b in &batches {
-                    self.shard.apply(b);
+                    self.apply_chunked(st, b);
                 }
             } else {
                 self.send_peer(st, s, PeerMsg::Ops(batches));
@@ -629,10 +659,10 @@ impl<P: ShardPolicy> Core<P> {
         let (directory_entries, directory_bytes) = self.ingest.directory_size();
         CoreSummary {
             shard: self.me(),
-            applied: self.shard.applied(),
-            inconsistencies: self.shard.inconsistencies() + st.lost_peer_msgs,
+            applied: self.shard.read(Shard::applied),
+            inconsistencies: self.shard.read(Shard::inconsistencies) + st.lost_peer_msgs,
             queries: st.queries,
-            index: self.shard.stats(),
+            index: self.shard.read(Shard::stats),
             directory_entries,
             directory_bytes,
             rejects: self.ingest.rejects().clone(),

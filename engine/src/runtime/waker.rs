@@ -84,11 +84,18 @@ impl Waker {
         self.sleeping.store(false, Ordering::Relaxed);
     }
 
+    /// Pusher side, after a push: is the waiter parked or about to park? (It then does
+    /// not see the push until woken.)
+    #[inline]
+    pub(crate) fn asleep(&self) -> bool {
+        fence(Ordering::SeqCst);
+        self.sleeping.load(Ordering::Relaxed)
+    }
+
     /// Pusher side, after a push: unpark the waiter if it is parked or about to park.
     #[inline]
     pub(crate) fn wake(&self) {
-        fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::Relaxed) {
+        if self.asleep() {
             self.unpark();
         }
     }
