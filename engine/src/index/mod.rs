@@ -61,6 +61,7 @@ pub use path::PathPiece;
 pub use pos::{MAX_RUN_LEN, MAX_RUNS, Pos, RunId};
 pub use remove::Removed;
 pub use slots::{Slot, WorkerSlots};
+pub use store::RebuiltSeqIndex;
 
 use crate::ids::{SeqHash, WorkerKey};
 use children::{ChildMap, ChildMaps};
@@ -98,6 +99,8 @@ pub struct ShardIndex {
     stored: usize,
     /// Blocks pruned since the seq_hash table was last rebuilt (its stale entries).
     dead: usize,
+    /// Dead entries' rebuilds wait for the owner's check ([`ShardIndex::defer_dead_rebuilds`]).
+    defer_dead_rebuilds: bool,
     blocks: usize,
     entries: u64,
     branch: Option<(Pos, u32)>,

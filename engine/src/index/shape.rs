@@ -231,7 +231,7 @@ impl ShardIndex {
             self.dead += node.len();
             self.runs.drop_view(node.run, cur);
             self.nodes.remove(cur);
-            if self.dead > self.stored {
+            if self.dead > self.stored && !self.defer_dead_rebuilds {
                 self.rebuild_seq_index();
             }
             match node.parent() {

@@ -354,12 +354,50 @@ impl ShardIndex {
     #[cold]
     #[inline(never)]
     pub(super) fn rebuild_seq_index(&mut self) {
-        let live = self.stored;
-        let mut fresh = super::seq_index::SeqIndex::with_room(live + live / 2);
-        for n in self.nodes.iter() {
-            fresh.record_range(&self.runs, n.run, n.start(), n.len());
-        }
-        self.by_seq = fresh;
+        let fresh = self.rebuilt_seq_index(0);
+        self.by_seq = fresh.0;
         self.dead = 0;
     }
+
+    /// The seq_hash table as [`ShardIndex::rebuild_seq_index`] would build it now, with
+    /// room for at least `n` more blocks; built from `&self`, so a caller whose readers
+    /// must not wait for the rebuild does it outside its write section and installs the
+    /// result ([`ShardIndex::install_seq_index`]) before anything else writes.
+    pub fn rebuilt_seq_index(&self, n: usize) -> RebuiltSeqIndex {
+        let live = self.stored;
+        let mut fresh = super::seq_index::SeqIndex::with_room(live + (live / 2).max(n));
+        for node in self.nodes.iter() {
+            fresh.record_range(&self.runs, node.run, node.start(), node.len());
+        }
+        RebuiltSeqIndex(fresh)
+    }
+
+    /// Would a change of up to `n` blocks rebuild the seq_hash table inside it (a store's
+    /// blocks find no room, or dead entries already outnumber live blocks)?
+    pub fn seq_index_rebuild_due(&self, n: usize) -> bool {
+        !self.by_seq.has_room(n) || self.dead > self.stored
+    }
+
+    /// Installs a table [`ShardIndex::rebuilt_seq_index`] built from this tree as it still
+    /// is (nothing changed it since); returns the old one, to be dropped outside the
+    /// caller's write section.
+    pub fn install_seq_index(&mut self, fresh: RebuiltSeqIndex) -> RebuiltSeqIndex {
+        self.dead = 0;
+        RebuiltSeqIndex(std::mem::replace(&mut self.by_seq, fresh.0))
+    }
+
+    /// Leaves the rebuild that dead entries call for (more dead than live blocks) to the
+    /// caller's next [`ShardIndex::seq_index_rebuild_due`] check instead of doing it in
+    /// the removal that crossed the line. Growth (no room for a store) still rebuilds at
+    /// once: the store needs the room.
+    pub fn defer_dead_rebuilds(&mut self) {
+        self.defer_dead_rebuilds = true;
+    }
 }
+
+/// A seq_hash table rebuilt from a tree, to be installed in it
+/// ([`ShardIndex::install_seq_index`]).
+#[derive(Debug)]
+pub struct RebuiltSeqIndex(super::seq_index::SeqIndex);
+
+impl ShardIndex {}

@@ -384,7 +384,7 @@ fn build<P: ShardPolicy + Clone>(
         .map(|(k, ((cin, cout), (pin, pout)))| {
             let cpu = cpus.get(k).copied();
             let core = Core {
-                shard: SoleWriter::new(Shard::new(ShardId(k as u16))),
+                shard: SoleWriter::new(Shard::new(ShardId(k as u16)).with_rebuilds_outside()),
                 ingest: Ingest::new(policy.clone())
                     .with_max_blocks_per_key(config.max_blocks_per_key),
                 outbox: Outbox::new(cores),

@@ -14,7 +14,7 @@ use super::ShardId;
 use super::ops::{BlockOp, OpBatch};
 use crate::error::{EngineError, Result};
 use crate::ids::{SeqHash, WorkerKey};
-use crate::index::{IndexStats, Pos, ShardIndex, holder_key};
+use crate::index::{IndexStats, Pos, RebuiltSeqIndex, ShardIndex, holder_key};
 use crate::matches::Matches;
 use crate::snapshot::image::{ArchivedCoreImage, CoreImage};
 
@@ -138,6 +138,31 @@ impl Shard {
     /// Distinct blocks `key` holds in this shard.
     pub fn cached_blocks(&self, key: WorkerKey) -> u64 {
         self.index.cached_blocks(key)
+    }
+
+    /// A shard that other threads read while its owner writes (`runtime::hosted`
+    /// invariant 3): the seq_hash table's rebuilds are left to the owner, who builds the
+    /// table outside its write sections ([`Shard::rebuilt_table_if_due`]) instead of
+    /// inside a store or removal, where readers would wait for all of it (tens of ms at a
+    /// few million blocks).
+    pub fn with_rebuilds_outside(mut self) -> Self {
+        self.index.defer_dead_rebuilds();
+        self
+    }
+
+    /// Before a change of up to `n` blocks: the seq_hash table, rebuilt from `&self`, if
+    /// the change would otherwise rebuild it; install it with [`Shard::install_table`]
+    /// before any other change.
+    pub fn rebuilt_table_if_due(&self, n: usize) -> Option<RebuiltSeqIndex> {
+        self.index
+            .seq_index_rebuild_due(n)
+            .then(|| self.index.rebuilt_seq_index(n))
+    }
+
+    /// Installs a table from [`Shard::rebuilt_table_if_due`]; returns the old one (drop it
+    /// outside the write section).
+    pub fn install_table(&mut self, fresh: RebuiltSeqIndex) -> RebuiltSeqIndex {
+        self.index.install_seq_index(fresh)
     }
 
     /// Block operations applied.
