@@ -360,6 +360,9 @@ mod tests {
             .unwrap();
         let config = RuntimeConfig {
             pin_cores: false,
+            // The path under test is a forwarded query's reply; reads in place would
+            // answer at once.
+            read_others_in_place: false,
             ..RuntimeConfig::default()
         };
         let hosted = start_hosted(policy, config).unwrap();

@@ -88,6 +88,10 @@ pub struct RuntimeConfig {
     /// get off the CPU soon when idle, as when the cores take every CPU, instead of
     /// yield-spinning as if the spare CPUs were theirs.
     pub cpus_shared: bool,
+    /// Hosted cores read the other cores' shards in place (`hosted` invariant 3); `false`
+    /// asks the owning core over the ring for every query of another shard, as before
+    /// reads in place (for A B comparisons, and for tests of the forwarded path).
+    pub read_others_in_place: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -101,6 +105,7 @@ impl Default for RuntimeConfig {
             sync_timeout: std::time::Duration::from_secs(60),
             max_blocks_per_key: None,
             cpus_shared: false,
+            read_others_in_place: true,
         }
     }
 }
@@ -222,7 +227,11 @@ pub fn start_hosted_from<P: ShardPolicy + Clone + 'static>(
         return Err(EngineError::RuntimeStopped);
     };
     // Every host reads the other cores' shards in place (`hosted` invariant 3).
-    let shards: Vec<Reader<Shard>> = built.cores.iter().map(|(c, _)| c.shard.reader()).collect();
+    let shards: Vec<Reader<Shard>> = if config.read_others_in_place {
+        built.cores.iter().map(|(c, _)| c.shard.reader()).collect()
+    } else {
+        Vec::new()
+    };
     let hosts = built
         .cores
         .into_iter()
