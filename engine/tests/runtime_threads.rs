@@ -513,8 +513,7 @@ fn long_events_applied_in_chunks_answer_as_one_thread_does() {
 /// live in shard 1.
 #[test]
 fn a_parked_core_is_not_woken_by_operations_and_its_reads_in_place_see_them() {
-    use engine::runtime::{home_core, start_hosted};
-    use engine::sharding::ShardPolicy;
+    use engine::runtime::start_hosted;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::task::{Wake, Waker};
@@ -533,20 +532,7 @@ fn a_parked_core_is_not_woken_by_operations_and_its_reads_in_place_see_them() {
         ..RuntimeConfig::default()
     };
     let mut hosted = start_hosted(policy, config).unwrap();
-    let w = (0..1_000u64)
-        .find(|&w| home_core(engine::WorkerId(w), 2).idx() == 0)
-        .unwrap();
-    let key = WorkerKey::new(w, 0);
-    // Root seq_hashes are the tokens' hashes: spread them over the shards.
-    let chains: Vec<_> = (1..1_000u64)
-        .map(|t| {
-            let first = t.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            chain(w, None, first..first + 5)
-        })
-        .filter(|(_, seqs)| policy.query_shard(seqs).idx() == 1)
-        .take(2)
-        .collect();
-    assert_eq!(chains.len(), 2);
+    let (key, chains) = homed_on_0_stored_in_1(policy);
     let mut host1 = hosted.cores.pop().unwrap();
     let mut host0 = hosted.cores.pop().unwrap();
     let count = Arc::new(Count(AtomicUsize::new(0)));
@@ -595,8 +581,7 @@ fn a_parked_core_is_not_woken_by_operations_and_its_reads_in_place_see_them() {
 #[test]
 fn a_query_for_another_cores_shard_is_read_in_place_unless_that_core_is_parked_behind_our_operations()
  {
-    use engine::runtime::{Lookup, home_core, start_hosted};
-    use engine::sharding::ShardPolicy;
+    use engine::runtime::{Lookup, start_hosted};
     use std::sync::Arc;
     use std::task::{Wake, Waker};
 
@@ -611,19 +596,7 @@ fn a_query_for_another_cores_shard_is_read_in_place_unless_that_core_is_parked_b
         ..RuntimeConfig::default()
     };
     let mut hosted = start_hosted(policy, config).unwrap();
-    let w = (0..1_000u64)
-        .find(|&w| home_core(engine::WorkerId(w), 2).idx() == 0)
-        .unwrap();
-    let key = WorkerKey::new(w, 0);
-    let chains: Vec<_> = (1..1_000u64)
-        .map(|t| {
-            let first = t.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            chain(w, None, first..first + 5)
-        })
-        .filter(|(_, seqs)| policy.query_shard(seqs).idx() == 1)
-        .take(2)
-        .collect();
-    assert_eq!(chains.len(), 2);
+    let (key, chains) = homed_on_0_stored_in_1(policy);
     let mut host1 = hosted.cores.pop().unwrap();
     let mut host0 = hosted.cores.pop().unwrap();
     let store = |host: &mut engine::runtime::CoreHost<FixedDepth>, blocks: &[StoredBlock]| {
@@ -686,4 +659,27 @@ fn a_query_for_another_cores_shard_is_read_in_place_unless_that_core_is_parked_b
         (4, 1),
         "core 0 answered the reads in place, core 1 the one it was asked"
     );
+}
+
+/// A chain's blocks as a worker sends them, and its seq_hashes.
+type Chain = (Vec<StoredBlock>, Vec<SeqHash>);
+
+/// A worker homed on core 0 of 2, and two 5-block root chains of it that live in shard 1
+/// (root seq_hashes are the tokens' hashes: spread them over the shards).
+fn homed_on_0_stored_in_1(policy: FixedDepth) -> (WorkerKey, Vec<Chain>) {
+    use engine::runtime::home_core;
+    use engine::sharding::ShardPolicy;
+    let w = (0..1_000u64)
+        .find(|&w| home_core(engine::WorkerId(w), 2).idx() == 0)
+        .unwrap();
+    let chains: Vec<_> = (1..1_000u64)
+        .map(|t| {
+            let first = t.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            chain(w, None, first..first + 5)
+        })
+        .filter(|(_, seqs)| policy.query_shard(seqs).idx() == 1)
+        .take(2)
+        .collect();
+    assert_eq!(chains.len(), 2);
+    (WorkerKey::new(w, 0), chains)
 }
