@@ -359,7 +359,7 @@ impl ShardIndex {
         self.dead = 0;
     }
 
-    /// The seq_hash table as [`ShardIndex::rebuild_seq_index`] would build it now, with
+    /// The seq_hash table as the in-place rebuild (`rebuild_seq_index`) would build it now, with
     /// room for at least `n` more blocks; built from `&self`, so a caller whose readers
     /// must not wait for the rebuild does it outside its write section and installs the
     /// result ([`ShardIndex::install_seq_index`]) before anything else writes.
